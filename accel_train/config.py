@@ -1,0 +1,169 @@
+"""TrainConfig: the one home of every default.
+
+Each field carries its command-line help, its --help group and, where the platform spells it
+differently (ModelArts passes --data_url / --train_url), its aliases. `cli.py` builds the argument
+parser from these fields, so a default is written exactly once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: printed as one line naming the fix, exit status 2, nothing touched."""
+
+
+def opt(default, help, group, **extra):
+    return field(default=default, metadata=dict(help=help, group=group, **extra))
+
+
+# CIFAR-10 channel statistics (computed on the 50,000 training images), used for normalisation.
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck")
+
+
+@dataclass
+class TrainConfig:
+    # data
+    data: str = opt("random", "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'random' makes "
+                    "random images (deterministic by --seed)", "data", choices=("cifar10", "random"))
+    data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/", "data", aliases=("--data_url",))
+    train_samples: int | None = opt(None, "use only the first N training samples (random data: its size, "
+                                    "default 50000)", "data")
+    test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
+                                   "default 10000)", "data")
+    pipeline: str = opt("device", "'device': uint8 images live on the accelerator, batches are gathered and "
+                        "augmented there; 'cpu': per-sample torchvision transforms in DataLoader workers",
+                        "data", choices=("device", "cpu"))
+    augment: bool = opt(True, "random crop (4-pixel padding) + horizontal flip on training images", "data")
+    num_workers: int = opt(0, "DataLoader worker processes (the cpu pipeline)", "data")
+
+    # model
+    model: str = opt("resnet18", "any timm model name", "model")
+    stem: str = opt("cifar", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
+                    "'imagenet': timm's model unchanged", "model", choices=("cifar", "imagenet"))
+    channels_last: bool = opt(False, "channels_last memory format for model and inputs", "model")
+    compile: bool = opt(False, "torch.compile the model", "model")
+    compile_mode: str = opt("default", "torch.compile mode", "model",
+                            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+
+    # optimisation
+    epochs: int = opt(30, "training epochs (the schedule's length)", "optimisation")
+    max_steps: int | None = opt(None, "stop after N optimizer steps (smoke runs); the schedule stays the "
+                                "full run's", "optimisation")
+    batch_size: int = opt(128, "batch size per process", "optimisation")
+    lr: float | None = opt(None, "peak learning rate; default: --lr_base x global batch / 256", "optimisation")
+    lr_base: float = opt(0.2, "learning rate per 256 images of global batch (0.1 at batch 128)",
+                         "optimisation")
+    min_lr: float = opt(0.0, "learning rate at the end of the cosine decay", "optimisation")
+    momentum: float = opt(0.9, "SGD (nesterov) momentum", "optimisation")
+    weight_decay: float = opt(5e-4, "weight decay (not applied to norm and bias parameters)", "optimisation")
+    label_smoothing: float = opt(0.1, "label smoothing of the training loss", "optimisation")
+    warmup_epochs: float = opt(1.0, "linear warmup length in epochs, then cosine decay", "optimisation")
+    grad_accum: int = opt(1, "gradient accumulation steps per optimizer step", "optimisation")
+    clip_grad: float | None = opt(None, "clip the gradient norm to this value", "optimisation")
+    seed: int = opt(42, "random seed (weights, data order, augmentation, random data)", "optimisation")
+    ema: bool = opt(False, "keep an exponential moving average of the weights (timm ModelEmaV3), "
+                    "evaluated alongside", "optimisation")
+    ema_decay: float = opt(0.999, "EMA decay per optimizer step", "optimisation")
+    tta: bool = opt(False, "evaluate with horizontal-flip test-time augmentation", "optimisation")
+
+    # checkpointing
+    output_dir: str = opt("output_dir", "where model, metrics and checkpoints go", "checkpointing",
+                          aliases=("--train_url",))
+    checkpoint_every: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)",
+                                "checkpointing")
+    keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints", "checkpointing")
+    resume: str | None = opt(None, "'auto' (newest complete checkpoint in output_dir, else a fresh start) "
+                             "or a checkpoint directory", "checkpointing")
+    timeout_s: int = opt(300, "collective timeout in seconds: a lost peer fails the job after this long",
+                         "checkpointing")
+
+    # logging
+    log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
+                               "separated by commas", "logging")
+    log_every: int = opt(50, "tracker scalars every N optimizer steps", "logging")
+    log_all_ranks: bool = opt(False, "let every rank print, not only the main process", "logging")
+    plot: bool = opt(True, "write training_curves.png at the end (needs matplotlib)", "logging")
+
+    # performance
+    ddp_bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MiB", "performance")
+    ddp_grad_as_bucket_view: bool = opt(True, "DDP gradient_as_bucket_view", "performance")
+
+    # platform: flags the ModelArts seed passes; device and ranks come from the launch config
+    custom_data: bool | None = opt(None, "ModelArts seed flag: true = --data random, false = --data cifar10",
+                                   "platform")
+    enable_gpu: bool | None = opt(None, "ModelArts seed flag; accepted, the device comes from the "
+                                  "accelerate config", "platform")
+    init_method: str | None = opt(None, "ModelArts rank-0 address tcp://HOST:PORT; launch.sh consumes it",
+                                  "platform")
+    rank: int | None = opt(None, "ModelArts node index; launch.sh consumes it", "platform")
+    world_size: int | None = opt(None, "ModelArts node count; launch.sh consumes it", "platform")
+
+    def __post_init__(self):
+        if self.custom_data is not None:
+            self.data = "random" if self.custom_data else "cifar10"
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "log_every", "timeout_s",
+                    "ddp_bucket_cap_mb")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "train_samples", "test_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {value}")
+        for name in ("checkpoint_every", "num_workers", "warmup_epochs", "weight_decay", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not 0 < self.ema_decay < 1:
+            raise ConfigError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
+        if self.clip_grad is not None and not self.clip_grad > 0:
+            raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
+
+    def peak_lr(self, num_processes: int) -> float:
+        if self.lr is not None:
+            return self.lr
+        return self.lr_base * self.batch_size * num_processes * self.grad_accum / 256
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save_yaml(self, path) -> None:
+        with open(path, "w") as f:
+            f.write("# accel_train resolved configuration: `accel-train --config config.yaml` reproduces it\n")
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+
+def fields():
+    return dataclasses.fields(TrainConfig)
+
+
+def load_yaml(path) -> dict:
+    """Read a config.yaml written by save_yaml (or by hand); unknown keys are an error."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of option: value")
+    known = {f.name for f in fields()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; see accel-train --help")
+    return values

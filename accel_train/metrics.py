@@ -1,0 +1,111 @@
+"""Metrics: per-epoch rows (metrics.jsonl), tracker checks, training curves. Main process only."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "training_curves.png"
+
+
+class EpochMeter:
+    """Sums that stay on the device during an epoch (no sync per step) and step timing."""
+
+    def __init__(self, device):
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        self.correct = torch.zeros((), device=device, dtype=torch.long)
+        self.samples = 0
+        self.data_time = 0.0
+        self.start = time.perf_counter()
+
+    def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        n = labels.shape[0]
+        self.loss_sum += loss.detach().double() * n
+        self.correct += (logits.detach().argmax(1) == labels).sum()
+        self.samples += n
+
+    def result(self, accelerator) -> dict:
+        """Reduce over ranks (a collective: every rank calls it) and read back once."""
+        sums = torch.stack([self.loss_sum, self.correct.double(),
+                            torch.tensor(float(self.samples), device=self.loss_sum.device, dtype=torch.float64)])
+        loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
+        seconds = time.perf_counter() - self.start
+        per_process = self.samples / seconds if seconds > 0 else 0.0
+        return {
+            "train_loss": loss_sum / max(samples, 1),
+            "train_acc": correct / max(samples, 1),
+            "train_samples": int(samples),
+            "images_per_sec": samples / seconds if seconds > 0 else 0.0,
+            "images_per_sec_per_process": per_process,
+            "data_wait_frac": self.data_time / seconds if seconds > 0 else 0.0,
+            "epoch_seconds": seconds,
+        }
+
+
+class MetricsLog:
+    """metrics.jsonl, one JSON object per epoch; on resume rows of unfinished epochs are dropped."""
+
+    def __init__(self, output_dir, enabled: bool):
+        self.path = Path(output_dir) / METRICS_FILE
+        self.enabled = enabled
+        self.rows = []
+        if enabled and self.path.exists():
+            self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def start_at(self, epoch: int) -> None:
+        """Keep rows of epochs before `epoch` (0-based) and rewrite the file; a fresh run keeps none."""
+        if not self.enabled:
+            return
+        self.rows = [r for r in self.rows if r["epoch"] <= epoch]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+
+    def append(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def check_trackers(accelerator, requested: list[str]) -> None:
+    """Accelerate drops a tracker whose package is missing with only a warning: make that an error."""
+    active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
+    missing = [name for name in requested if name.lower() not in active]
+    if missing:
+        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install it, "
+                          f"e.g. pip install 'accel_train[tensorboard]', or drop --log_with")
+
+
+def plot_curves(rows: list[dict], path) -> bool:
+    """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train loss")
+    axes[0].set_title("loss")
+    axes[1].plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
+    axes[1].plot(epochs, [100 * r["test_acc"] for r in rows], "o-", label="test")
+    if any("test_acc_ema" in r for r in rows):
+        axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--", label="test (EMA)")
+    axes[1].set_title("accuracy (%)")
+    axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr")
+    axes[2].set_title("learning rate (end of epoch)")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -15,6 +15,7 @@ epoch gets the same crop and flip whatever the world size, the batch size or a r
 
 from __future__ import annotations
 
+import codecs
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,8 @@ class DataError(ConfigError):
 
 def _numpy_globals() -> dict:
     core = getattr(np, "_core", None) or np.core
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    # _codecs.encode: how Python 3 writes bytes in protocol-2 pickles (a pure data transform)
+    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): codecs.encode}
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
         allowed[(module, "_reconstruct")] = core.multiarray._reconstruct
         allowed[(module, "scalar")] = core.multiarray.scalar

@@ -1,0 +1,87 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from accel_train.cli import parse_train_args, train_parser
+from accel_train.config import ConfigError, TrainConfig, load_yaml
+from conftest import ROOT, run_cli
+
+
+def test_defaults_live_in_trainconfig():
+    cfg = parse_train_args([])
+    assert cfg == TrainConfig()
+    assert cfg.model == "resnet18" and cfg.stem == "cifar" and cfg.data == "random"
+    assert cfg.data_dir == "input_dir" and cfg.output_dir == "output_dir"
+
+
+def test_modelarts_flags_both_forms_and_aliases():
+    cfg = parse_train_args(["--data_url=/in", "--train_url", "/out", "--custom_data", "false", "--init_method",
+                            "tcp://10.0.0.1:6666", "--rank=1", "--world_size", "2", "--enable_gpu=true",
+                            "--epochs=3", "--lr", "0.05"])
+    assert cfg.data_dir == "/in" and cfg.output_dir == "/out" and cfg.data == "cifar10"
+    assert cfg.init_method == "tcp://10.0.0.1:6666" and cfg.rank == 1 and cfg.world_size == 2
+    assert cfg.enable_gpu is True and cfg.epochs == 3 and cfg.lr == 0.05
+    assert parse_train_args(["--custom_data=true"]).data == "random"
+    assert parse_train_args(["--custom_data", "True", "--data", "cifar10"]).data == "random"
+
+
+def test_bool_flags_and_optional_values():
+    assert parse_train_args(["--channels_last"]).channels_last is True
+    assert parse_train_args(["--augment", "false"]).augment is False
+    assert parse_train_args(["--augment=no", "--ema"]).ema is True
+    cfg = parse_train_args(["--max_steps", "5", "--clip_grad=1.5", "--train_samples", "64"])
+    assert (cfg.max_steps, cfg.clip_grad, cfg.train_samples) == (5, 1.5, 64)
+
+
+def test_unknown_platform_arguments_warn_once(caplog):
+    cfg = parse_train_args(["--epochs", "2", "--ma_something=1", "--other_flag", "x"])
+    assert cfg.epochs == 2
+    warnings = [r for r in caplog.records if "ignoring unknown arguments" in r.getMessage()]
+    assert len(warnings) == 1 and "--ma_something=1" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--epochs", "-1"], "--epochs must be >= 1"),
+    (["--data", "imagenet"], "invalid choice"),
+    (["--augment", "maybe"], "expected true or false"),
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+])
+def test_bad_values_are_one_line_errors(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_train_args(argv)
+
+
+def test_bad_input_from_the_command_line_exits_2_with_one_line(tmp_path):
+    proc = run_cli(["--lr", "abc", "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "accel-train: error: argument --lr: invalid float value: 'abc' (see accel-train --help)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_yaml_round_trip(tmp_path):
+    cfg = parse_train_args(["--epochs", "7", "--model", "resnet34", "--ema", "--lr", "0.3"])
+    cfg.save_yaml(tmp_path / "config.yaml")
+    again = parse_train_args(["--config", str(tmp_path / "config.yaml")])
+    assert again == cfg
+    override = parse_train_args(["--config", str(tmp_path / "config.yaml"), "--epochs", "2"])
+    assert override.epochs == 2 and override.model == "resnet34"
+
+
+def test_config_yaml_unknown_key(tmp_path):
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"epochs": 2, "lr_typo": 1}))
+    with pytest.raises(ConfigError, match="unknown key.*lr_typo"):
+        load_yaml(tmp_path / "c.yaml")
+
+
+def test_help_is_grouped_with_defaults_and_version():
+    text = train_parser().format_help()
+    for group in ("data:", "model:", "optimisation:", "checkpointing:", "logging:"):
+        assert group in text
+    assert "(default: resnet18)" in text and "--data_url" in text and "--train_url" in text
+    out = subprocess.run([sys.executable, "-m", "accel_train", "--version"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("accel_train ")

@@ -1,0 +1,174 @@
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from accel_train.config import TrainConfig
+from accel_train.data import (DataError, IndexDataset, build_data, crop_flip, crop_flip_params, random_data,
+                              read_batch, read_cifar10)
+from conftest import write_batch, write_cifar
+
+
+def test_reader_any_rows_per_file(tmp_path):
+    write_cifar(tmp_path, rows=(7, 5, 6, 9, 3), test_rows=11)
+    splits = read_cifar10(tmp_path)
+    x, y = splits["train"]
+    assert x.shape == (30, 3, 32, 32) and x.dtype == torch.uint8
+    assert y.shape == (30,) and y.dtype == torch.int64 and 0 <= y.min() and y.max() <= 9
+    assert splits["test"][0].shape == (11, 3, 32, 32)
+
+
+def test_reader_keeps_channel_major_layout(tmp_path):
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    data = np.zeros((1, 3072), np.uint8)
+    data[0, :1024] = 200  # red plane
+    data[0, 1024 + 5] = 77  # green, row 0 column 5
+    write_batch(d / "b", data, [3])
+    x, y = read_batch(d / "b")
+    assert (x[0, 0] == 200).all() and x[0, 1, 0, 5] == 77 and x[0, 2].max() == 0 and y.tolist() == [3]
+
+
+@pytest.mark.parametrize("data,labels,match", [
+    (np.zeros((4, 3000), np.uint8), [0, 1, 2, 3], "N x 3072 uint8"),
+    (np.zeros((4, 3072), np.float32), [0, 1, 2, 3], "N x 3072 uint8"),
+    (np.zeros((4, 3072), np.uint8), [0, 1, 2], "expected 4 integer labels"),
+    (np.zeros((3, 3072), np.uint8), [0, 10, 2], r"labels must be in 0\.\.9"),
+    (np.zeros((3, 3072), np.uint8), [0, -1, 2], r"labels must be in 0\.\.9"),
+])
+def test_reader_rejects_bad_arrays(tmp_path, data, labels, match):
+    write_cifar(tmp_path)
+    write_batch(tmp_path / "cifar-10-batches-py" / "data_batch_3", data, labels)
+    with pytest.raises(DataError, match=match):
+        read_cifar10(tmp_path)
+
+
+def test_reader_truncated_file(tmp_path):
+    write_cifar(tmp_path)
+    f = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    f.write_bytes(f.read_bytes()[:-500])
+    with pytest.raises(DataError, match="data_batch_2 is truncated or corrupt"):
+        read_cifar10(tmp_path)
+
+
+def test_reader_missing_split_and_dirs(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_cifar10(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="has no cifar-10-batches-py"):
+        read_cifar10(tmp_path)
+    write_cifar(tmp_path)
+    (tmp_path / "cifar-10-batches-py" / "test_batch").unlink()
+    with pytest.raises(DataError, match="lacks test_batch"):
+        read_cifar10(tmp_path)
+
+
+class Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_reader_refuses_code_in_pickle(tmp_path):
+    write_cifar(tmp_path)
+    marker = tmp_path / "pwned"
+    payload = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"x": Evil(marker)}
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "wb") as f:
+        pickle.dump(payload, f, protocol=2)
+    # sanity: the payload really would create the file under plain pickle
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "rb") as f:
+        blob = f.read()
+    with pytest.raises(DataError, match=r"refused global (posix|os|nt)\.system.*not executed"):
+        read_cifar10(tmp_path)
+    assert not marker.exists()
+    pickle.loads(blob)
+    assert marker.exists(), "the test payload is not a working exploit"
+
+
+def test_random_data_deterministic_by_seed():
+    a, b, c = random_data(20, 6, seed=1), random_data(20, 6, seed=1), random_data(20, 6, seed=2)
+    for split in ("train", "test"):
+        assert torch.equal(a[split][0], b[split][0]) and torch.equal(a[split][1], b[split][1])
+        assert not torch.equal(a[split][0], c[split][0])
+    assert a["train"][0].shape == (20, 3, 32, 32) and a["test"][1].shape == (6,)
+    assert not torch.equal(a["train"][0][:6], a["test"][0])
+
+
+def test_sample_limits_take_the_first_n(tmp_path):
+    write_cifar(tmp_path)
+    cfg = TrainConfig(data="cifar10", data_dir=str(tmp_path), train_samples=9, test_samples=4)
+    data = build_data(cfg, "cpu")
+    full = read_cifar10(tmp_path)
+    assert data.train_size == 9 and data.test_size == 4
+    x, y = data.inputs(torch.arange(4), train=False)
+    ref = TF.normalize(full["test"][0][:4].float() / 255, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    assert torch.allclose(x, ref, atol=1e-5) and torch.equal(y, full["test"][1][:4])
+
+
+def test_device_crop_flip_matches_torchvision():
+    images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    top, left, flip = crop_flip_params(torch.arange(64), epoch=3, seed=7)
+    out = crop_flip(images, top, left, flip)
+    for i in range(64):
+        ref = TF.crop(TF.pad(images[i], [4]), int(top[i]), int(left[i]), 32, 32)  # RandomCrop(32, padding=4)
+        if flip[i]:
+            ref = TF.horizontal_flip(ref)
+        assert torch.equal(out[i], ref), i
+
+
+def test_augmentation_covers_its_ranges_uniformly():
+    n = 90_000
+    top, left, flip = crop_flip_params(torch.arange(n), epoch=0, seed=42)
+    for offsets in (top, left):
+        counts = torch.bincount(offsets, minlength=9)
+        assert len(counts) == 9 and counts.min() > 0
+        expected = n / 9
+        chi2 = (((counts - expected) ** 2) / expected).sum().item()
+        assert chi2 < 40, counts  # 8 dof: p < 1e-5 above 40
+    assert abs(flip.float().mean().item() - 0.5) < 0.01
+    # joint: crop rows and columns independent, and flips independent of the crop
+    joint = torch.bincount(top * 9 + left, minlength=81).float()
+    assert joint.min() > 0.8 * n / 81 and joint.max() < 1.2 * n / 81
+    assert abs(flip[top == 0].float().mean().item() - 0.5) < 0.03
+    # a new epoch draws new augmentations for the same samples; same (seed, epoch) draws the same
+    t2, _, _ = crop_flip_params(torch.arange(n), epoch=1, seed=42)
+    t3, _, _ = crop_flip_params(torch.arange(n), epoch=0, seed=42)
+    assert (t2 != top).float().mean() > 0.8 and torch.equal(t3, top)
+
+
+def test_device_pipeline_gathers_and_cpu_pipeline_matches_eval(tmp_path):
+    write_cifar(tmp_path)
+    kw = dict(data="cifar10", data_dir=str(tmp_path), batch_size=4)
+    dev, cpu = build_data(TrainConfig(**kw), "cpu"), build_data(TrainConfig(pipeline="cpu", **kw), "cpu")
+    idx = next(iter(dev.test_loader))
+    assert torch.equal(idx, torch.arange(4))
+    xd, yd = dev.inputs(idx, train=False)
+    xc, yc = cpu.inputs(next(iter(cpu.test_loader)), train=False)
+    assert torch.allclose(xd, xc, atol=1e-5) and torch.equal(yd, yc)
+    xt, _ = dev.inputs(idx, train=True, epoch=0)
+    assert xt.shape == (4, 3, 32, 32) and xt.dtype == torch.float32
+    assert not torch.allclose(xt, xd)  # augmented
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_accelerate_shards_index_batches_disjointly(world):
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from accel_train.data import _identity
+    n, bs = 103, 8
+    seen = []
+    for rank in range(world):
+        dl = DataLoader(IndexDataset(n), batch_size=bs, shuffle=True, drop_last=True, collate_fn=_identity)
+        shard = prepare_data_loader(dl, num_processes=world, process_index=rank, put_on_device=False,
+                                    use_seedable_sampler=True, data_seed=5)
+        shard.set_epoch(1)
+        seen.append(torch.cat(list(shard)).tolist())
+    flat = [i for s in seen for i in s]
+    assert len(flat) == len(set(flat)), "ranks saw the same sample"
+    assert len(flat) == (n // (bs * world)) * bs * world  # the whole epoch, minus the incomplete last step
+    assert len({len(s) for s in seen}) == 1

@@ -1,0 +1,78 @@
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel_train.config import ConfigError, TrainConfig
+from accel_train.loop import check_one_group
+from accel_train.model import create_model
+from conftest import ROOT, launch, write_cifar
+
+FORBIDDEN = (r"\.cuda\(", r"torch\.distributed", r"DistributedSampler", r"DistributedDataParallel\(",
+             r"init_process_group", r"LOCAL_RANK")
+
+
+def test_package_has_no_device_or_distributed_code():
+    hits = []
+    for path in (ROOT / "accel_train").rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            hits += [f"{path.name}:{n}: {line.strip()}" for pat in FORBIDDEN if re.search(pat, line)]
+    assert not hits, hits
+
+
+def test_refuses_ranks_that_did_not_join_one_group():
+    torchrun_env = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}
+    with pytest.raises(ConfigError, match="started 2 processes but they did not join one process group"):
+        check_one_group(1, TrainConfig(), env=torchrun_env)
+    check_one_group(2, TrainConfig(), env=torchrun_env)
+    check_one_group(1, TrainConfig(), env={"WORLD_SIZE": "4"})  # Volcano's pod count, not a launcher's ranks
+    with pytest.raises(ConfigError, match="start the job with launch.sh"):
+        check_one_group(1, TrainConfig(world_size=2), env={})
+
+
+def load_into_fresh_model(out: Path):
+    cfg = json.loads((out / "model_config.json").read_text())
+    state = load_file(out / "model.safetensors")
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)
+    model = create_model(cfg["architecture"], cfg["stem"], num_classes=cfg["num_classes"])
+    model.load_state_dict(state, strict=True)
+    return model, cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,ranks", [("cpu.yaml", 1), ("2proc_cpu.yaml", 2)])
+def test_end_to_end_through_accelerate_launch(tmp_path, config, ranks):
+    data = write_cifar(tmp_path / "in", rows=(20, 20, 20, 20, 20), test_rows=101)
+    out = tmp_path / "out"
+    proc = launch(config, ["--data", "cifar10", "--data_dir", data, "--output_dir", out, "--epochs", "2",
+                           "--batch_size", "16", "--log_all_ranks"])
+    log = proc.stdout + proc.stderr
+    assert f"{ranks} process(es)" in log
+    assert len(re.findall(r"rank \d+/\d+ wrote .*model\.safetensors", log)) == 1
+    assert f"rank 0/{ranks} wrote" in log
+    model, cfg = load_into_fresh_model(out)
+    assert cfg["stem"] == "cifar" and len(cfg["mean"]) == 3 and len(cfg["std"]) == 3
+    assert cfg["metrics"]["final_test_acc"] is not None
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert {"epoch", "step", "train_loss", "train_acc", "test_acc", "lr", "images_per_sec"} <= set(r)
+        assert r["test_samples"] == 101  # not a multiple of the world size, nothing dropped or doubled
+        assert r["train_samples"] == (100 // (16 * ranks)) * 16 * ranks
+    assert rows[-1]["step"] == 2 * (100 // (16 * ranks))
+    with torch.no_grad():
+        assert model.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.slow
+def test_two_ranks_learn_a_learnable_dataset(tmp_path):
+    data = write_cifar(tmp_path / "in", rows=(160,) * 5, test_rows=201, learnable=True, seed=3)
+    out = tmp_path / "out"
+    launch("2proc_cpu.yaml", ["--data", "cifar10", "--data_dir", data, "--output_dir", out, "--epochs", "4",
+                              "--batch_size", "32", "--warmup_epochs", "0.5"], timeout=300)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["test_acc"] >= 0.8, rows
+    assert rows[-1]["test_samples"] == 201

@@ -86,6 +86,10 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, scheduler, ema=N
         for old in checkpoint_dirs(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and tmp.exists():
+        # another node whose output_dir is not shared with rank 0: its part cannot make a resumable
+        # checkpoint on its own (resuming needs a shared output_dir), so it is not kept
+        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# launch.sh: the one launcher for accel_train on clusters and as a ModelArts boot command.
+#
+# Works out the number of machines, this machine's rank, the rank-0 host and port and the processes
+# per machine, picks the accelerate config for the hardware it finds, and runs
+#   accelerate launch --config_file accelerate_configs/<cfg>.yaml <what YAML cannot carry> -m accel_train <args>
+#
+# Sources, first match wins for each value:
+#   1. explicit:   NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC_PER_NODE
+#   2. ModelArts:  MA_NUM_HOSTS|VC_WORKER_NUM  VC_TASK_INDEX  first of VC_WORKER_HOSTS  MA_NUM_GPUS
+#                  and the boot arguments --init_method tcp://HOST:PORT --rank N --world_size N
+#   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
+#   4. SLURM:      SLURM_NNODES SLURM_NODEID first host of SLURM_JOB_NODELIST  SLURM_GPUS_ON_NODE
+#   5. else one machine; processes per machine = the GPUs or NPUs found, else 1.
+#
+# Own options (everything else goes to the trainer):
+#   --dry-run             print the exact command and exit
+#   --preflight           check the rank-0 host and port first (always done for several machines;
+#                         --no-preflight skips it)
+#   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware
+#   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
+#                         (or ACCEL_MAX_RESTARTS=N)
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CONFIG_DIR="$HERE/accelerate_configs"
+PYTHON="${PYTHON:-python3}"
+
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+# ---- arguments: our own, the ModelArts boot arguments, and the trainer's ----------------------
+dry_run=0 preflight=auto accel_config="${ACCEL_CONFIG:-}" max_restarts="${ACCEL_MAX_RESTARTS:-0}"
+ma_init_method="" ma_rank="" ma_world_size=""
+trainer_args=()
+while (($#)); do
+  case "$1" in
+    --dry-run|--dry_run) dry_run=1 ;;
+    --preflight) preflight=1 ;;
+    --no-preflight|--no_preflight) preflight=0 ;;
+    --accel_config=*) accel_config="${1#*=}" ;;
+    --accel_config) (($# > 1)) || die "--accel_config needs a value"; accel_config="$2"; shift ;;
+    --max_restarts=*) max_restarts="${1#*=}" ;;
+    --max_restarts) (($# > 1)) || die "--max_restarts needs a value"; max_restarts="$2"; shift ;;
+    --init_method=*) ma_init_method="${1#*=}" ;;
+    --init_method) (($# > 1)) || die "--init_method needs a value"; ma_init_method="$2"; shift ;;
+    --rank=*) ma_rank="${1#*=}" ;;
+    --rank) (($# > 1)) || die "--rank needs a value"; ma_rank="$2"; shift ;;
+    --world_size=*) ma_world_size="${1#*=}" ;;
+    --world_size) (($# > 1)) || die "--world_size needs a value"; ma_world_size="$2"; shift ;;
+    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) trainer_args+=("$1") ;;
+  esac
+  shift
+done
+
+ma_host="" ma_port=""
+if [[ -n "$ma_init_method" ]]; then
+  [[ "$ma_init_method" =~ ^tcp://([^:/]+|\[[0-9a-fA-F:]+\]):([0-9]+)/?$ ]] \
+    || die "--init_method must look like tcp://HOST:PORT, got '$ma_init_method'"
+  ma_host="${BASH_REMATCH[1]}" ma_port="${BASH_REMATCH[2]}"
+fi
+vc_first_host="${VC_WORKER_HOSTS:-}"
+vc_first_host="${vc_first_host%%,*}"
+
+slurm_first_host=""
+if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+  if command -v scontrol >/dev/null 2>&1; then
+    slurm_first_host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+  else  # node[01-04,07],other -> node01
+    first="${SLURM_JOB_NODELIST%%,*}"
+    if [[ "$SLURM_JOB_NODELIST" =~ ^([^,\[]*)\[([0-9]+) ]]; then
+      first="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
+    fi
+    slurm_first_host="$first"
+  fi
+fi
+
+first_set() { local v; for v in "$@"; do if [[ -n "$v" ]]; then echo "$v"; return; fi; done; }
+
+nnodes="$(first_set "${NNODES:-}" "${MA_NUM_HOSTS:-}" "${VC_WORKER_NUM:-}" "$ma_world_size" \
+  "${PET_NNODES:-}" "${SLURM_NNODES:-}" 1)"
+node_rank="$(first_set "${NODE_RANK:-}" "${VC_TASK_INDEX:-}" "$ma_rank" "${PET_NODE_RANK:-}" "${SLURM_NODEID:-}" 0)"
+master_addr="$(first_set "${MASTER_ADDR:-}" "$vc_first_host" "$ma_host" "$slurm_first_host")"
+master_port="$(first_set "${MASTER_PORT:-}" "$ma_port" "")"
+nproc="$(first_set "${NPROC_PER_NODE:-}" "${MA_NUM_GPUS:-}" "${PET_NPROC_PER_NODE:-}" "${SLURM_GPUS_ON_NODE:-}")"
+
+# ---- hardware and config ----------------------------------------------------------------------
+count_nvidia() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true; }
+count_npu() {
+  command -v npu-smi >/dev/null 2>&1 || return 0
+  npu-smi info -l 2>/dev/null | awk -F: '/Total Count/ {gsub(/ /, "", $2); print $2; exit}'
+}
+n_gpu="$(count_nvidia)"; n_gpu="${n_gpu:-0}"
+n_npu="$(count_npu)"; n_npu="${n_npu:-0}"
+if ((n_gpu > 0)); then device=gpu found="$n_gpu"
+elif ((n_npu > 0)); then device=npu found="$n_npu"
+else device=cpu found=1
+fi
+nproc="${nproc:-$found}"
+
+for pair in "nnodes=$nnodes" "node_rank=$node_rank" "nproc_per_node=$nproc" "max_restarts=$max_restarts"; do
+  is_uint "${pair#*=}" || die "${pair%%=*} must be a non-negative integer, got '${pair#*=}' (check NNODES/NODE_RANK/NPROC_PER_NODE or the platform variables)"
+done
+((nnodes >= 1)) || die "the number of machines must be >= 1, got $nnodes"
+((nproc >= 1)) || die "processes per machine must be >= 1, got $nproc"
+((node_rank < nnodes)) || die "this machine's rank $node_rank is not below the number of machines $nnodes"
+if [[ -n "$master_port" ]]; then
+  if ! is_uint "$master_port" || ((master_port < 1 || master_port > 65535)); then
+    die "MASTER_PORT must be a port number, got '$master_port'"
+  fi
+fi
+if ((nnodes > 1)); then
+  [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_JOB_NODELIST)"
+  master_port="${master_port:-29500}"
+fi
+
+if [[ -z "$accel_config" ]]; then
+  case "$device:$((nnodes > 1)):$((nproc > 1))" in
+    cpu:0:0) accel_config=cpu ;;
+    cpu:0:1) accel_config=2proc_cpu ;;
+    cpu:1:*) accel_config=2node_cpu ;;
+    gpu:0:*) accel_config=1node_gpu ;;
+    gpu:1:*) accel_config=2node_gpu ;;
+    npu:0:*) accel_config=1node_npu ;;
+    npu:1:*) accel_config=2node_npu ;;
+  esac
+fi
+config_file="$accel_config"
+[[ -f "$config_file" ]] || config_file="$CONFIG_DIR/${accel_config%.yaml}.yaml"
+[[ -f "$config_file" ]] || die "accelerate config '$accel_config' not found (looked for it as a path and in $CONFIG_DIR); name one of: $(cd "$CONFIG_DIR" && printf '%s ' *.yaml)"
+if grep -qE '^use_cpu: *true' "$config_file"; then device=cpu; fi
+if grep -qE '^distributed_type: *MULTI_NPU' "$config_file"; then device=npu; fi
+
+# ---- environment these platforms need ---------------------------------------------------------
+env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
+case "$device" in
+  cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
+  npu) env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}") ;;
+esac
+for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME HCCL_SOCKET_IFNAME TP_SOCKET_IFNAME; do
+  if [[ -n "${!var:-}" ]]; then env_vars+=("$var=${!var}"); fi
+done
+
+# ---- the command ------------------------------------------------------------------------------
+launch_args=(--config_file "$config_file" --num_machines "$nnodes" --num_processes "$((nnodes * nproc))")
+if ((nnodes > 1)); then
+  launch_args+=(--machine_rank "$node_rank" --main_process_ip "$master_addr" --main_process_port "$master_port"
+                --rdzv_backend static --same_network)
+elif [[ -n "$master_port" ]]; then
+  launch_args+=(--main_process_port "$master_port")
+fi
+if [[ "$device" == npu && "$dry_run" == 0 ]]; then  # bf16 only where the chip has it
+  bf16="$(timeout 60 "$PYTHON" -c 'import torch, torch_npu; print(torch.npu.is_bf16_supported())' 2>/dev/null || true)"
+  if [[ "$bf16" == False ]] && grep -qE '^mixed_precision: *bf16' "$config_file"; then
+    launch_args+=(--mixed_precision fp16)
+  fi
+fi
+cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
+
+if ((dry_run)); then
+  printf '%q ' env "${env_vars[@]}" "${cmd[@]}"; echo
+  exit 0
+fi
+
+if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
+  env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
+    --port "${master_port:-29500}" --rank "$node_rank" --timeout "${PREFLIGHT_TIMEOUT:-60}" \
+    || die "preflight failed (see above); fix it or pass --no-preflight"
+fi
+
+attempt=0
+while true; do
+  echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${master_addr:+, rank 0 at $master_addr:$master_port} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
+  status=0
+  env "${env_vars[@]}" "${cmd[@]}" || status=$?
+  if ((status == 0)); then exit 0; fi
+  if ((attempt >= max_restarts)); then
+    echo "launch.sh: the job failed with exit status $status after $((attempt + 1)) attempt(s)" >&2
+    exit "$status"
+  fi
+  attempt=$((attempt + 1))
+  echo "launch.sh: the job failed (exit status $status); relaunching to resume from the newest checkpoint" >&2
+  sleep "${ACCEL_RESTART_DELAY:-3}"
+  cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}" --resume auto)
+done

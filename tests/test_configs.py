@@ -1,0 +1,68 @@
+"""Every accelerate config loads with accelerate's own loader and passes its launch validation."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+from conftest import CONFIGS, ROOT, clean_env
+
+ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+EXPECTED = {  # name: (distributed_type, machines, total processes, mixed precision)
+    "cpu.yaml": ("NO", 1, 1, "no"),
+    "2proc_cpu.yaml": ("MULTI_GPU", 1, 2, "no"),
+    "2node_cpu.yaml": ("MULTI_GPU", 2, 2, "no"),
+    "1node_gpu.yaml": ("MULTI_GPU", 1, 8, "bf16"),
+    "2node_gpu.yaml": ("MULTI_GPU", 2, 16, "bf16"),
+    "1node_npu.yaml": ("MULTI_NPU", 1, 8, "bf16"),
+    "2node_npu.yaml": ("MULTI_NPU", 2, 16, "bf16"),
+}
+
+
+def test_the_expected_configs_exist():
+    assert set(ALL) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_config_loads_and_validates(name):
+    path = CONFIGS / name
+    cfg = load_config_from_file(str(path))
+    kind, machines, procs, precision = EXPECTED[name]
+    assert str(cfg.distributed_type).split(".")[-1] == kind
+    assert (cfg.num_machines, cfg.num_processes, str(cfg.mixed_precision)) == (machines, procs, precision)
+    assert cfg.num_processes % cfg.num_machines == 0, "processes must split evenly over machines"
+    assert kind != "MULTI_CPU", "MULTI_CPU starts one process without an MPI hostfile"
+    if cfg.num_machines > 1:
+        assert cfg.main_process_ip and cfg.main_process_port, "multi-node configs carry placeholders"
+    text = path.read_text()
+    assert text.lstrip().startswith("#"), "each config starts with a comment saying what it is for"
+    assert not re.search(r":\s*(NO|no)\s*$", text, re.M), "unquoted NO/no is a YAML boolean"
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, defaults, _ = _validate_launch_command(args)  # starts nothing
+    assert args.num_processes == procs and args.num_machines == machines
+    assert bool(args.multi_gpu) == (kind in ("MULTI_GPU", "MULTI_NPU"))
+
+
+def test_unknown_key_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "cpu.yaml").read_text() + "num_proceses: 2\n")
+    with pytest.raises(ValueError, match="num_proceses"):
+        load_config_from_file(str(bad))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,procs", [("cpu.yaml", 1), ("2proc_cpu.yaml", 2)])
+def test_accelerate_test_runs_the_configured_processes(name, procs):
+    # As the README says: ACCELERATE_USE_CPU=1 accelerate test --config_file accelerate_configs/<cfg>
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "test", "--config_file",
+                           str(CONFIGS / name)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=clean_env(ACCELERATE_USE_CPU="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Test is a success" in out
+    indices = sorted(set(int(i) for i in re.findall(r"Process index: (\d+)", out)))
+    assert indices == list(range(procs))
+    assert set(re.findall(r"Num processes: (\d+)", out)) == {str(procs)}

@@ -1,0 +1,51 @@
+import socket
+import sys
+import subprocess
+import time
+
+from accel_train.preflight import preflight
+from conftest import ROOT, clean_env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_succeeds_against_a_listening_rank0():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "accel_train", "preflight", "--host", "localhost", "--port",
+                               str(port), "--rank", "1", "--timeout", "10"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "reachable" in proc.stdout and "preflight: ok" in proc.stdout
+
+
+def test_fails_clearly_within_its_bound_when_nothing_listens():
+    port = free_port()
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "accel_train", "preflight", "--host", "127.0.0.1", "--port",
+                           str(port), "--rank", "1", "--timeout", "3"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=clean_env())
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot reach rank 0 at 127.0.0.1:{port}" in lines[0]
+    assert "connection refused" in lines[0] and "firewall" in lines[0] and "MASTER_ADDR" in lines[0]
+    assert time.monotonic() - start < 30  # interpreter start + the 3 s bound
+
+
+def test_unresolvable_host_and_rank0_checks():
+    failures = preflight("no-such-host.invalid", 29500, 1, timeout=5, log=lambda m: None)
+    assert len(failures) == 1 and "does not resolve" in failures[0] and "MASTER_ADDR" in failures[0]
+    assert preflight("127.0.0.1", free_port(), 0, timeout=5, log=lambda m: None) == []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        failures = preflight("127.0.0.1", busy.getsockname()[1], 0, timeout=5, log=lambda m: None)
+    assert len(failures) == 1 and "already in use" in failures[0]
+    failures = preflight("192.0.2.1", free_port(), 0, timeout=5, log=lambda m: None)  # TEST-NET: not ours
+    assert len(failures) == 1 and "not an address of this machine" in failures[0]

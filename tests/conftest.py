@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +80,81 @@ def run_cli(args: list[str], timeout: float = 120, env: dict | None = None) -> s
 @pytest.fixture
 def cifar_dir(tmp_path):
     return write_cifar(tmp_path / "input_dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# Two real network hosts: network namespaces joined by a veth pair, each with its own address and
+# its own /etc/hosts (ModelArts-style worker names).
+# ---------------------------------------------------------------------------------------------
+
+class TwoHosts:
+    def __init__(self, tag: str):
+        self.ns = [f"at{tag}n0", f"at{tag}n1"]
+        self.ifname = [f"at{tag}v0", f"at{tag}v1"]
+        subnet = 100 + int(tag) % 100
+        self.ip = [f"10.231.{subnet}.1", f"10.231.{subnet}.2"]
+        self.names = [f"modelarts-job-{tag}-worker-{i}.modelarts-job-{tag}.svc" for i in range(2)]
+
+    def sh(self, *cmd):
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+    def up(self):
+        for ns in self.ns:
+            self.sh("ip", "netns", "add", ns)
+        self.sh("ip", "link", "add", self.ifname[0], "type", "veth", "peer", "name", self.ifname[1])
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for ip, name in zip(self.ip, self.names))
+        for ns, ifname, ip in zip(self.ns, self.ifname, self.ip):
+            self.sh("ip", "link", "set", ifname, "netns", ns)
+            self.sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", ifname)
+            self.sh("ip", "-n", ns, "link", "set", ifname, "up")
+            self.sh("ip", "-n", ns, "link", "set", "lo", "up")
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+            (etc / "hostname").write_text(ns + "\n")
+
+    def down(self):
+        for ns in self.ns:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+            for pid in pids.split():
+                subprocess.run(["kill", "-9", pid], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+    def popen(self, node: int, cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+        f = open(log, "w")
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[node], *map(str, cmd)], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+    def env(self, node: int, **extra) -> dict:
+        return clean_env(GLOO_SOCKET_IFNAME=self.ifname[node], **extra)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process; kill the whole group of any still running at the deadline."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            codes.append(p.wait())
+    return codes
+
+
+@pytest.fixture
+def two_hosts():
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        pytest.skip("network namespaces need root and iproute2")
+    hosts = TwoHosts(str(os.getpid() % 90 + 10))
+    hosts.down()
+    try:
+        hosts.up()
+    except subprocess.CalledProcessError as e:
+        hosts.down()
+        pytest.skip(f"network namespaces refused here: {e.stderr.strip()}")
+    try:
+        yield hosts
+    finally:
+        hosts.down()

@@ -1,0 +1,44 @@
+"""The README stays true: its commands are the ones CI and users run, and the flags it names exist."""
+
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from accel_train.cli import train_parser
+from conftest import ROOT, clean_env
+
+README = (ROOT / "README.md").read_text()
+
+
+def quick_start() -> list[str]:
+    block = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_quick_start_is_exactly_two_commands_and_ci_runs_the_test_one():
+    commands = quick_start()
+    assert len(commands) == 2
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert commands[1] in ci.splitlines(), "the README's test command must be what .ci/run runs"
+    assert commands[0].startswith("pip install -e . && accelerate launch --config_file accelerate_configs/cpu.yaml")
+
+
+def test_every_trainer_flag_the_readme_names_exists():
+    known = set()
+    for action in train_parser()._actions:
+        known.update(action.option_strings)
+    table_flags = set(re.findall(r"\| `(--[a-z_]+)", README))
+    assert table_flags and table_flags <= known, table_flags - known
+
+
+@pytest.mark.slow
+def test_quick_start_training_command_runs(tmp_path):
+    install, train = quick_start()[0].split(" && ", 1)
+    cmd = shlex.split(train) + ["--output_dir", str(tmp_path / "out")]
+    assert cmd[:2] == ["accelerate", "launch"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("model.safetensors", "model_config.json", "metrics.jsonl", "config.yaml", "training_curves.png"):
+        assert (tmp_path / "out" / name).is_file(), name

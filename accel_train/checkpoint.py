@@ -100,7 +100,7 @@ def load_checkpoint(accelerator, path: Path, scheduler, ema=None) -> TrainState:
         accelerator.load_state(str(path))
         if ema is not None and (path / EMA_FILE).is_file():
             ema.module.load_state_dict(load_file(path / EMA_FILE, device=str(accelerator.device)))
-    except (OSError, ValueError, RuntimeError, KeyError, EOFError) as e:
+    except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another one to "
                           "--resume or delete it") from None

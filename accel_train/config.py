@@ -8,6 +8,7 @@ parser from these fields, so a default is written exactly once, here.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 import yaml
@@ -48,6 +49,8 @@ class TrainConfig:
     model: str = opt("resnet18", "any timm model name", "model")
     stem: str = opt("cifar", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
                     "'imagenet': timm's model unchanged", "model", choices=("cifar", "imagenet"))
+    model_kwargs: str | None = opt(None, "extra timm.create_model arguments as JSON, e.g. "
+                                   "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", "model")
     compile: bool = opt(False, "torch.compile the model", "model")
     compile_mode: str = opt("default", "torch.compile mode", "model",
@@ -88,7 +91,8 @@ class TrainConfig:
     # logging
     log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
                                "separated by commas", "logging")
-    log_every: int = opt(50, "tracker scalars every N optimizer steps", "logging")
+    log_every: int = opt(50, "every N optimizer steps: the loss averaged over ranks and the lr to "
+                         "steps.jsonl and the trackers", "logging")
     log_all_ranks: bool = opt(False, "let every rank print, not only the main process", "logging")
     plot: bool = opt(True, "write training_curves.png at the end (needs matplotlib)", "logging")
 
@@ -130,8 +134,20 @@ class TrainConfig:
             raise ConfigError(f"--label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0 < self.ema_decay < 1:
             raise ConfigError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
+        self.model_kwargs_dict()
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
+
+    def model_kwargs_dict(self) -> dict:
+        if not self.model_kwargs:
+            return {}
+        try:
+            value = json.loads(self.model_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--model_kwargs is not valid JSON ({e.msg}); write it like '{{\"drop_rate\": 0.1}}'") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--model_kwargs must be a JSON object, like '{\"drop_rate\": 0.1}'")
+        return value
 
     def peak_lr(self, num_processes: int) -> float:
         if self.lr is not None:

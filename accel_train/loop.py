@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import time
 from datetime import timedelta
 from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ from timm.utils import ModelEmaV3
 from . import __version__
 from .checkpoint import TrainState, export_model, load_checkpoint, resolve_resume, save_checkpoint
 from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, TrainConfig
-from .data import build_data
+from .data import Data, build_data
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, check_trackers, plot_curves
 from .model import NUM_CLASSES, create_model
 
@@ -37,12 +39,11 @@ logger = get_logger("accel_train")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
-    trackers = [t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else []
     accelerator = Accelerator(
         # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
         cpu=not torch.accelerator.is_available(),
         gradient_accumulation_steps=cfg.grad_accum,
-        log_with=trackers or None,
+        log_with=[t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[
@@ -52,9 +53,6 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         ],
     )
     check_one_group(accelerator.num_processes, cfg)
-    if trackers:
-        accelerator.init_trackers("accel_train", config=tracker_config(cfg))
-        check_trackers(accelerator, trackers)
     return accelerator
 
 
@@ -77,8 +75,11 @@ def prepare_output_dir(path) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ConfigError(f"output directory {out} is not writable; pass a writable --output_dir")
+    try:
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise ConfigError(f"output directory {out} is not writable ({e.strerror}); pass a writable --output_dir") \
+            from None
     return out
 
 
@@ -86,19 +87,34 @@ def tracker_config(cfg: TrainConfig) -> dict:
     return {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool))}
 
 
-def train(cfg: TrainConfig) -> dict:
+@dataclass
+class Run:
+    """Everything the loop needs, built and prepared; `state` is where training resumes."""
+    accelerator: Accelerator
+    data: Data
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_loader: object
+    test_loader: object
+    criterion: torch.nn.Module
+    ema: ModelEmaV3 | None
+    state: TrainState
+    steps_per_epoch: int
+    total_steps: int
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Check every input before writing anything, then build, prepare and (maybe) resume."""
     accelerator = make_accelerator(cfg)
-    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     out = prepare_output_dir(cfg.output_dir)
     resume_from = resolve_resume(cfg.resume, out)
-
     data = build_data(cfg, accelerator.device)
-    global_batch = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     if data.train_size < cfg.batch_size * accelerator.num_processes:
         raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each of "
                           f"{accelerator.num_processes} processes; lower --batch_size or add data")
-    model = create_model(cfg.model, cfg.stem)
+    model = create_model(cfg.model, cfg.stem, **cfg.model_kwargs_dict())
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
@@ -112,43 +128,54 @@ def train(cfg: TrainConfig) -> dict:
     # The lr is a function of the global optimizer step, set with step_update(step): no scheduler
     # object is stepped per process, so num_processes never changes the schedule.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    peak = cfg.peak_lr(accelerator.num_processes)
     scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-                                       min_lr=cfg.min_lr, warmup_lr=cfg.peak_lr(accelerator.num_processes) / 100,
-                                       step_on_epochs=False, updates_per_epoch=steps_per_epoch)
+                                       min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
+                                       updates_per_epoch=steps_per_epoch)
+    state = load_checkpoint(accelerator, resume_from, scheduler, ema) if resume_from else TrainState()
+    scheduler.step_update(state.step)
     criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
+    total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
 
-    state = TrainState()
-    if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from, scheduler, ema)
-        scheduler.step_update(state.step)
+    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
+    if resume_from:
         log(f"resumed from {resume_from}: epoch {state.epoch + 1}, step {state.step}, "
             f"{state.batch_in_epoch} batches into the epoch")
-    metrics = MetricsLog(out, accelerator.is_main_process)
-    metrics.start_at(state.epoch)
-    total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
     log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {data.train_size} train / "
         f"{data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
-        f"{accelerator.mixed_precision}], global batch {global_batch}, peak lr "
-        f"{cfg.peak_lr(accelerator.num_processes):.4g}, {steps_per_epoch} steps/epoch")
+        f"{accelerator.mixed_precision}], global batch {cfg.batch_size * accelerator.num_processes * cfg.grad_accum}"
+        f", peak lr {peak:.4g}, {steps_per_epoch} steps/epoch")
+    if cfg.log_with:  # after every input check: a failed start leaves no new files behind
+        trackers = [t.strip() for t in cfg.log_with.split(",")]
+        accelerator.init_trackers("accel_train", config=tracker_config(cfg))
+        check_trackers(accelerator, trackers)
+    return Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
+               steps_per_epoch, total_steps)
 
-    checkpoint = partial(save_checkpoint, accelerator, out, scheduler=scheduler, ema=ema, keep=cfg.keep_checkpoints)
-    progress = tqdm(total=total_steps, initial=state.step, desc="train", dynamic_ncols=True, main_process_only=True)
-    best_acc, run_start, result = 0.0, time.perf_counter(), {}
-    while state.epoch < cfg.epochs and state.step < total_steps:
+
+def train(cfg: TrainConfig) -> dict:
+    run = setup(cfg)
+    accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
+    metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state)
+    checkpoint = partial(save_checkpoint, accelerator, cfg.output_dir, scheduler=run.scheduler, ema=ema,
+                         keep=cfg.keep_checkpoints)
+    progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+    run_start = time.perf_counter()
+    while state.epoch < cfg.epochs and state.step < run.total_steps:
         epoch = state.epoch
         model.train()
-        train_loader.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, state.batch_in_epoch) if state.batch_in_epoch \
-            else train_loader
+        run.train_loader.set_epoch(epoch)  # the epoch's data order; then skip what a resumed run already did
+        loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch) if state.batch_in_epoch \
+            else run.train_loader
         meter = EpochMeter(accelerator.device)
         tick = time.perf_counter()
         for batch in loader:
-            x, y = data.inputs(batch, train=True, epoch=epoch)
+            x, y = run.data.inputs(batch, train=True, epoch=epoch)
             meter.data_time += time.perf_counter() - tick
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     logits = model(x)
-                    loss = criterion(logits, y)
+                    loss = run.criterion(logits, y)
                 accelerator.backward(loss)
                 if cfg.clip_grad and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad)
@@ -156,49 +183,48 @@ def train(cfg: TrainConfig) -> dict:
                 optimizer.zero_grad(set_to_none=True)
             meter.update(loss, logits, y)
             state.batch_in_epoch += 1
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients:  # an optimizer step happened
                 state.step += 1
-                scheduler.step_update(state.step)
+                if state.step % cfg.log_every == 0:  # the loss and the lr of this step
+                    metrics.log_step(accelerator, state.step, loss, optimizer.param_groups[0]["lr"])
+                run.scheduler.step_update(state.step)
                 if ema is not None:
                     ema.update(accelerator.unwrap_model(model), step=state.step)
                 progress.update(1)
-                if cfg.log_with and state.step % cfg.log_every == 0:
-                    accelerator.log({"step/train_loss": loss.item(), "step/lr": optimizer.param_groups[0]["lr"]},
-                                    step=state.step)
-                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and state.step < total_steps:
-                    checkpoint(state)
-                if state.step >= total_steps:
+                if state.step >= run.total_steps:
                     break
+                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                    checkpoint(state)
             tick = time.perf_counter()
 
-        train_stats = meter.result(accelerator)
-        preds, labels = evaluate(accelerator, model, test_loader, data, cfg.tta)
-        row = {"epoch": epoch + 1, "step": state.step, **train_stats,
-               "test_acc": (preds == labels).float().mean().item(), "test_samples": labels.numel(),
-               "lr": optimizer.param_groups[0]["lr"]}
-        if ema is not None:
-            ema_preds, _ = evaluate(accelerator, ema, test_loader, data, cfg.tta)
-            row["test_acc_ema"] = (ema_preds == labels).float().mean().item()
-        best_acc = max(best_acc, row["test_acc"])
-        metrics.append(row)
-        accelerator.log({f"epoch/{k}": v for k, v in row.items() if k != "epoch"}, step=state.step)
-        log(f"epoch {epoch + 1}/{cfg.epochs} step {state.step}: train loss {row['train_loss']:.4f} "
-            f"acc {row['train_acc']:.2%} | test acc {row['test_acc']:.2%} ({row['test_samples']} samples)"
-            + (f" ema {row['test_acc_ema']:.2%}" if ema is not None else "")
-            + f" | {row['images_per_sec']:.0f} img/s ({row['images_per_sec_per_process']:.0f}/process, "
-            f"data wait {row['data_wait_frac']:.0%})")
-        if state.step >= total_steps and state.batch_in_epoch < len(train_loader):
-            result = row
-            break  # --max_steps: stopped inside the epoch; the outputs below are still written
-        state.epoch, state.batch_in_epoch = epoch + 1, 0
-        checkpoint(state)
-        result = row
+        row = end_of_epoch(run, cfg, meter, epoch)
+        metrics.append(accelerator, row)
+        if state.batch_in_epoch >= len(run.train_loader):
+            state.epoch, state.batch_in_epoch = epoch + 1, 0
+        checkpoint(state)  # epoch end, or where --max_steps stopped (a later run can continue from it)
     progress.close()
 
-    result = result or (metrics.rows[-1] if metrics.rows else {})  # resumed a finished run: nothing new
-    final = finish(accelerator, cfg, model, ema, metrics, result, best_acc, time.perf_counter() - run_start)
+    summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start)
     accelerator.end_training()
-    return final
+    return summary
+
+
+def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int) -> dict:
+    """Reduce the epoch's training sums, evaluate on the whole test split, log one line."""
+    train_stats = meter.result(run.accelerator)
+    preds, labels = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta)
+    row = {"epoch": epoch + 1, "step": run.state.step, **train_stats,
+           "test_acc": (preds == labels).float().mean().item(), "test_samples": labels.numel(),
+           "lr": run.optimizer.param_groups[0]["lr"]}
+    if run.ema is not None:
+        ema_preds, _ = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta)
+        row["test_acc_ema"] = (ema_preds == labels).float().mean().item()
+    logger.info(f"epoch {epoch + 1}/{cfg.epochs} step {row['step']}: train loss {row['train_loss']:.4f} "
+                f"acc {row['train_acc']:.2%} | test acc {row['test_acc']:.2%} ({row['test_samples']} samples)"
+                + (f" ema {row['test_acc_ema']:.2%}" if run.ema is not None else "")
+                + f" | {row['images_per_sec']:.0f} img/s ({row['images_per_sec_per_process']:.0f}/process, "
+                f"data wait {row['data_wait_frac']:.0%})", main_process_only=not cfg.log_all_ranks)
+    return row
 
 
 @torch.no_grad()
@@ -221,18 +247,20 @@ def evaluate(accelerator, model, loader, data, tta: bool = False) -> tuple[torch
 def model_config(cfg: TrainConfig, metrics: dict) -> dict:
     return {"architecture": cfg.model, "stem": cfg.stem, "num_classes": NUM_CLASSES, "input_size": [3, 32, 32],
             "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD), "classes": list(CIFAR10_CLASSES),
-            "metrics": metrics, "accel_train_version": __version__}
+            "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics, "accel_train_version": __version__}
 
 
-def finish(accelerator, cfg, model, ema, metrics, last_row, best_acc, seconds) -> dict:
+def finish(accelerator, cfg, model, ema, metrics, seconds) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
-    summary = {"final_test_acc": last_row.get("test_acc"), "best_test_acc": best_acc,
-               "epochs_run": len(metrics.rows), "step": last_row.get("step"), "wall_seconds": seconds,
-               "images_per_sec": last_row.get("images_per_sec")}
+    last = metrics.rows[-1] if metrics.rows else {}
+    summary = {"final_test_acc": last.get("test_acc"), "best_test_acc": max((r["test_acc"] for r in metrics.rows),
+                                                                            default=None),
+               "epochs_run": len(metrics.rows), "step": last.get("step"), "wall_seconds": seconds,
+               "images_per_sec": last.get("images_per_sec")}
     if ema is not None:
-        summary["final_test_acc_ema"] = last_row.get("test_acc_ema")
+        summary["final_test_acc_ema"] = last.get("test_acc_ema")
     if accelerator.is_main_process:
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)
         path = export_model(plain, out, model_config(cfg, summary))
@@ -242,10 +270,10 @@ def finish(accelerator, cfg, model, ema, metrics, last_row, best_acc, seconds) -
         curves = plot_curves(metrics.rows, out / CURVES_FILE) if cfg.plot and metrics.rows else False
         logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
                     main_process_only=False)
+        files = ["model.safetensors", "model_config.json", "metrics.jsonl", "steps.jsonl", "config.yaml"]
+        files += [CURVES_FILE] * bool(curves) + ["model_ema.safetensors"] * (ema is not None) + ["checkpoints/"]
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
-                    f"{best_acc:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in {out}/: "
-                    f"model.safetensors, model_config.json, metrics.jsonl, config.yaml"
-                    + (f", {CURVES_FILE}" if curves else "") + ", checkpoints/"
-                    + (", tensorboard logs" if cfg.log_with else ""))
+                    f"{summary['best_test_acc'] or 0:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in "
+                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
     accelerator.wait_for_everyone()
     return summary

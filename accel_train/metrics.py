@@ -11,6 +11,7 @@ import torch
 from .config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
+STEPS_FILE = "steps.jsonl"
 CURVES_FILE = "training_curves.png"
 
 
@@ -49,28 +50,46 @@ class EpochMeter:
 
 
 class MetricsLog:
-    """metrics.jsonl, one JSON object per epoch; on resume rows of unfinished epochs are dropped."""
+    """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps), plus the trackers.
 
-    def __init__(self, output_dir, enabled: bool):
-        self.path = Path(output_dir) / METRICS_FILE
+    Every rank holds one; only the main process writes. When a run resumes, rows past the
+    checkpoint it resumed from are dropped, so a replayed stretch is not counted twice.
+    """
+
+    def __init__(self, output_dir, enabled: bool, resume_at=None):
+        self.path, self.steps_path = Path(output_dir) / METRICS_FILE, Path(output_dir) / STEPS_FILE
         self.enabled = enabled
         self.rows = []
-        if enabled and self.path.exists():
-            self.rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-
-    def start_at(self, epoch: int) -> None:
-        """Keep rows of epochs before `epoch` (0-based) and rewrite the file; a fresh run keeps none."""
-        if not self.enabled:
+        if not enabled:
             return
-        self.rows = [r for r in self.rows if r["epoch"] <= epoch]
+        if resume_at is not None and resume_at.step > 0:
+            self.rows = [r for r in _read_jsonl(self.path) if r["epoch"] <= resume_at.epoch]
+            steps = [r for r in _read_jsonl(self.steps_path) if r["step"] <= resume_at.step]
+        else:
+            steps = []
         self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.steps_path.write_text("".join(json.dumps(r) + "\n" for r in steps))
 
-    def append(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        self.rows.append(row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def append(self, accelerator, row: dict) -> None:
+        accelerator.log({f"epoch/{k}": v for k, v in row.items() if k != "epoch"}, step=row["step"])
+        if self.enabled:
+            self.rows.append(row)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def log_step(self, accelerator, step: int, loss: torch.Tensor, lr: float) -> None:
+        """Every rank calls this (the loss is averaged over ranks)."""
+        loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+        accelerator.log({"step/train_loss": loss, "step/lr": lr}, step=step)
+        if self.enabled:
+            with open(self.steps_path, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:

@@ -29,5 +29,8 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
 def create_model(name: str, stem: str = "cifar", num_classes: int = NUM_CLASSES, **kwargs) -> nn.Module:
     if not timm.is_model(name):
         raise ConfigError(f"unknown timm model {name!r}; pick one from timm.list_models(), e.g. resnet18")
-    model = timm.create_model(name, num_classes=num_classes, **kwargs)
+    try:
+        model = timm.create_model(name, num_classes=num_classes, **kwargs)
+    except (TypeError, ValueError, KeyError, AssertionError) as e:
+        raise ConfigError(f"timm could not build {name!r} with {kwargs} ({e}); check --model_kwargs") from None
     return apply_cifar_stem(model) if stem == "cifar" else model

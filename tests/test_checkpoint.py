@@ -1,0 +1,94 @@
+"""Checkpoints and exact resume, through real `accelerate launch` runs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import launch, run_cli
+
+pytestmark = pytest.mark.slow
+CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
+
+
+def small_run(out, *extra):
+    # 256 random samples, global batch 32: 8 optimizer steps per epoch on 1 rank and on 2 ranks
+    return ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--output_dir", out, "--log_every", "1",
+            *extra]
+
+
+def weights(out):
+    return load_file(out / "model.safetensors")
+
+
+def assert_same_weights(a, b, atol):
+    assert a.keys() == b.keys()
+    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+    assert worst <= atol, f"max weight difference {worst}"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks):
+    batch = ["--batch_size", str(32 // ranks)]
+    full, part = tmp_path / "full", tmp_path / "part"
+    launch(CONFIG[ranks], small_run(full, *batch))
+    # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
+    launch(CONFIG[ranks], small_run(part, *batch, "--max_steps", "11"))
+    state = json.loads(next((part / "checkpoints").glob("step_00000011")).joinpath("trainer_state.json").read_text())
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (1, 11, 3 * (1 if ranks == 1 else 1))
+    proc = launch(CONFIG[ranks], small_run(part, *batch, "--resume", "auto"))
+    assert "resumed from" in proc.stderr + proc.stdout and "step 11, 3 batches into the epoch" in proc.stderr
+    assert_same_weights(weights(full), weights(part), atol=1e-6)
+    rows_full = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
+    rows_part = [json.loads(r) for r in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows_part] == [1, 2, 3] and rows_part[-1]["step"] == rows_full[-1]["step"] == 24
+    assert rows_part[-1]["test_acc"] == rows_full[-1]["test_acc"]
+    steps_full = [json.loads(r) for r in (full / "steps.jsonl").read_text().splitlines()]
+    steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps_part] == list(range(1, 25))
+    for a, b in zip(steps_full, steps_part):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and a["lr"] == b["lr"]
+
+
+def test_checkpoints_are_complete_and_only_the_newest_k_are_kept(tmp_path):
+    out = tmp_path / "out"
+    launch("cpu.yaml", small_run(out, "--batch_size", "32", "--checkpoint_every", "3", "--keep_checkpoints", "3",
+                                 "--epochs", "2"))
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_00000012", "step_00000015", "step_00000016"]  # every 3 steps + the epoch ends (8, 16)
+    newest = out / "checkpoints" / "step_00000016"
+    names = {p.name for p in newest.iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "trainer_state.json"} <= names
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (2, 16, 0)
+    assert state["scheduler"]["t_initial"] == 16
+    # the checkpoint's model is the exported model
+    exported, saved = weights(out), load_file(newest / "model.safetensors")
+    assert all(torch.equal(exported[k], saved[k]) for k in exported)
+
+
+def test_same_seed_same_run(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        launch("cpu.yaml", small_run(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "4"))
+    assert_same_weights(weights(a), weights(b), atol=0)
+    c = tmp_path / "c"
+    launch("cpu.yaml", small_run(c, "--batch_size", "32", "--epochs", "1", "--max_steps", "4", "--seed", "7"))
+    assert not torch.equal(weights(a)["fc.weight"], weights(c)["fc.weight"])
+
+
+def test_resume_errors_are_one_line(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(small_run(out, "--resume", tmp_path / "nope"))
+    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+    launch("cpu.yaml", small_run(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2"))
+    ckpt = next((out / "checkpoints").glob("step_*"))
+    model_file = ckpt / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    proc = run_cli(small_run(out, "--batch_size", "32", "--resume", ckpt))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and "is corrupt or incompatible" in lines[0] and "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -163,10 +163,20 @@ if ((dry_run)); then
   exit 0
 fi
 
+# The config must load with accelerate's own loader (an unknown key is an error), before anything starts.
+if ! problem="$("$PYTHON" -c 'import sys
+from accelerate.commands.config.config_args import load_config_from_file
+try:
+    load_config_from_file(sys.argv[1])
+except Exception as e:
+    print(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__); sys.exit(1)' "$config_file" 2>/dev/null)"; then
+  die "accelerate config $config_file is invalid: ${problem:-it does not load}"
+fi
+
 if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
+  # preflight prints its own one-line cause
   env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
-    --port "${master_port:-29500}" --rank "$node_rank" --timeout "${PREFLIGHT_TIMEOUT:-60}" \
-    || die "preflight failed (see above); fix it or pass --no-preflight"
+    --port "${master_port:-29500}" --rank "$node_rank" --timeout "${PREFLIGHT_TIMEOUT:-60}" >&2 || exit 2
 fi
 
 attempt=0

@@ -66,7 +66,8 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, scheduler, ema=N
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))

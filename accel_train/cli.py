@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 import types
 import typing
@@ -80,11 +82,35 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     return TrainConfig(**values)
 
 
+COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
+COMM_PATTERNS = re.compile(r"gloo|nccl|hccl|connection (closed|reset)|closed by peer|timed out|broken pipe", re.I)
+
+
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     from .loop import train  # heavy imports after the arguments are known to be good
-    train(cfg)
+    try:
+        train(cfg)
+    except RuntimeError as e:
+        if type(e).__name__ not in COMM_ERRORS and not COMM_PATTERNS.search(str(e)):
+            raise
+        lost_peer(e, cfg)
     return 0
+
+
+def lost_peer(error: Exception, cfg) -> None:
+    """A collective failed: a peer died or stopped answering. One line, then exit without teardown
+    (destroying a process group whose peer is gone can hang)."""
+    from .checkpoint import checkpoint_dirs
+    text = " ".join(str(error).split())
+    peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text)
+    detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
+    found = checkpoint_dirs(cfg.output_dir)
+    where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
+    print(f"\naccel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
+          f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
+          "it) once every node is back", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def cmd_evaluate(argv):

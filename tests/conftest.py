@@ -158,3 +158,32 @@ def two_hosts():
         yield hosts
     finally:
         hosts.down()
+
+
+def trainer_pids(tag: str) -> dict[int, int]:
+    """{rank: pid} of the trainer processes (not the launchers) started with ACCEL_TEST_TAG=tag."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = cmd.split(b"\0")
+        launcher = any(a.endswith((b"accelerate", b"torchrun", b"accelerate.commands.launch")) for a in argv[:3])
+        if f"ACCEL_TEST_TAG={tag}".encode() in env and b"-m\0accel_train" in cmd and not launcher:
+            rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")), 0)
+            found[rank] = int(d.name)
+    return found
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {getattr(predicate, '__name__', predicate)}")

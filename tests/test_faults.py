@@ -1,0 +1,120 @@
+"""Fault tolerance with real signals to real ranks: a killed rank, a lost node, a crash during a save."""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, clean_env, launch, trainer_pids, wait_all, wait_for
+
+pytestmark = pytest.mark.slow
+RUN = ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", "16",
+       "--checkpoint_every", "2"]
+
+
+def same_weights(a, b, atol=1e-6):
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) <= atol
+
+
+def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    launch("2proc_cpu.yaml", RUN + ["--output_dir", ref])
+    tag = uuid.uuid4().hex
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
+    log = open(tmp_path / "launch.log", "w")
+    proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--max_restarts", "1", *RUN, "--output_dir", out],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        # mid epoch 2: 8 steps per epoch, checkpoints every 2 steps
+        wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), timeout=240)
+        pids = wait_for(lambda: trainer_pids(tag).get(1) and trainer_pids(tag), timeout=30)
+        os.kill(pids[1], signal.SIGKILL)
+        code = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "launch.log").read_text()
+    assert code == 0, text[-4000:]
+    assert "relaunching to resume from the newest checkpoint" in text and "(attempt 2 of 2)" in text
+    assert re.search(r"resumed from .*step_000000(1[0-9])", text)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and rows[-1]["step"] == 24
+    assert same_weights(ref, out)
+
+
+def test_node_loss_stops_node0_with_the_lost_peer_named(two_hosts, tmp_path):
+    port = random.randint(20000, 40000)
+    out = tmp_path / "shared_out"
+    procs, logs = [], []
+    for node in (0, 1):
+        env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=str(port))
+        logs.append(tmp_path / f"node{node}.log")
+        args = ["--train_samples", "1024", "--test_samples", "20", "--epochs", "2", "--batch_size", "16",
+                "--checkpoint_every", "3", "--output_dir", out, "--timeout_s", "60"]
+        procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", *args], env, logs[-1]))
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step_00000006").is_dir(), timeout=240)
+        killed_at = time.monotonic()
+        pids = subprocess.run(["ip", "netns", "pids", two_hosts.ns[1]], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        code0 = procs[0].wait(timeout=150)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        wait_all(procs, timeout=5)
+    text = logs[0].read_text()
+    assert code0 != 0
+    assert elapsed < 120, elapsed
+    causes = [line for line in text.splitlines() if line.startswith("accel-train: error: lost contact with peer")]
+    assert len(causes) == 1 and two_hosts.ip[1] in causes[0], text[-3000:]
+    assert "newest complete checkpoint" in causes[0]
+    # the last complete checkpoint is intact: it loads
+    newest = sorted((out / "checkpoints").glob("step_*"))[-1]
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert state["step"] >= 6 and load_file(newest / "model.safetensors")
+    assert sorted(p.name for p in newest.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    for attempt in range(3):
+        tag = uuid.uuid4().hex
+        env = clean_env(ACCEL_TEST_TAG=tag)
+        cmd = ["accelerate", "launch", "--config_file", ROOT / "accelerate_configs" / "cpu.yaml", "-m", "accel_train",
+               "--train_samples", "128", "--test_samples", "20", "--epochs", "4", "--batch_size", "16",
+               "--checkpoint_every", "1", "--keep_checkpoints", "3", "--output_dir", out]
+        proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            wait_for(lambda: (out / "checkpoints" / "step_00000003").is_dir(), timeout=120)
+            pid = wait_for(lambda: trainer_pids(tag).get(0), timeout=30)
+
+            def saving():
+                return [p for p in (out / "checkpoints").glob(".tmp-step_*") if int(p.name[-8:]) > 3]
+            tmp = wait_for(saving, timeout=60, interval=0.002)[0]
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            proc.wait(timeout=60)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        interrupted = int(tmp.name[-8:])
+        if tmp.exists() and not (out / "checkpoints" / f"step_{interrupted:08d}").exists():
+            break  # the kill landed inside the save
+    else:
+        pytest.fail("could not land a kill inside a checkpoint save in 3 tries")
+    complete = sorted((out / "checkpoints").glob("step_*"))
+    assert complete and int(complete[-1].name[5:]) == interrupted - 1
+    proc = launch("cpu.yaml", ["--train_samples", "128", "--test_samples", "20", "--epochs", "4", "--batch_size", "16",
+                               "--checkpoint_every", "1", "--keep_checkpoints", "3", "--output_dir", out,
+                               "--resume", "auto"])
+    assert f"resumed from {complete[-1]}" in proc.stderr
+    assert not list((out / "checkpoints").glob(".tmp-*")), "stale temporary checkpoints are cleaned up"
+    assert (out / "model.safetensors").is_file()

@@ -1,0 +1,133 @@
+"""Bad input: one line naming the fix, a non-zero exit, no traceback wall, existing outputs untouched."""
+
+import hashlib
+import os
+import pickle
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, clean_env, run_cli, write_batch, write_cifar
+
+
+class Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def existing_run(tmp_path):
+    """An output directory from an earlier run: its files must survive any bad start."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_00000008").mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(os.urandom(256))
+    (out / "metrics.jsonl").write_text('{"epoch": 1, "step": 8}\n')
+    (out / "steps.jsonl").write_text('{"step": 8, "loss": 2.0, "lr": 0.1}\n')
+    (out / "checkpoints" / "step_00000008" / "trainer_state.json").write_text("{}")
+    return out
+
+
+def corrupt(kind, root):
+    """Return the data_dir for a CIFAR-10 tree broken in one way."""
+    if kind == "missing_dir":
+        return root / "does-not-exist"
+    root.mkdir(parents=True, exist_ok=True)
+    if kind == "no_cifar_dir":
+        return root
+    write_cifar(root)
+    batch = root / "cifar-10-batches-py" / "data_batch_4"
+    if kind == "truncated":
+        batch.write_bytes(batch.read_bytes()[:-100])
+    elif kind == "wrong_shape":
+        write_batch(batch, np.zeros((5, 1024), np.uint8), [0] * 5)
+    elif kind == "labels_out_of_range":
+        write_batch(batch, np.zeros((5, 3072), np.uint8), [0, 1, 2, 11, 3])
+    elif kind == "code_pickle":
+        with open(batch, "wb") as f:
+            pickle.dump({b"data": Evil(root / "pwned"), b"labels": [0]}, f, protocol=2)
+    return root
+
+
+CASES = {  # name: (extra args or a data corruption, message fragment)
+    "missing_dir": ("data", "does not exist; pass --data_dir"),
+    "no_cifar_dir": ("data", "has no cifar-10-batches-py/ folder"),
+    "truncated": ("data", "is truncated or corrupt"),
+    "wrong_shape": ("data", "must be an N x 3072 uint8 array"),
+    "labels_out_of_range": ("data", "labels must be in 0..9"),
+    "code_pickle": ("data", "it was not executed"),
+    "unknown_model": (["--model", "resnet_does_not_exist"], "unknown timm model"),
+    "non_numeric_lr": (["--lr", "fast"], "invalid float value: 'fast'"),
+    "negative_epochs": (["--epochs", "-3"], "--epochs must be >= 1"),
+    "global_batch_too_large": (["--train_samples", "8", "--batch_size", "16"],
+                               "cannot fill one batch of 16 on each of 1 processes"),
+    "resume_missing": (["--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
+    "config_unknown_key": ("yaml", "unknown key(s) lr_typo"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input(case, tmp_path, existing_run):
+    spec, fragment = CASES[case]
+    args = ["--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "16",
+            "--output_dir", existing_run]
+    if spec == "data":
+        args += ["--data", "cifar10", "--data_dir", corrupt(case, tmp_path / "in")]
+    elif spec == "yaml":
+        (tmp_path / "c.yaml").write_text("epochs: 2\nlr_typo: 0.1\n")
+        args += ["--config", tmp_path / "c.yaml"]
+    else:
+        args += spec
+    before = snapshot(existing_run)
+    proc = run_cli(args)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and fragment in errors[0], proc.stderr
+    assert snapshot(existing_run) == before
+    assert not (tmp_path / "in" / "pwned").exists()
+
+
+def test_unwritable_output_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = run_cli(["--train_samples", "64", "--epochs", "1", "--output_dir", blocker / "out"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("accel-train: error: cannot create output directory")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_accelerate_config_with_unknown_key(tmp_path, existing_run):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "accelerate_configs" / "cpu.yaml").read_text() + "num_proceses: 2\n")
+    before = snapshot(existing_run)
+    proc = subprocess.run(["bash", ROOT / "launch.sh", "--accel_config", bad, "--output_dir", existing_run],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is invalid" in lines[0] and "num_proceses" in lines[0]
+    assert snapshot(existing_run) == before
+
+
+def test_rendezvous_port_already_in_use(tmp_path, existing_run):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        before = snapshot(existing_run)
+        proc = subprocess.run(["bash", ROOT / "launch.sh", "--output_dir", existing_run], capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    failures = [line for line in proc.stderr.splitlines() if "FAILED" in line or "error" in line.lower()]
+    assert len(failures) == 1 and f"port {port} is already in use" in failures[0], proc.stderr
+    assert snapshot(existing_run) == before

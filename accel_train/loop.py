@@ -172,15 +172,7 @@ def train(cfg: TrainConfig) -> dict:
         for batch in loader:
             x, y = run.data.inputs(batch, train=True, epoch=epoch)
             meter.data_time += time.perf_counter() - tick
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    logits = model(x)
-                    loss = run.criterion(logits, y)
-                accelerator.backward(loss)
-                if cfg.clip_grad and accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            loss, logits = train_step(run, x, y, cfg.clip_grad)
             meter.update(loss, logits, y)
             state.batch_in_epoch += 1
             if accelerator.sync_gradients:  # an optimizer step happened
@@ -207,6 +199,21 @@ def train(cfg: TrainConfig) -> dict:
     summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start)
     accelerator.end_training()
     return summary
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None):
+    """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step."""
+    accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
+    with accelerator.accumulate(model):
+        with accelerator.autocast():
+            logits = model(x)
+            loss = run.criterion(logits, y)
+        accelerator.backward(loss)
+        if clip_grad and accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(model.parameters(), clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss, logits
 
 
 def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int) -> dict:

@@ -45,6 +45,7 @@ class EpochMeter:
             "images_per_sec": samples / seconds if seconds > 0 else 0.0,
             "images_per_sec_per_process": per_process,
             "data_wait_frac": self.data_time / seconds if seconds > 0 else 0.0,
+            "compute_frac": 1.0 - self.data_time / seconds if seconds > 0 else 0.0,
             "epoch_seconds": seconds,
         }
 

@@ -196,7 +196,7 @@ def train(cfg: TrainConfig) -> dict:
         checkpoint(state)  # epoch end, or where --max_steps stopped (a later run can continue from it)
     progress.close()
 
-    summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start)
+    summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start, run.steps_per_epoch)
     accelerator.end_training()
     return summary
 
@@ -257,7 +257,7 @@ def model_config(cfg: TrainConfig, metrics: dict) -> dict:
             "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics, "accel_train_version": __version__}
 
 
-def finish(accelerator, cfg, model, ema, metrics, seconds) -> dict:
+def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
@@ -274,7 +274,8 @@ def finish(accelerator, cfg, model, ema, metrics, seconds) -> dict:
         if ema is not None:
             export_model(ema.module, out, model_config(cfg, summary), filename="model_ema.safetensors")
         cfg.save_yaml(out / "config.yaml")
-        curves = plot_curves(metrics.rows, out / CURVES_FILE) if cfg.plot and metrics.rows else False
+        curves = cfg.plot and bool(metrics.rows) and plot_curves(metrics.rows, out / CURVES_FILE, metrics.steps(),
+                                                                 steps_per_epoch)
         logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
                     main_process_only=False)
         files = ["model.safetensors", "model_config.json", "metrics.jsonl", "steps.jsonl", "config.yaml"]

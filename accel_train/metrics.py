@@ -78,6 +78,9 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def steps(self) -> list[dict]:
+        return _read_jsonl(self.steps_path) if self.enabled else []
+
     def log_step(self, accelerator, step: int, loss: torch.Tensor, lr: float) -> None:
         """Every rank calls this (the loss is averaged over ranks)."""
         loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
@@ -98,12 +101,16 @@ def check_trackers(accelerator, requested: list[str]) -> None:
     active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
     missing = [name for name in requested if name.lower() not in active]
     if missing:
-        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install it, "
-                          f"e.g. pip install 'accel_train[tensorboard]', or drop --log_with")
+        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install its "
+                          f"package (tensorboard: pip install 'accel_train[tensorboard]'), or drop --log_with")
 
 
-def plot_curves(rows: list[dict], path) -> bool:
-    """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib."""
+def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0) -> bool:
+    """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
+
+    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly, the lr as a line
+    that shows the warmup and the cosine decay.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -111,16 +118,22 @@ def plot_curves(rows: list[dict], path) -> bool:
     except ImportError:
         return False
     epochs = [r["epoch"] for r in rows]
+    at = [s["step"] / steps_per_epoch for s in steps] if steps and steps_per_epoch else []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train loss")
-    axes[0].set_title("loss")
+    if at:
+        axes[0].plot(at, [s["loss"] for s in steps], "-", alpha=0.3, label="train loss (steps)")
+    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train loss (epoch mean)")
+    axes[0].set_title("training loss")
     axes[1].plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
     axes[1].plot(epochs, [100 * r["test_acc"] for r in rows], "o-", label="test")
     if any("test_acc_ema" in r for r in rows):
         axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--", label="test (EMA)")
     axes[1].set_title("accuracy (%)")
-    axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr")
-    axes[2].set_title("learning rate (end of epoch)")
+    if at:
+        axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
+    else:
+        axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
+    axes[2].set_title("learning rate")
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)

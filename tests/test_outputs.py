@@ -1,0 +1,134 @@
+"""What a finished run leaves: tracker logs, curves, config.yaml, and a model that evaluate, predict and
+timm's own API can use."""
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from PIL import Image
+from safetensors.torch import load_file
+
+from accel_train.cli import parse_train_args
+from accel_train.config import CIFAR10_CLASSES
+from accel_train.evaluate import load_exported
+from conftest import ROOT, clean_env, launch, run_cli, write_cifar
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finished")
+    data = write_cifar(root / "in", rows=(40,) * 5, test_rows=53, learnable=True, seed=5)
+    out = root / "out"
+    launch("cpu.yaml", ["--data", "cifar10", "--data_dir", data, "--output_dir", out, "--epochs", "2",
+                        "--batch_size", "16", "--log_with", "tensorboard", "--log_every", "2", "--ema"])
+    return data, out
+
+
+def test_tensorboard_events_hold_the_scalars(finished):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, out = finished
+    tags = {}
+    for events in out.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags[tag] = [e.value for e in acc.Scalars(tag)]
+    for tag in ("epoch/train_loss", "epoch/train_acc", "epoch/test_acc", "epoch/lr", "epoch/images_per_sec",
+                "step/train_loss", "step/lr"):
+        assert tag in tags, sorted(tags)
+    assert len(tags["epoch/test_acc"]) == 2 and len(tags["step/train_loss"]) == 200 // 16 * 2 // 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert tags["epoch/test_acc"] == pytest.approx([r["test_acc"] for r in rows])
+
+
+def test_missing_tracker_is_an_error(tmp_path):
+    proc = run_cli(["--train_samples", "32", "--test_samples", "8", "--batch_size", "16", "--epochs", "1",
+                    "--output_dir", tmp_path, "--log_with", "wandb"])
+    assert proc.returncode == 2 and "tracker(s) wandb did not start" in proc.stderr
+
+
+def test_curves_png_is_a_real_image(finished):
+    _, out = finished
+    with Image.open(out / "training_curves.png") as img:
+        img.verify()
+    with Image.open(out / "training_curves.png") as img:
+        assert img.format == "PNG" and img.width >= 800 and img.height >= 300
+        pixels = np.asarray(img.convert("L"))
+    assert pixels.std() > 10, "not a blank canvas"
+
+
+def test_config_yaml_reproduces_the_run(finished):
+    _, out = finished
+    cfg = parse_train_args(["--config", str(out / "config.yaml")])
+    assert cfg.epochs == 2 and cfg.batch_size == 16 and cfg.ema and cfg.log_with == "tensorboard"
+    assert cfg.data == "cifar10" and cfg.output_dir == str(out)
+
+
+def test_evaluate_with_one_and_two_ranks_agrees(finished):
+    data, out = finished
+    one = run_cli(["evaluate", "--checkpoint", out, "--data_dir", data, "--batch_size", "8"])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", out, "--data_dir", data, "--batch_size", "8"])
+    acc = [re.search(r"test accuracy ([\d.]+)% on (\d+) samples \((\d) process", p.stdout).groups()
+           for p in (one, two)]
+    assert acc[0][:2] == acc[1][:2] and acc[0][1] == "53" and (acc[0][2], acc[1][2]) == ("1", "2")
+    table = one.stdout.splitlines()[2:]
+    assert [line.split()[0] for line in table] == list(CIFAR10_CLASSES)
+    assert sum(int(line.split()[1]) for line in table) == 53
+    final = json.loads((out / "model_config.json").read_text())["metrics"]["final_test_acc"]
+    assert float(acc[0][0]) == pytest.approx(100 * final, abs=0.01)
+    ema = run_cli(["evaluate", "--checkpoint", out, "--data_dir", data, "--ema", "--tta"])
+    assert ema.returncode == 0 and "[EMA] [flip TTA]" in ema.stdout
+
+
+def test_predict_prints_top5_for_each_image(finished, tmp_path):
+    _, out = finished
+    paths = []
+    for i, colour in enumerate([(200, 30, 30), (20, 180, 90)]):
+        img = Image.new("RGB", (48, 40), colour)
+        paths.append(tmp_path / f"img{i}.png")
+        img.save(paths[-1])
+    proc = run_cli(["predict", "--checkpoint", out, *paths])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for path, line in zip(paths, lines):
+        assert line.startswith(f"{path}: ")
+        pairs = re.findall(r"(\w+) ([\d.]+)%", line.split(": ", 1)[1])
+        assert len(pairs) == 5 and all(name in CIFAR10_CLASSES for name, _ in pairs)
+        probs = [float(p) for _, p in pairs]
+        assert probs == sorted(probs, reverse=True) and sum(probs) <= 100.5
+    bad = run_cli(["predict", "--checkpoint", out, tmp_path / "missing.png"])
+    assert bad.returncode == 2 and "cannot read image" in bad.stderr
+
+
+def test_export_loads_with_timms_own_api(tmp_path):
+    out = tmp_path / "imagenet_stem"
+    launch("cpu.yaml", ["--stem", "imagenet", "--train_samples", "64", "--test_samples", "8", "--batch_size", "32",
+                        "--epochs", "1", "--output_dir", out])
+    ours, _ = load_exported(out)
+    model = timm.create_model("resnet18", num_classes=10, pretrained=True,
+                              pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=10))
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x), ours(x), atol=1e-5)
+
+
+def test_cifar_stem_export_loads_with_timm_plus_the_documented_stem_change(finished):
+    _, out = finished
+    ours, _ = load_exported(out)
+    # README: timm.create_model, then this one-line stem change, then load the safetensors
+    model = timm.create_model("resnet18", num_classes=10)
+    model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
+    model.load_state_dict(load_file(out / "model.safetensors"))
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x), ours(x), atol=1e-5)

@@ -39,8 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _base_type(tp):
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
+    """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
 
@@ -56,9 +55,10 @@ def train_parser() -> Parser:
     p.add_argument("--config", metavar="YAML", help="start from a config.yaml written by an earlier run; "
                    "flags given here override it")
     groups = {g: p.add_argument_group(g) for g in GROUPS}
+    hints = typing.get_type_hints(TrainConfig)
     for f in fields():
         meta = f.metadata
-        kind = _base_type(f.type)
+        kind = _base_type(hints[f.name])
         kwargs = dict(dest=f.name, default=f.default, help=meta["help"])
         if kind is bool:
             kwargs.update(type=str2bool, nargs="?", const=True, metavar="BOOL")

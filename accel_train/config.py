@@ -144,7 +144,8 @@ class TrainConfig:
         try:
             value = json.loads(self.model_kwargs)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--model_kwargs is not valid JSON ({e.msg}); write it like '{{\"drop_rate\": 0.1}}'") from None
+            raise ConfigError(f"--model_kwargs is not valid JSON ({e.msg}); "
+                              "write it like '{\"drop_rate\": 0.1}'") from None
         if not isinstance(value, dict):
             raise ConfigError("--model_kwargs must be a JSON object, like '{\"drop_rate\": 0.1}'")
         return value

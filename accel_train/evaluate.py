@@ -1,7 +1,8 @@
 """`accel-train evaluate` and `accel-train predict`: use a finished run's model.safetensors.
 
     accel-train evaluate --checkpoint output_dir --data cifar10 --data_dir input_dir
-    accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate --checkpoint output_dir ...
+    accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \
+        --checkpoint output_dir ...
     accel-train predict --checkpoint output_dir cat.png ship.jpg
 """
 
@@ -74,7 +75,8 @@ def main_evaluate(argv: list[str]) -> int:
     for c, name in enumerate(meta.get("classes", CIFAR10_CLASSES)):
         mask = labels == c
         n = int(mask.sum())
-        lines.append(f"{name:12s} {n:8d} " + (f"{(preds[mask] == c).float().mean().item():9.2%}" if n else f"{'-':>9s}"))
+        accuracy = f"{(preds[mask] == c).float().mean().item():9.2%}" if n else f"{'-':>9s}"
+        lines.append(f"{name:12s} {n:8d} {accuracy}")
     if accelerator.is_main_process:
         print("\n".join(lines), flush=True)
     log.info(f"evaluated {labels.numel()} samples", main_process_only=True)

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                              ProjectConfiguration, set_seed, tqdm)
+                              LoggerType, ProjectConfiguration, is_npu_available, set_seed, tqdm)
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -39,11 +39,16 @@ logger = get_logger("accel_train")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    trackers = [t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else []
+    unknown = [t for t in trackers if t not in LoggerType.list()]
+    if unknown:
+        raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
+                          f"{', '.join(LoggerType.list())}")
     accelerator = Accelerator(
         # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
-        cpu=not torch.accelerator.is_available(),
+        cpu=not (torch.accelerator.is_available() or is_npu_available()),
         gradient_accumulation_steps=cfg.grad_accum,
-        log_with=[t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else None,
+        log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         kwargs_handlers=[
@@ -74,7 +79,8 @@ def prepare_output_dir(path) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir") from None
+        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir") \
+            from None
     try:
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:

@@ -3,8 +3,6 @@ timm's own API can use."""
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +15,7 @@ from safetensors.torch import load_file
 from accel_train.cli import parse_train_args
 from accel_train.config import CIFAR10_CLASSES
 from accel_train.evaluate import load_exported
-from conftest import ROOT, clean_env, launch, run_cli, write_cifar
+from conftest import launch, run_cli, write_cifar
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,16 @@ def write_cifar(root: Path, rows=(7, 5, 6, 9, 3), test_rows: int = 11, learnable
         pickle.dump({b"label_names": [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog",
                                       b"horse", b"ship", b"truck"], b"num_cases_per_batch": 10000}, f, protocol=2)
     return Path(root)
+
+
+class Exploit:
+    """Pickles to os.system("touch <path>"): a batch file that would run code when unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
 
 
 def clean_env(**extra) -> dict:
@@ -128,6 +139,16 @@ class TwoHosts:
 
     def env(self, node: int, **extra) -> dict:
         return clean_env(GLOO_SOCKET_IFNAME=self.ifname[node], **extra)
+
+    def launch_plain(self, args: list, logdir: Path) -> tuple[list[subprocess.Popen], list[Path]]:
+        """launch.sh on both hosts with the plain variables (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)."""
+        port = str(random.randint(20000, 40000))
+        procs, logs = [], []
+        for node in (0, 1):
+            env = self.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=self.ip[0], MASTER_PORT=port)
+            logs.append(logdir / f"node{node}.log")
+            procs.append(self.popen(node, ["bash", ROOT / "launch.sh", *args], env, logs[-1]))
+        return procs, logs
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

@@ -9,15 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import ROOT, clean_env, run_cli, write_batch, write_cifar
-
-
-class Evil:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.path}",))
+from conftest import ROOT, Exploit, clean_env, run_cli, write_batch, write_cifar
 
 
 def snapshot(root):
@@ -54,7 +46,7 @@ def corrupt(kind, root):
         write_batch(batch, np.zeros((5, 3072), np.uint8), [0, 1, 2, 11, 3])
     elif kind == "code_pickle":
         with open(batch, "wb") as f:
-            pickle.dump({b"data": Evil(root / "pwned"), b"labels": [0]}, f, protocol=2)
+            pickle.dump({b"data": Exploit(root / "pwned"), b"labels": [0]}, f, protocol=2)
     return root
 
 

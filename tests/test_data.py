@@ -1,4 +1,3 @@
-import os
 import pickle
 
 import numpy as np
@@ -9,7 +8,7 @@ from torchvision.transforms.v2 import functional as TF
 from accel_train.config import TrainConfig
 from accel_train.data import (DataError, IndexDataset, build_data, crop_flip, crop_flip_params, random_data,
                               read_batch, read_cifar10)
-from conftest import write_batch, write_cifar
+from conftest import Exploit, write_batch, write_cifar
 
 
 def test_reader_any_rows_per_file(tmp_path):
@@ -65,18 +64,10 @@ def test_reader_missing_split_and_dirs(tmp_path):
         read_cifar10(tmp_path)
 
 
-class Evil:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.path}",))
-
-
 def test_reader_refuses_code_in_pickle(tmp_path):
     write_cifar(tmp_path)
     marker = tmp_path / "pwned"
-    payload = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"x": Evil(marker)}
+    payload = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"x": Exploit(marker)}
     with open(tmp_path / "cifar-10-batches-py" / "data_batch_1", "wb") as f:
         pickle.dump(payload, f, protocol=2)
     # sanity: the payload really would create the file under plain pickle

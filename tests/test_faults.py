@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -51,15 +50,10 @@ def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path):
 
 
 def test_node_loss_stops_node0_with_the_lost_peer_named(two_hosts, tmp_path):
-    port = random.randint(20000, 40000)
     out = tmp_path / "shared_out"
-    procs, logs = [], []
-    for node in (0, 1):
-        env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=str(port))
-        logs.append(tmp_path / f"node{node}.log")
-        args = ["--train_samples", "1024", "--test_samples", "20", "--epochs", "2", "--batch_size", "16",
-                "--checkpoint_every", "3", "--output_dir", out, "--timeout_s", "60"]
-        procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", *args], env, logs[-1]))
+    procs, logs = two_hosts.launch_plain(["--train_samples", "1024", "--test_samples", "20", "--epochs", "2",
+                                          "--batch_size", "16", "--checkpoint_every", "3", "--output_dir", out,
+                                          "--timeout_s", "60"], tmp_path)
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000006").is_dir(), timeout=240)
         killed_at = time.monotonic()

@@ -39,14 +39,8 @@ def test_modelarts_job_on_two_hosts(two_hosts, tmp_path):
 
 
 def test_plain_variables_on_two_hosts_with_shared_output(two_hosts, tmp_path):
-    port = random.randint(20000, 40000)
     out = tmp_path / "shared_out"
-    procs, paths = [], []
-    for node in (0, 1):
-        env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=str(port))
-        paths.append(tmp_path / f"node{node}.log")
-        procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", *TRAIN, "--output_dir", out, "--log_all_ranks"],
-                                     env, paths[-1]))
+    procs, paths = two_hosts.launch_plain([*TRAIN, "--output_dir", out, "--log_all_ranks"], tmp_path)
     codes = wait_all(procs, timeout=300)
     text = logs(paths)
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)

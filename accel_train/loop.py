@@ -14,8 +14,8 @@ import os
 import tempfile
 import time
 from datetime import timedelta
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch

@@ -76,3 +76,22 @@ def test_two_ranks_learn_a_learnable_dataset(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["test_acc"] >= 0.8, rows
     assert rows[-1]["test_samples"] == 201
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs,precision", [
+    (["--pipeline", "cpu", "--num_workers", "2"], "no"),
+    (["--channels_last"], "bf16"),
+    (["--compile", "--channels_last"], "no"),
+])
+def test_speed_knobs_train_and_export_clean_weights(tmp_path, knobs, precision):
+    config = tmp_path / "cpu_precision.yaml"
+    text = (ROOT / "accelerate_configs" / "cpu.yaml").read_text()
+    config.write_text(text.replace("mixed_precision: 'no'", f"mixed_precision: '{precision}'"))
+    out = tmp_path / "out"
+    proc = launch(str(config), ["--train_samples", "64", "--test_samples", "19", "--batch_size", "16", "--epochs", "1",
+                                "--output_dir", out, *knobs])
+    assert f"[DistributedType.NO, {precision}]" in proc.stderr
+    model, _ = load_into_fresh_model(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["test_samples"] == 19 and 0 <= rows[0]["data_wait_frac"] <= 1

@@ -1,4 +1,5 @@
-"""Metrics: per-epoch rows (metrics.jsonl), tracker checks, training curves. Main process only."""
+"""Metrics: the epoch meter (every rank), metrics.jsonl / steps.jsonl and the trackers (written by the
+main process), the tracker check, and the training curves."""
 
 from __future__ import annotations
 
@@ -36,16 +37,16 @@ class EpochMeter:
         sums = torch.stack([self.loss_sum, self.correct.double(),
                             torch.tensor(float(self.samples), device=self.loss_sum.device, dtype=torch.float64)])
         loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
-        seconds = time.perf_counter() - self.start
-        per_process = self.samples / seconds if seconds > 0 else 0.0
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        data_share = min(self.data_time / seconds, 1.0)
         return {
             "train_loss": loss_sum / max(samples, 1),
             "train_acc": correct / max(samples, 1),
             "train_samples": int(samples),
-            "images_per_sec": samples / seconds if seconds > 0 else 0.0,
-            "images_per_sec_per_process": per_process,
-            "data_wait_frac": self.data_time / seconds if seconds > 0 else 0.0,
-            "compute_frac": 1.0 - self.data_time / seconds if seconds > 0 else 0.0,
+            "images_per_sec": samples / seconds,
+            "images_per_sec_per_process": self.samples / seconds,
+            "data_wait_frac": data_share,
+            "compute_frac": 1.0 - data_share,
             "epoch_seconds": seconds,
         }
 

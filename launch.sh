@@ -192,5 +192,5 @@ while true; do
   attempt=$((attempt + 1))
   echo "launch.sh: the job failed (exit status $status); relaunching to resume from the newest checkpoint" >&2
   sleep "${ACCEL_RESTART_DELAY:-3}"
-  cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}" --resume auto)
+  if ((attempt == 1)); then cmd+=(--resume auto); fi
 done

@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from .config import CIFAR10_MEAN, CIFAR10_STD, ConfigError, TrainConfig
+from .config import CIFAR10_MEAN, CIFAR10_STD, NUM_CLASSES, ConfigError, TrainConfig
 
 CIFAR_DIR = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"
-NUM_CLASSES = 10
 PAD = 4
 
 

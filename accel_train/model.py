@@ -5,9 +5,7 @@ from __future__ import annotations
 import timm
 import torch.nn as nn
 
-from .config import ConfigError
-
-NUM_CLASSES = 10
+from .config import NUM_CLASSES, ConfigError
 
 
 def apply_cifar_stem(model: nn.Module) -> nn.Module:

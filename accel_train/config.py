@@ -18,6 +18,18 @@ class ConfigError(ValueError):
     """Bad user input: printed as one line naming the fix, exit status 2, nothing touched."""
 
 
+class Preempted(Exception):
+    """SIGTERM/SIGUSR1 reached a rank: every rank stopped at one step and checkpointed it (exit 4)."""
+
+
+class Diverged(Exception):
+    """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
+
+
+# Exit statuses of the trainer; launch.sh acts on them (README: Exit statuses).
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
+
+
 def opt(default, help, group, **extra):
     return field(default=default, metadata=dict(help=help, group=group, **extra))
 

@@ -19,7 +19,11 @@
 #                         --no-preflight skips it)
 #   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware
 #   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
-#                         (or ACCEL_MAX_RESTARTS=N)
+#                         (or ACCEL_MAX_RESTARTS=N); only a lost peer or a killed rank is relaunched:
+#                         bad input (2), an error (1) or divergence (5) never are
+#   --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this script
+#                         (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is passed to the
+#                         job, which checkpoints and stops with exit status 4
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,6 +35,7 @@ is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # ---- arguments: our own, the ModelArts boot arguments, and the trainer's ----------------------
 dry_run=0 preflight=auto accel_config="${ACCEL_CONFIG:-}" max_restarts="${ACCEL_MAX_RESTARTS:-0}"
+restart_on_preempt="${ACCEL_RESTART_ON_PREEMPT:-0}"
 ma_init_method="" ma_rank="" ma_world_size=""
 trainer_args=()
 while (($#)); do
@@ -42,13 +47,14 @@ while (($#)); do
     --accel_config) (($# > 1)) || die "--accel_config needs a value"; accel_config="$2"; shift ;;
     --max_restarts=*) max_restarts="${1#*=}" ;;
     --max_restarts) (($# > 1)) || die "--max_restarts needs a value"; max_restarts="$2"; shift ;;
+    --restart_on_preempt) restart_on_preempt=1 ;;
     --init_method=*) ma_init_method="${1#*=}" ;;
     --init_method) (($# > 1)) || die "--init_method needs a value"; ma_init_method="$2"; shift ;;
     --rank=*) ma_rank="${1#*=}" ;;
     --rank) (($# > 1)) || die "--rank needs a value"; ma_rank="$2"; shift ;;
     --world_size=*) ma_world_size="${1#*=}" ;;
     --world_size) (($# > 1)) || die "--world_size needs a value"; ma_world_size="$2"; shift ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) trainer_args+=("$1") ;;
   esac
   shift
@@ -179,12 +185,50 @@ if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
     --port "${master_port:-29500}" --rank "$node_rank" --timeout "${PREFLIGHT_TIMEOUT:-60}" >&2 || exit 2
 fi
 
+# The trainer's own exit status (accelerate launch returns 1 for any failed worker): every rank writes
+# it to a file in ACCEL_TRAIN_STATUS_DIR; the most telling one decides what happens next.
+trainer_status() {
+  local codes c
+  codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ') "
+  for c in 2 5 1 4 3; do  # bad input, diverged, error, preempted, lost peer
+    if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
+  done
+}
+
+# Preemption: SIGTERM / SIGUSR1 to this script go to the job (the trainer checkpoints and exits 4).
+child="" signalled=""
+forward() { signalled="$1"; if [[ -n "$child" ]]; then kill -TERM "$child" 2>/dev/null || true; fi; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+
 attempt=0
 while true; do
   echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${master_addr:+, rank 0 at $master_addr:$master_port} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
+  status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
-  env "${env_vars[@]}" "${cmd[@]}" || status=$?
+  env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" "${cmd[@]}" &
+  child=$!
+  wait "$child" || status=$?
+  while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done
+  child=""
+  reported="$(trainer_status "$status_dir")"
+  rm -rf "$status_dir"
   if ((status == 0)); then exit 0; fi
+  case "$reported" in
+    2) echo "launch.sh: bad input (exit status 2, the cause is above); not relaunched" >&2; exit 2 ;;
+    5) echo "launch.sh: the training diverged (exit status 5); not relaunched" >&2; exit 5 ;;
+    1) echo "launch.sh: the trainer failed with an error (exit status 1, traceback above); not relaunched" >&2; exit 1 ;;
+    4) if [[ -n "$signalled" || "$restart_on_preempt" != 1 ]]; then
+         echo "launch.sh: preempted (exit status 4): a checkpoint of the reached step was written; continue with --resume auto" >&2
+         exit 4
+       fi ;;
+  esac
+  # a lost peer (3), a rank killed outright (no status), or a preemption that --restart_on_preempt relaunches
+  status="${reported:-$status}"
+  if [[ -n "$signalled" ]]; then
+    echo "launch.sh: stopped by SIG$signalled (exit status $status)" >&2; exit "$status"
+  fi
   if ((attempt >= max_restarts)); then
     echo "launch.sh: the job failed with exit status $status after $((attempt + 1)) attempt(s)" >&2
     exit "$status"

@@ -1,10 +1,14 @@
-"""Checkpoints (accelerator.save_state, atomic, newest K kept), resume, and the safetensors export.
+"""Checkpoints (accelerator.save_state, atomic, newest K of this run kept) and the safetensors export.
 
 A checkpoint is `<output_dir>/checkpoints/step_<global step>/`: Accelerate's model.safetensors,
-optimizer.bin, scaler.pt (fp16 only), random_states_<rank>.pkl for every rank, plus our
-trainer_state.json (epoch, global step, batches done in the epoch, lr schedule, EMA file). It is
-written as `.tmp-step_N/` by every rank and renamed into place by the main process once every rank
-has finished: a directory named `step_N` is complete by construction.
+optimizer.bin, scaler.pt (fp16 only), random_states_<rank>.pkl of EVERY rank, plus our
+trainer_state.json (run id, epoch, global step, batches done in the epoch, the run's math: global
+batch, processes, machines, epochs, seed, model, data size), ema.safetensors (--ema) and the metrics
+rows so far. It is written as `.tmp-step_N/` and renamed into place once every rank has finished: a
+directory named `step_N` is complete by construction, and one such directory is a whole checkpoint
+that can be copied anywhere. Each machine with its own disk keeps a whole copy (written in parallel
+by its local main process); a shared output directory holds one copy. Which checkpoint a job
+resumes from, and copying it to machines that lack it, is `resume.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError
@@ -25,6 +30,8 @@ STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
 MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
+RNG_PREFIX = "random_states_"
+HISTORY = ("metrics.jsonl", "steps.jsonl")  # the run's rows so far, carried by every checkpoint
 
 
 @dataclass
@@ -32,81 +39,112 @@ class TrainState:
     epoch: int = 0           # 0-based epoch in progress (== epochs done when batch_in_epoch == 0)
     step: int = 0            # optimizer steps done
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
+    run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
 
 
-def checkpoint_dirs(output_dir) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints (of one run, if given), oldest first."""
     root = Path(output_dir) / CKPT_DIR
     if not root.is_dir():
         return []
     found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    if run_id is not None:
+        found = [p for p in found if _run_of(p) == run_id]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def resolve_resume(resume: str | None, output_dir) -> Path | None:
-    if not resume:
+def _run_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("run_id", "legacy")
+    except (OSError, ValueError):
         return None
-    if resume == "auto":
-        found = checkpoint_dirs(output_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file() or not (path / MODEL_FILE).is_file():
-        raise ConfigError(f"--resume {resume}: not a complete checkpoint (no {STATE_FILE} / {MODEL_FILE}); "
-                          f"pass a {CKPT_DIR}/step_N directory or --resume auto")
-    return path
 
 
 def _state_dict_cpu(module: torch.nn.Module) -> dict:
     return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainState, scheduler, ema=None, keep: int = 2) -> Path:
-    """Every rank calls this. Returns the final checkpoint path."""
+def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, writer: bool, shared: bool,
+                    ema=None, history: dict | None = None, keep: int = 2) -> Path:
+    """Every rank calls this. Returns the final checkpoint path.
+
+    `writer`: this process writes to its disk (the main process for a shared output dir, else each machine's
+    local main process). Model and optimizer are the same on every rank (DDP), so each writer saves them
+    from its own ranks; the RNG states of every rank are gathered so each copy is whole.
+    """
     root = Path(output_dir) / CKPT_DIR
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
-    if accelerator.is_main_process:
+    if writer:
         for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
+    accelerator.project_configuration.save_on_each_node = not shared
     accelerator.save_state(str(tmp))
-    if accelerator.is_main_process:
+    if not shared:  # every writer keeps every rank's RNG state
+        own = tmp / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
+        states = gather_object([(own.name, own.read_bytes())])
+        if writer:
+            for name, data in states:
+                (tmp / name).write_bytes(data)
+    if writer:
         if ema is not None:
             save_file(_state_dict_cpu(ema.module), tmp / EMA_FILE)
-        meta = {**asdict(state), "scheduler": scheduler.state_dict(), "num_processes": accelerator.num_processes}
+        for name, rows in (history or {}).items():
+            (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
         with open(tmp / STATE_FILE, "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
     accelerator.wait_for_everyone()  # every rank's files are in tmp
-    if accelerator.is_main_process:
+    if writer:
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in checkpoint_dirs(output_dir)[:-keep]:
+        for old in checkpoint_dirs(output_dir, state.run_id)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process and tmp.exists():
-        # another node whose output_dir is not shared with rank 0: its part cannot make a resumable
-        # checkpoint on its own (resuming needs a shared output_dir), so it is not kept
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def load_checkpoint(accelerator, path: Path, scheduler, ema=None) -> TrainState:
-    """Every rank calls this, after accelerator.prepare."""
+def load_checkpoint(accelerator, path: Path, log) -> TrainState:
+    """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a function of the
+    step and the current flags (see README: resume)."""
+    meta = json.loads((path / STATE_FILE).read_text())
+    rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
+    if not rng.is_file():
+        log(f"WARNING: {path} has no RNG state for rank {accelerator.process_index} (it was written by "
+            f"{meta.get('num_processes', '?')} processes); this rank's python/numpy/torch RNG starts from the seed")
     try:
-        meta = json.loads((path / STATE_FILE).read_text())
         accelerator.load_state(str(path))
-        if ema is not None and (path / EMA_FILE).is_file():
-            ema.module.load_state_dict(load_file(path / EMA_FILE, device=str(accelerator.device)))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another one to "
                           "--resume or delete it") from None
-    scheduler.load_state_dict(meta["scheduler"])
-    return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"])
+    return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
+                      run_id=meta.get("run_id", "legacy"))
+
+
+def read_history(path: Path) -> dict | None:
+    """The metrics rows a checkpoint carries (metrics.jsonl, steps.jsonl), or None for an older checkpoint."""
+    if not (path / HISTORY[0]).is_file():
+        return None
+    return {name: [json.loads(line) for line in (path / name).read_text().splitlines() if line.strip()]
+            for name in HISTORY if (path / name).is_file()}
+
+
+def load_ema(ema, path: Path, device) -> bool:
+    """EMA weights from a checkpoint, if it has them."""
+    if not (path / EMA_FILE).is_file():
+        return False
+    try:
+        ema.module.load_state_dict(load_file(path / EMA_FILE, device=str(device)))
+    except Exception as e:
+        raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model ({str(e).splitlines()[0][:160]})") \
+            from None
+    return True
 
 
 def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE) -> Path:

@@ -11,12 +11,16 @@ import argparse
 import logging
 import os
 import re
+import socket
 import sys
+import traceback
 import types
 import typing
+from pathlib import Path
 
 from . import __version__
-from .config import ConfigError, TrainConfig, fields, load_yaml
+from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
+                     Diverged, Preempted, TrainConfig, fields, load_yaml)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -82,8 +86,18 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     return TrainConfig(**values)
 
 
-COMM_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
-COMM_PATTERNS = re.compile(r"gloo|nccl|hccl|connection (closed|reset)|closed by peer|timed out|broken pipe", re.I)
+# A lost peer, by exception type and by where the message comes from (the transport layer of the
+# collective library), never by loose words: a DataLoader timeout or an NCCL usage error is a bug to show.
+LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError")
+LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|ncclRemoteError|ncclSystemError|remote process exited|"
+                               r"Watchdog caught collective operation timeout|HCCL.*(timeout|heartbeat)", re.I)
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    names = {c.__name__ for c in type(error).__mro__}
+    if names & set(LOST_PEER_TYPES):
+        return True
+    return isinstance(error, RuntimeError) and bool(LOST_PEER_ORIGINS.search(str(error)))
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -91,11 +105,11 @@ def cmd_train(argv: list[str]) -> int:
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)
-    except RuntimeError as e:
-        if type(e).__name__ not in COMM_ERRORS and not COMM_PATTERNS.search(str(e)):
+    except Exception as e:
+        if not is_lost_peer(e):
             raise
         lost_peer(e, cfg)
-    return 0
+    return EXIT_OK
 
 
 def lost_peer(error: Exception, cfg) -> None:
@@ -110,7 +124,18 @@ def lost_peer(error: Exception, cfg) -> None:
     print(f"\naccel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
           f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
           "it) once every node is back", file=sys.stderr, flush=True)
-    os._exit(3)
+    report_status(EXIT_LOST_PEER)
+    os._exit(EXIT_LOST_PEER)
+
+
+def report_status(code: int) -> None:
+    """Tell launch.sh this process's exit status (`accelerate launch` itself returns 1 for any failure)."""
+    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
+    if folder:
+        try:
+            Path(folder, f"{socket.gethostname()}-{os.getpid()}").write_text(f"{code}\n")
+        except OSError:
+            pass
 
 
 def cmd_evaluate(argv):
@@ -137,7 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load chatter
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     try:
-        return COMMANDS[command](argv)
+        code = COMMANDS[command](argv)
     except ConfigError as e:
         print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        code = EXIT_BAD_INPUT
+    except Preempted as e:
+        print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
+        code = EXIT_PREEMPTED
+    except Diverged as e:
+        print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_DIVERGED
+    except Exception:
+        traceback.print_exc()
+        code = EXIT_ERROR
+    report_status(code)
+    return code

@@ -191,9 +191,8 @@ class Normalize:
         return torch.addcmul(self.shift, images_u8.float(), self.scale)
 
 
-def cpu_transforms(train: bool, augment: bool = True) -> v2.Compose:
-    steps = [v2.RandomCrop(32, padding=PAD), v2.RandomHorizontalFlip()] if (train and augment) else []
-    return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
+def cpu_transforms() -> v2.Compose:
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(CIFAR10_MEAN, CIFAR10_STD)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,16 +220,30 @@ def _identity(batch):
 
 
 class TransformDataset(Dataset):
-    """uint8 tensors + a per-sample torchvision transform (the cpu pipeline)."""
+    """uint8 tensors + per-sample crop/flip and a torchvision transform (the cpu pipeline).
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform):
+    The crop and flip of sample i in epoch e are the device pipeline's hash of (seed, e, i), not the
+    workers' RNG, so a resumed run (and any number of workers or ranks) augments exactly alike. The
+    DataLoader calls set_epoch before each epoch (through the prepared loader); the workers are
+    started per epoch, so they see it.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform, augment_seed: int | None = None):
         self.images, self.labels, self.transform = images, labels, transform
+        self.augment_seed, self.epoch = augment_seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, i):
-        return self.transform(self.images[i]), self.labels[i]
+        image = self.images[i]
+        if self.augment_seed is not None:
+            idx = torch.tensor([i])
+            image = crop_flip(image[None], *crop_flip_params(idx, self.epoch, self.augment_seed))[0]
+        return self.transform(image), self.labels[i]
 
 
 @dataclass
@@ -265,12 +278,12 @@ def build_data(cfg: TrainConfig, device, splits=None) -> Data:
             x, y = batch
             return x.contiguous(memory_format=memory_format), y
 
-        train_ds = TransformDataset(train_x, train_y, cpu_transforms(True, cfg.augment))
-        test_ds = TransformDataset(test_x, test_y, cpu_transforms(False))
+        train_ds = TransformDataset(train_x, train_y, cpu_transforms(), cfg.seed if cfg.augment else None)
+        test_ds = TransformDataset(test_x, test_y, cpu_transforms())
         collate, workers = None, cfg.num_workers
 
-    common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
-                  persistent_workers=workers > 0)
-    train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, **common)
-    test_loader = DataLoader(test_ds, shuffle=False, drop_last=False, **common)
+    common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate)
+    # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
+    train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common)
+    test_loader = DataLoader(test_ds, shuffle=False, drop_last=False, persistent_workers=workers > 0, **common)
     return Data(train_loader, test_loader, inputs, len(train_y), len(test_y))

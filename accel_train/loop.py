@@ -29,11 +29,13 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
 from . import __version__
-from .checkpoint import TrainState, export_model, load_checkpoint, resolve_resume, save_checkpoint
-from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, TrainConfig
+from .checkpoint import TrainState, export_model, load_checkpoint, load_ema, read_history, save_checkpoint
+from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, Preempted, TrainConfig
 from .data import Data, build_data
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, check_trackers, plot_curves
 from .model import NUM_CLASSES, create_model
+from .preempt import StopRequest
+from .resume import Decision, batches_done, check_data, decide, reconcile
 
 logger = get_logger("accel_train")
 
@@ -108,15 +110,23 @@ class Run:
     state: TrainState
     steps_per_epoch: int
     total_steps: int
+    decision: Decision           # who writes checkpoints, where training resumed from
+    math: dict                   # the run's math, recorded in every checkpoint (elastic resume checks it)
+    history: dict | None         # metrics rows of the checkpoint resumed from
 
 
 def setup(cfg: TrainConfig) -> Run:
-    """Check every input before writing anything, then build, prepare and (maybe) resume."""
+    """Check every input before writing anything, agree on one resume decision, then build, prepare, resume."""
     accelerator = make_accelerator(cfg)
-    set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
+    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     out = prepare_output_dir(cfg.output_dir)
-    resume_from = resolve_resume(cfg.resume, out)
+    decision = decide(accelerator, cfg, out, log)  # flags agree, who writes, which checkpoint (copied if needed)
+    if decision.meta:
+        reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
+    set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     data = build_data(cfg, accelerator.device)
+    if decision.meta:
+        check_data(decision.meta, data.train_size)
     if data.train_size < cfg.batch_size * accelerator.num_processes:
         raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each of "
                           f"{accelerator.num_processes} processes; lower --batch_size or add data")
@@ -129,42 +139,55 @@ def setup(cfg: TrainConfig) -> Run:
         model = torch.compile(model, mode=cfg.compile_mode)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, data.train_loader, data.test_loader)
-    ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
 
-    # The lr is a function of the global optimizer step, set with step_update(step): no scheduler
-    # object is stepped per process, so num_processes never changes the schedule.
+    # The lr is a function of the global optimizer step and the current flags, set with step_update(step):
+    # no scheduler object is stepped per process, so num_processes never changes the schedule.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     peak = cfg.peak_lr(accelerator.num_processes)
     scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
                                        min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
                                        updates_per_epoch=steps_per_epoch)
-    state = load_checkpoint(accelerator, resume_from, scheduler, ema) if resume_from else TrainState()
+    state, history = TrainState(run_id=decision.run_id), None
+    if decision.resume_from:
+        state = load_checkpoint(accelerator, decision.resume_from, log)
+        state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
+        history = read_history(decision.resume_from)
     scheduler.step_update(state.step)
+    # the EMA starts from the weights training continues from, then takes the checkpoint's EMA if it has one
+    ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+    if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from, accelerator.device):
+        log(f"{decision.resume_from} has no EMA weights: the EMA starts from the resumed weights")
     criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
+    glob = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    math_ = dict(global_batch=glob, batch_size=cfg.batch_size, num_processes=accelerator.num_processes,
+                 num_machines=decision.num_machines, grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed,
+                 model=cfg.model, stem=cfg.stem, model_kwargs=cfg.model_kwargs_dict(), data=cfg.data,
+                 train_size=data.train_size)
 
-    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
-    if resume_from:
-        log(f"resumed from {resume_from}: epoch {state.epoch + 1}, step {state.step}, "
+    if decision.resume_from:
+        log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
             f"{state.batch_in_epoch} batches into the epoch")
     log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {data.train_size} train / "
         f"{data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
-        f"{accelerator.mixed_precision}], global batch {cfg.batch_size * accelerator.num_processes * cfg.grad_accum}"
-        f", peak lr {peak:.4g}, {steps_per_epoch} steps/epoch")
+        f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch {glob}, peak lr "
+        f"{peak:.4g}, {steps_per_epoch} steps/epoch; checkpoints: "
+        + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         trackers = [t.strip() for t in cfg.log_with.split(",")]
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))
         check_trackers(accelerator, trackers)
     return Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
-               steps_per_epoch, total_steps)
+               steps_per_epoch, total_steps, decision, math_, history)
 
 
 def train(cfg: TrainConfig) -> dict:
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
-    metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state)
-    checkpoint = partial(save_checkpoint, accelerator, cfg.output_dir, scheduler=run.scheduler, ema=ema,
-                         keep=cfg.keep_checkpoints)
+    metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
+    checkpoint = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
+                         shared=run.decision.shared, ema=ema, keep=cfg.keep_checkpoints)
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     run_start = time.perf_counter()
     while state.epoch < cfg.epochs and state.step < run.total_steps:
@@ -191,16 +214,21 @@ def train(cfg: TrainConfig) -> dict:
                 progress.update(1)
                 if state.step >= run.total_steps:
                     break
+                if stop.should_stop(accelerator):
+                    path = checkpoint(state, history=metrics.history())
+                    raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
+                                    f"{path}; continue with --resume auto")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    checkpoint(state)
+                    checkpoint(state, history=metrics.history())
             tick = time.perf_counter()
 
         row = end_of_epoch(run, cfg, meter, epoch)
         metrics.append(accelerator, row)
         if state.batch_in_epoch >= len(run.train_loader):
             state.epoch, state.batch_in_epoch = epoch + 1, 0
-        checkpoint(state)  # epoch end, or where --max_steps stopped (a later run can continue from it)
+        checkpoint(state, history=metrics.history())  # epoch end, or where --max_steps stopped
     progress.close()
+    stop.uninstall()
 
     summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start, run.steps_per_epoch)
     accelerator.end_training()

@@ -54,41 +54,47 @@ class EpochMeter:
 class MetricsLog:
     """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps), plus the trackers.
 
-    Every rank holds one; only the main process writes. When a run resumes, rows past the
-    checkpoint it resumed from are dropped, so a replayed stretch is not counted twice.
+    Every rank holds the rows (their values are reduced over ranks, so they are the same everywhere, and
+    every checkpoint writer stores them); only the main process writes the files. A resumed run starts
+    from the rows its checkpoint carries (older checkpoints: the files, cut at the checkpoint's step), so
+    a replayed stretch is not counted twice and a machine with an empty disk still has the whole history.
     """
 
-    def __init__(self, output_dir, enabled: bool, resume_at=None):
+    def __init__(self, output_dir, enabled: bool, resume_at=None, history: dict | None = None):
         self.path, self.steps_path = Path(output_dir) / METRICS_FILE, Path(output_dir) / STEPS_FILE
         self.enabled = enabled
-        self.rows = []
-        if not enabled:
-            return
-        if resume_at is not None and resume_at.step > 0:
+        self.rows, self.step_rows = [], []
+        if history is not None:
+            self.rows, self.step_rows = history.get(METRICS_FILE, []), history.get(STEPS_FILE, [])
+        elif resume_at is not None and resume_at.step > 0:
             self.rows = [r for r in _read_jsonl(self.path) if r["epoch"] <= resume_at.epoch]
-            steps = [r for r in _read_jsonl(self.steps_path) if r["step"] <= resume_at.step]
-        else:
-            steps = []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-        self.steps_path.write_text("".join(json.dumps(r) + "\n" for r in steps))
+            self.step_rows = [r for r in _read_jsonl(self.steps_path) if r["step"] <= resume_at.step]
+        if enabled:
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self.steps_path.write_text("".join(json.dumps(r) + "\n" for r in self.step_rows))
+
+    def history(self) -> dict:
+        return {METRICS_FILE: list(self.rows), STEPS_FILE: list(self.step_rows)}
 
     def append(self, accelerator, row: dict) -> None:
         accelerator.log({f"epoch/{k}": v for k, v in row.items() if k != "epoch"}, step=row["step"])
+        self.rows.append(row)
         if self.enabled:
-            self.rows.append(row)
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
     def steps(self) -> list[dict]:
-        return _read_jsonl(self.steps_path) if self.enabled else []
+        return self.step_rows
 
     def log_step(self, accelerator, step: int, loss: torch.Tensor, lr: float) -> None:
         """Every rank calls this (the loss is averaged over ranks)."""
         loss = accelerator.reduce(loss.detach().float(), reduction="mean").item()
         accelerator.log({"step/train_loss": loss, "step/lr": lr}, step=step)
+        row = {"step": step, "loss": loss, "lr": lr}
+        self.step_rows.append(row)
         if self.enabled:
             with open(self.steps_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "lr": lr}) + "\n")
+                f.write(json.dumps(row) + "\n")
 
 
 def _read_jsonl(path: Path) -> list[dict]:

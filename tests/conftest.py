@@ -72,10 +72,10 @@ def clean_env(**extra) -> dict:
 
 
 def launch(config: str, args: list[str], timeout: float = 300, env: dict | None = None, check: bool = True,
-           cwd=ROOT) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config> -m accel_train <args>`, as the README says."""
+           cwd=ROOT, launcher: tuple = ()) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config> [launcher args] -m accel_train <args>`."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           "-m", "accel_train", *map(str, args)]
+           *map(str, launcher), "-m", "accel_train", *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")

@@ -1,11 +1,17 @@
 """Two real network hosts (namespaces + veth), each running launch.sh as its platform would."""
 
+import json
+import os
 import random
 import re
+import shutil
+import signal
+import uuid
 
 import pytest
+from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, wait_all
+from conftest import CONFIGS, ROOT, trainer_pids, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -72,3 +78,64 @@ def test_accelerate_test_with_the_two_node_cpu_config(two_hosts, tmp_path):
     assert set(re.findall(r"Num processes: (\d+)", both)) == {"2"}
     assert sorted(set(re.findall(r"Process index: (\d+)", both))) == ["0", "1"]
     assert "Test is a success" in text[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The run lifecycle without a shared disk: ModelArts layout (each machine its own --train_url),
+# machines lost with or without their disks, launch.sh --max_restarts relaunching on both.
+# ---------------------------------------------------------------------------------------------
+
+LIFE = ["--train_samples", "512", "--test_samples", "32", "--epochs", "2", "--batch_size", "16",
+        "--checkpoint_every", "4", "--log_every", "1", "--timeout_s", "60"]
+
+
+def modelarts_job(two_hosts, tmp_path, name, port, extra=(), tags=("", "")):
+    procs, paths, outs = [], [], []
+    for node in (0, 1):
+        env = two_hosts.env(node, MA_NUM_HOSTS="2", VC_TASK_INDEX=str(node), VC_WORKER_HOSTS=",".join(two_hosts.names),
+                            MA_JOB_DIR=str(ROOT), ACCEL_TEST_TAG=tags[node], ACCEL_RESTART_DELAY="4")
+        outs.append(tmp_path / name / f"node{node}" / "train_url_0")
+        args = [ROOT / "launch.sh", *LIFE, *extra, f"--train_url={outs[-1]}/", "--init_method",
+                f"tcp://{two_hosts.names[0]}:{port}", "--rank", str(node), "--world_size", "2"]
+        paths.append(tmp_path / f"{name}-node{node}.log")
+        procs.append(two_hosts.popen(node, ["bash", *args], env, paths[-1]))
+    return procs, paths, outs
+
+
+def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, tmp_path):
+    # the uninterrupted run, launched the same way (threads per rank change float results)
+    procs, paths, ref = modelarts_job(two_hosts, tmp_path, "ref", random.randint(20000, 40000))
+    codes = wait_all(procs, timeout=300)
+    assert codes == [0, 0], "\n\n".join(p.read_text()[-3000:] for p in paths)
+    assert "a whole copy on each machine's disk" in paths[0].read_text()
+    # each machine's disk holds a whole checkpoint: every rank's RNG state, the model, the run's rows
+    for out in ref:
+        newest = sorted((out / "checkpoints").glob("step_*"))[-1]
+        assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
+                "trainer_state.json", "metrics.jsonl"} <= {p.name for p in newest.iterdir()}, newest
+
+    tags = (uuid.uuid4().hex, uuid.uuid4().hex)
+    procs, paths, outs = modelarts_job(two_hosts, tmp_path, "run", random.randint(20000, 40000),
+                                       ["--max_restarts", "3"], tags)
+
+    def kill(node, wipe, after_step):
+        wait_for(lambda: (outs[node] / "checkpoints" / f"step_{after_step:08d}").is_dir(), timeout=240)
+        pid = wait_for(lambda: trainer_pids(tags[node]).get(node), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        if wipe:  # the machine is replaced by one with an empty disk
+            shutil.rmtree(outs[node])
+
+    try:
+        kill(1, wipe=False, after_step=4)   # node 1's ranks die; both nodes relaunch, resume from step >= 4
+        kill(1, wipe=True, after_step=12)   # node 1 lost with its disk: it gets the checkpoint from node 0
+        kill(0, wipe=True, after_step=20)   # machine 0 lost with its disk: node 1's copy is the job's checkpoint
+    finally:
+        codes = wait_all(procs, timeout=400)
+    text = [p.read_text() for p in paths]
+    assert codes == [0, 0], "\n\n".join(t[-4000:] for t in text)
+    assert text[0].count("relaunching to resume") == 3 and text[1].count("relaunching to resume") == 3
+    assert "lack checkpoint step" in text[0]  # a copy was sent to a machine that lacked it
+    a, b = load_file(ref[0] / "model.safetensors"), load_file(outs[0] / "model.safetensors")
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]  # the history survived machine 0's empty disk

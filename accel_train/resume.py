@@ -1,0 +1,227 @@
+"""One start-up decision per job, taken by every rank from the same gathered facts.
+
+Every rank reports what it sees (its flags, the complete checkpoints on its own disk, which
+machines' probe files are visible in its output directory); `accelerate.utils.gather_object` gives
+every rank all the reports, and each rank computes the same answers from them:
+
+- the flags agree on every machine (else one line naming the flag, before any collective can hang);
+- who writes checkpoints: one process per storage (the main process for a shared --output_dir, each
+  machine's local main process when every machine has its own disk);
+- which checkpoint the job resumes from (`--resume auto`: the newest complete one that any machine
+  holds, of the one run found there), and that it belongs to the run in --output_dir;
+- a machine whose disk lacks it receives its files from a machine that has it (broadcast_object_list)
+  and writes a whole copy, so it can be lost again later;
+- whether the checkpoint's run math (global batch, model, seed, data) allows this resume, and the
+  per-process batch on a different number of processes (elastic resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list, gather_object
+
+from .checkpoint import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs
+from .config import ConfigError, TrainConfig
+
+PROBE = ".accel_train-probe-"
+# flags that may differ between machines (paths of each machine's own disk, logging)
+PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
+               "custom_data", "enable_gpu", "overwrite", "resume"}
+# the run's math: a resume that changes one of these is refused (the global batch has its own rule)
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data")
+
+
+@dataclass
+class Decision:
+    writer: bool                 # this process writes checkpoints to its disk
+    shared: bool                 # one --output_dir seen by every machine
+    num_machines: int
+    resume_from: Path | None     # a complete checkpoint on this process's own disk
+    meta: dict | None            # its trainer_state.json
+    run_id: str
+
+
+def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:
+    listing = []
+    for path in checkpoint_dirs(out):
+        try:
+            meta = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        listing.append((meta["step"], meta.get("run_id", "legacy")))
+    explicit = None
+    if cfg.resume and cfg.resume != "auto":
+        p = Path(cfg.resume)
+        if (p / STATE_FILE).is_file() and (p / MODEL_FILE).is_file():
+            try:
+                meta = json.loads((p / STATE_FILE).read_text())
+                explicit = (meta["step"], meta.get("run_id", "legacy"))
+            except (OSError, ValueError, KeyError):
+                explicit = None
+    probes = sorted(int(p.name[len(PROBE):]) for p in out.glob(PROBE + "*")) \
+        if accelerator.is_local_main_process else None
+    flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
+    return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
+            "listing": listing, "explicit": explicit, "probes": probes}
+
+
+def _check_flags(reports: list[dict]) -> None:
+    first = reports[0]["flags"]
+    for r in reports[1:]:
+        for key, value in r["flags"].items():
+            if first.get(key) != value:
+                raise ConfigError(f"the machines were started with different flags: --{key} is {first.get(key)!r} on "
+                                  f"rank 0 but {value!r} on rank {r['rank']}; pass the same training flags on every "
+                                  "machine")
+
+
+def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
+    """(this process writes checkpoints, the output dir is shared, number of machines)."""
+    mains = [r for r in reports if r["local_main"]]
+    every = sorted(r["rank"] for r in mains)
+    if all(r["probes"] == every for r in mains):
+        shared = True
+    elif all(r["probes"] == [r["rank"]] for r in mains):
+        shared = False
+    else:
+        raise ConfigError("--output_dir is shared by some machines but not all; give every machine its own "
+                          "directory or one that all of them share")
+    me = reports[rank]
+    writer = rank == 0 if shared else me["local_main"]
+    return writer, shared or len(mains) == 1, len(mains)
+
+
+def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | None, set[str]]:
+    """The (step, run_id) every rank resumes from, or None; and the runs found in the output dirs."""
+    runs = {run for r in reports for _, run in r["listing"]}
+    if not cfg.resume:
+        return None, runs
+    if cfg.resume == "auto":
+        if len(runs) > 1:
+            raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs ({', '.join(sorted(runs))})"
+                              "; keep one run per output directory (move the others away)")
+        found = [entry for r in reports for entry in r["listing"]]
+        return (max(found) if found else None), runs
+    held = [r["explicit"] for r in reports if r["explicit"]]
+    if not held:
+        raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no {STATE_FILE} / "
+                          f"{MODEL_FILE}); pass a {CKPT_DIR}/step_N directory or --resume auto")
+    return held[0], runs
+
+
+def _read_files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _write_copy(files: dict[str, bytes], final: Path) -> None:
+    """A received checkpoint, written the way save_checkpoint writes one: .tmp-, then rename."""
+    tmp = final.parent / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
+    """Every rank calls this once, right after the Accelerator is built and the output dir checked."""
+    rank = accelerator.process_index
+    probe = out / f"{PROBE}{rank}"
+    if accelerator.is_local_main_process:
+        probe.touch()
+    accelerator.wait_for_everyone()
+    try:
+        reports = gather_object([_report(accelerator, cfg, out)])
+    finally:
+        accelerator.wait_for_everyone()  # every machine has looked before the probes go
+        probe.unlink(missing_ok=True)
+    _check_flags(reports)
+    writer, shared, machines = _storage(reports, rank)
+    target, runs = _choose(cfg, reports)
+
+    if target is None:
+        if runs and not cfg.overwrite:
+            raise ConfigError(f"{out}/{CKPT_DIR} already holds checkpoints of another run; pass --resume auto to "
+                              "continue it, another --output_dir, or --overwrite true to delete them")
+        if runs and writer:
+            for path in checkpoint_dirs(out):
+                log(f"--overwrite: deleting {path} of an earlier run")
+                shutil.rmtree(path)
+        run_id = broadcast_object_list([uuid.uuid4().hex[:12] if rank == 0 else None])[0]
+        return Decision(writer, shared, machines, None, None, run_id)
+
+    step, run_id = target
+    if runs - {run_id}:
+        raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but {out}/{CKPT_DIR} holds "
+                          f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
+                          "--output_dir or an empty one")
+    explicit = cfg.resume != "auto"
+    holds = [(step, run_id) in r["listing"] or (explicit and r["explicit"] == (step, run_id)) for r in reports]
+    local = Path(cfg.resume) if explicit and reports[rank]["explicit"] == target else \
+        out / CKPT_DIR / f"step_{step:08d}"
+    missing = [r["rank"] for r, has in zip(reports, holds) if not has and (r["local_main"] if not shared else r["rank"] == 0)]
+    if missing:
+        source = holds.index(True)
+        log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
+        files = broadcast_object_list([_read_files(local) if rank == source else None], from_process=source)[0]
+        if rank in missing:
+            _write_copy(files, out / CKPT_DIR / f"step_{step:08d}")
+        del files
+        accelerator.wait_for_everyone()
+    meta = json.loads((local / STATE_FILE).read_text())
+    return Decision(writer, shared, machines, local, meta, run_id)
+
+
+def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
+    """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process batch when the
+    number of processes changed. Changes cfg.batch_size in place."""
+    old = meta.get("run")
+    if not old:  # a checkpoint of an older accel_train: nothing recorded to check against
+        return
+    for key in RUN_MATH:
+        now = cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
+        if key in old and old[key] != now:
+            raise ConfigError(f"--{key} {now!r} differs from the checkpoint's {old[key]!r}: resuming would "
+                              f"change the run; resume with --{key} {old[key]!r} or start a fresh run "
+                              "in another --output_dir")
+    glob = old["global_batch"]
+    if num_processes != old["num_processes"]:
+        per, rest = divmod(glob, num_processes * cfg.grad_accum)
+        if rest or per < 1:
+            works = [n for n in range(1, glob // cfg.grad_accum + 1) if (glob // cfg.grad_accum) % n == 0][:12]
+            raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over {num_processes} processes x "
+                              f"--grad_accum {cfg.grad_accum}; resume on one of {works} processes (or change "
+                              "--grad_accum)")
+        if per != cfg.batch_size:
+            log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process batch "
+                f"{cfg.batch_size} -> {per} keeps the checkpoint's global batch {glob}")
+        cfg.batch_size = per
+    elif cfg.batch_size * num_processes * cfg.grad_accum != glob:
+        raise ConfigError(f"--batch_size {cfg.batch_size} x {num_processes} processes x --grad_accum {cfg.grad_accum} "
+                          f"changes the checkpoint's global batch {glob}; resume with --batch_size "
+                          f"{glob // (num_processes * cfg.grad_accum)} (or start a fresh run)")
+    if cfg.epochs != old["epochs"]:
+        log(f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for {cfg.epochs} epochs and "
+            "continues from the current step on it")
+
+
+def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
+    """The checkpoint's batches done in the epoch (per rank), in this run's per-rank batches: the same samples."""
+    old = meta.get("run")
+    if not old:
+        return meta["batch_in_epoch"]
+    return meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"] // (batch_size * num_processes)
+
+
+def check_data(meta: dict, train_size: int) -> None:
+    old = (meta.get("run") or {}).get("train_size")
+    if old is not None and old != train_size:
+        raise ConfigError(f"the checkpoint was trained on {old} training samples, this data has {train_size}; resume "
+                          "with the same data (--train_samples / --data_dir) or start a fresh run")

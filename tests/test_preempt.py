@@ -1,0 +1,99 @@
+"""Preemption with real signals: SIGTERM to launch.sh (what the platform sends), SIGUSR1 to one rank only."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, clean_env, trainer_pids, wait_for
+
+pytestmark = pytest.mark.slow
+# 512 samples, global batch 32: 16 steps per epoch; no step checkpoints (--checkpoint_every 0, the default)
+RUN = ["--train_samples", "512", "--test_samples", "32", "--epochs", "2", "--batch_size", "16", "--log_every", "1"]
+
+
+def launch_sh(out, tag, log, *extra):
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag)
+    return subprocess.Popen(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out, *extra], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+
+def finish(proc, timeout):
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def steps_logged(out):
+    path = out / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    with open(tmp_path / "ref.log", "w") as log:
+        assert finish(launch_sh(ref, uuid.uuid4().hex, log), 300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+
+    with open(tmp_path / "run.log", "w") as log:
+        proc = launch_sh(out, uuid.uuid4().hex, log)
+        try:
+            wait_for(lambda: steps_logged(out) >= 5, timeout=240)  # mid epoch 1
+        except AssertionError:
+            finish(proc, 1)
+            raise
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # to launch.sh, as Kubernetes / ModelArts / SLURM do
+        code = finish(proc, 60)
+        elapsed = time.monotonic() - sent
+    text = (tmp_path / "run.log").read_text()
+    assert code == 4, text[-3000:]
+    assert elapsed < 30, elapsed
+    stops = re.findall(r"accel-train: preempted: stopped by \S+ at step (\d+)", text)
+    assert len(stops) == 2 and len(set(stops)) == 1, text[-3000:]  # both ranks, the same step
+    step = int(stops[0])
+    assert 5 <= step < 16
+    ckpt = out / "checkpoints" / f"step_{step:08d}"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, step, step)
+    assert sorted(p.name for p in ckpt.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert "preempted (exit status 4)" in text and "relaunching" not in text
+    assert not (out / "model.safetensors").exists()  # no export of an unfinished run
+
+    with open(tmp_path / "resume.log", "w") as log:
+        code = finish(launch_sh(out, uuid.uuid4().hex, log, "--resume", "auto"), 300)
+    text = (tmp_path / "resume.log").read_text()
+    assert code == 0, text[-3000:]
+    assert f"step {step}, {step} batches into the epoch" in text
+    a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 33))
+
+
+def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    out, tag = tmp_path / "out", uuid.uuid4().hex
+    with open(tmp_path / "run.log", "w") as log:
+        proc = launch_sh(out, tag, log, "--log_all_ranks")
+        try:
+            wait_for(lambda: steps_logged(out) >= 3, timeout=240)
+            pids = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
+            os.kill(pids[1], signal.SIGUSR1)  # what `scancel --signal=USR1` or SLURM's --signal delivers
+        except AssertionError:
+            finish(proc, 1)
+            raise
+        code = finish(proc, 60)
+    text = (tmp_path / "run.log").read_text()
+    assert code == 4, text[-3000:]
+    stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
+    assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
+    assert len({s[1] for s in stops}) == 1
+    ckpt = out / "checkpoints" / f"step_{int(stops[0][1]):08d}"
+    assert (ckpt / "trainer_state.json").is_file() and (ckpt / "model.safetensors").is_file()

@@ -1,0 +1,135 @@
+"""One resume decision per job: elastic resume, runs that own their checkpoints, EMA and cpu-pipeline resume."""
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+from timm.utils import ModelEmaV3
+
+from accel_train.model import create_model
+
+from conftest import launch, run_cli
+
+pytestmark = pytest.mark.slow
+GN = ["--model_kwargs", '{"norm_layer": "groupnorm"}']
+
+
+def small(out, *extra):
+    # 256 random samples, global batch 32: 8 optimizer steps per epoch
+    return ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--log_every", "1",
+            "--output_dir", out, *extra]
+
+
+def worst(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    launch("2proc_cpu.yaml", small(full, "--batch_size", "16", *GN))
+    launch("2proc_cpu.yaml", small(part, "--batch_size", "16", *GN, "--max_steps", "5"))
+    ref = load_file(full / "model.safetensors")
+    for ranks, per in ((1, 32), (4, 8)):
+        out = tmp_path / f"on{ranks}"
+        shutil.copytree(part, out)
+        # the same command line as before (--batch_size 16): the per-process batch follows the global batch
+        proc = launch("2proc_cpu.yaml", small(out, "--batch_size", "16", *GN, "--resume", "auto"),
+                      launcher=("--num_processes", ranks))
+        assert f"2 -> {ranks} processes; per-process batch 16 -> {per} keeps the checkpoint's global batch 32" \
+            in proc.stderr, proc.stderr[-3000:]
+        assert "step 5, " in proc.stderr and f"{5 * 32 // (per * ranks)} batches into the epoch" in proc.stderr
+        got = load_file(out / "model.safetensors")
+        assert worst(ref, got) <= 1e-5, (ranks, worst(ref, got))
+        steps = [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, 17))
+    # and 1e-5 means something: training moved the weights far more than that
+    init = create_model("resnet18", "cifar", norm_layer="groupnorm").state_dict()
+    assert worst(ref, init) > 1e-3
+
+    # what would change the run's math is refused, in one line naming the flag
+    ckpt = ["--resume", "auto"]
+    one_line_error(run_cli(small(part, "--batch_size", "8", *GN, *ckpt)), "--batch_size 8", "global batch 32")
+    one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--seed", "7", *ckpt)), "--seed 7")
+    one_line_error(run_cli(small(part, "--batch_size", "32", *ckpt)), "--model_kwargs {}")
+    one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--train_samples", "224", *ckpt)),
+                   "trained on 256 training samples, this data has 224")
+    one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "16", *GN, *ckpt), check=False,
+                          launcher=("--num_processes", 3)), "cannot be split over 3 processes", "[1, 2, 4, 8, 16, 32]")
+
+
+def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path):
+    out = tmp_path / "out"
+    launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1"))
+    proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "2", "--resume", "auto"))
+    assert "--epochs 1 -> 2: the lr schedule is rebuilt for 2 epochs" in proc.stderr
+    lrs = [json.loads(r)["lr"] for r in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(lrs) == 16 and lrs[8] > lrs[7]  # epoch 2 runs on the 2-epoch cosine, not at the old min_lr
+    assert lrs[-1] < lrs[8]
+
+
+def test_checkpoints_belong_to_a_run(tmp_path):
+    out, other = tmp_path / "out", tmp_path / "other"
+    launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "6",
+                             "--checkpoint_every", "2", "--keep_checkpoints", "5"))
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert before == ["step_00000002", "step_00000004", "step_00000006"]
+    # a fresh run in that directory is refused, nothing of the older run is touched
+    one_line_error(run_cli(small(out, "--batch_size", "32", "--max_steps", "2")), "--resume auto", "--overwrite")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    # checkpoints of a second run copied in: --resume auto will not mix them
+    launch("cpu.yaml", small(other, "--batch_size", "32", "--epochs", "1", "--max_steps", "8"))
+    shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000099")
+    one_line_error(run_cli(small(out, "--batch_size", "32", "--resume", "auto")), "2 different runs")
+    # nor rotate them: a resume of the first run (explicit path) keeps only its own newest, not the stranger
+    shutil.rmtree(out / "checkpoints" / "step_00000099")
+    proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--keep_checkpoints", "1",
+                                    "--resume", "auto"))
+    assert "resumed from" in proc.stderr and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
+    # --overwrite: the older run's checkpoints go, said in the log
+    proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2", "--overwrite"))
+    assert "--overwrite: deleting" in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_ema_is_restored_before_first_use(tmp_path):
+    full, part, plain = tmp_path / "full", tmp_path / "part", tmp_path / "plain"
+    run = ["--batch_size", "32", "--epochs", "1", "--ema", "--ema_decay", "0.9"]
+    launch("cpu.yaml", small(full, *run, "--max_steps", "4"))
+    launch("cpu.yaml", small(part, *run, "--max_steps", "3"))
+    assert (part / "checkpoints" / "step_00000003" / "ema.safetensors").is_file()
+    launch("cpu.yaml", small(part, *run, "--max_steps", "4", "--resume", "auto"))
+    assert worst(load_file(full / "model_ema.safetensors"), load_file(part / "model_ema.safetensors")) <= 1e-6
+
+    # a checkpoint without EMA weights: the EMA starts from the resumed weights
+    launch("cpu.yaml", small(plain, "--batch_size", "32", "--epochs", "1", "--max_steps", "3"))
+    w3 = load_file(plain / "checkpoints" / "step_00000003" / "model.safetensors")
+    proc = launch("cpu.yaml", small(plain, *run, "--max_steps", "4", "--resume", "auto"))
+    assert "has no EMA weights: the EMA starts from the resumed weights" in proc.stderr
+    w4, ema = load_file(plain / "model.safetensors"), load_file(plain / "model_ema.safetensors")
+    model = create_model("resnet18", "cifar")
+    model.load_state_dict(w3)
+    expected = ModelEmaV3(model, decay=0.9, use_warmup=True)
+    model.load_state_dict(w4)
+    expected.update(model, step=4)
+    assert worst(expected.module.state_dict(), ema) <= 1e-6
+    assert worst(w4, ema) > 1e-4  # it is an average, not a copy
+
+
+def test_cpu_pipeline_with_workers_resumes_exactly(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    run = ["--batch_size", "32", "--pipeline", "cpu", "--num_workers", "2"]
+    launch("cpu.yaml", small(full, *run))
+    launch("cpu.yaml", small(part, *run, "--max_steps", "11"))
+    launch("cpu.yaml", small(part, *run, "--resume", "auto"))
+    assert worst(load_file(full / "model.safetensors"), load_file(part / "model.safetensors")) <= 1e-6

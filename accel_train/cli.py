@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[command](argv)
     except ConfigError as e:
-        print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
+        if not e.quiet:
+            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
         code = EXIT_BAD_INPUT
     except Preempted as e:
         print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)

@@ -15,7 +15,11 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """Bad user input: printed as one line naming the fix, exit status 2, nothing touched."""
+    """Bad user input: printed as one line naming the fix, exit status 2, nothing touched.
+
+    `quiet`: every rank raised the same error; only the main process prints it."""
+
+    quiet = False
 
 
 class Preempted(Exception):

@@ -35,7 +35,7 @@ from .data import Data, build_data
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, check_trackers, plot_curves
 from .model import NUM_CLASSES, create_model
 from .preempt import StopRequest
-from .resume import Decision, batches_done, check_data, decide, reconcile
+from .resume import Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once
 
 logger = get_logger("accel_train")
 
@@ -119,18 +119,20 @@ def setup(cfg: TrainConfig) -> Run:
     """Check every input before writing anything, agree on one resume decision, then build, prepare, resume."""
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
-    out = prepare_output_dir(cfg.output_dir)
-    decision = decide(accelerator, cfg, out, log)  # flags agree, who writes, which checkpoint (copied if needed)
-    if decision.meta:
-        reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
+    out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
+    with said_once(accelerator):
+        decision = decide(accelerator, cfg, out, log)  # flags agree, who writes, which checkpoint (copied if needed)
+        if decision.meta:
+            reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
-    data = build_data(cfg, accelerator.device)
-    if decision.meta:
-        check_data(decision.meta, data.train_size)
-    if data.train_size < cfg.batch_size * accelerator.num_processes:
-        raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each of "
-                          f"{accelerator.num_processes} processes; lower --batch_size or add data")
-    model = create_model(cfg.model, cfg.stem, **cfg.model_kwargs_dict())
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device)
+    with said_once(accelerator):
+        if decision.meta:
+            check_data(decision.meta, data.train_size)
+        if data.train_size < cfg.batch_size * accelerator.num_processes:
+            raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each "
+                              f"of {accelerator.num_processes} processes; lower --batch_size or add data")
+        model = create_model(cfg.model, cfg.stem, **cfg.model_kwargs_dict())
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,33 @@ class Decision:
     resume_from: Path | None     # a complete checkpoint on this process's own disk
     meta: dict | None            # its trainer_state.json
     run_id: str
+
+
+@contextmanager
+def said_once(accelerator):
+    """Errors raised inside are raised alike on every rank (they come from gathered facts): print once."""
+    try:
+        yield
+    except ConfigError as e:
+        e.quiet = not accelerator.is_main_process
+        raise
+
+
+def on_every_rank(accelerator, check, *args, **kwargs):
+    """Run a check that can fail on some ranks only (a machine's own disk, data or directory) on every rank;
+    if it fails anywhere, every rank raises the same one-line error, instead of the others waiting in the
+    next collective until --timeout_s."""
+    try:
+        result, error = check(*args, **kwargs), None
+    except ConfigError as e:
+        result, error = None, str(e)
+    failed = [(rank, msg) for rank, msg in gather_object([(accelerator.process_index, error)]) if msg]
+    if failed:
+        rank, msg = failed[0]
+        e = ConfigError(msg if len(failed) == accelerator.num_processes else f"rank {rank}: {msg}")
+        e.quiet = not accelerator.is_main_process
+        raise e
+    return result
 
 
 def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:

@@ -112,3 +112,47 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert f"resumed from {complete[-1]}" in proc.stderr
     assert not list((out / "checkpoints").glob(".tmp-*")), "stale temporary checkpoints are cleaned up"
     assert (out / "model.safetensors").is_file()
+
+
+def test_lost_peer_is_classified_by_type_and_origin_not_by_words():
+    from accel_train.cli import is_lost_peer
+
+    class DistNetworkError(RuntimeError):
+        pass
+
+    class DistBackendError(RuntimeError):
+        pass
+
+    assert is_lost_peer(RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                     "[10.1.2.3]:41000"))
+    assert is_lost_peer(RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                                     "60000ms for recv operation to complete"))
+    assert is_lost_peer(DistNetworkError("failed to recv, got 0 bytes"))
+    assert is_lost_peer(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there "
+                                         "was a network error, NCCL version 2.21.5 ncclRemoteError"))
+    # real bugs keep their traceback: the old classifier matched "timed out" and "nccl" in any message
+    assert not is_lost_peer(RuntimeError("DataLoader worker (pid(s) 1234) timed out after 30 seconds"))
+    assert not is_lost_peer(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with "
+                                             "NCCL_DEBUG=WARN for details), NCCL version 2.21.5 ncclInvalidUsage"))
+    assert not is_lost_peer(ValueError("connection closed by peer"))
+
+
+def launch_sh(tmp_path, *args):
+    env = clean_env(ACCEL_RESTART_DELAY="1")
+    return subprocess.run(["bash", ROOT / "launch.sh", "--max_restarts", "2", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_launch_sh_does_not_relaunch_an_error_or_bad_input(tmp_path):
+    # a deterministic bug at the first step (a one-channel model fed RGB): traceback kept, exit 1, no relaunch
+    proc = launch_sh(tmp_path, "--train_samples", "64", "--test_samples", "8", "--batch_size", "16", "--epochs", "1",
+                     "--stem", "imagenet", "--model_kwargs", '{"in_chans": 1}', "--output_dir", tmp_path / "bug")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" in proc.stderr and "expected input" in proc.stderr
+    assert "lost contact" not in proc.stderr and "relaunching" not in proc.stderr
+    assert "not relaunched" in proc.stderr and "(attempt 2 of 3)" not in proc.stderr
+    # bad input: one line, exit 2, no relaunch
+    proc = launch_sh(tmp_path, "--data", "cifar10", "--data_dir", tmp_path / "missing", "--output_dir", tmp_path / "o")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "does not exist" in errors[0] and "relaunching" not in proc.stderr

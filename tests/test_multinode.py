@@ -11,7 +11,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, trainer_pids, wait_all, wait_for
+from conftest import CONFIGS, ROOT, trainer_pids, wait_all, wait_for, write_cifar
 
 pytestmark = pytest.mark.slow
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -139,3 +139,33 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
     rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]  # the history survived machine 0's empty disk
+
+
+def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
+    data = write_cifar(tmp_path / "data")
+
+    def job(extra1, name):
+        port, procs, paths = random.randint(20000, 40000), [], []
+        for node in (0, 1):
+            env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=str(port))
+            args = [*TRAIN, "--data", "cifar10", "--output_dir", tmp_path / name / f"node{node}",
+                    "--data_dir", data, "--batch_size", "8", *(extra1 if node == 1 else [])]
+            paths.append(tmp_path / f"{name}-node{node}.log")
+            procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", "--max_restarts", "1", *args], env,
+                                         paths[-1]))
+        codes = wait_all(procs, timeout=120)
+        return codes, [p.read_text() for p in paths]
+
+    # another --batch_size on machine 1: refused on both machines, naming the flag, no relaunch, no hang
+    codes, text = job(["--batch_size", "16"], "flags")
+    assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
+    for t in text:
+        assert "relaunching" not in t
+    errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "--batch_size is 8 on rank 0 but 16 on rank 1" in errors[0], text[0][-2000:]
+    # machine 1 lacks the data: both stop with machine 1's cause
+    codes, text = job(["--data_dir", tmp_path / "nowhere"], "data")
+    assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
+    errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "rank 1: data directory" in errors[0] and "nowhere" in errors[0], text[0][-2000:]
+    assert not (tmp_path / "data-node0" / "model.safetensors").exists()

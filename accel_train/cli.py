@@ -1,4 +1,4 @@
-"""Command line: `accel-train [train] [flags]`, `accel-train evaluate|predict|preflight ...`.
+"""Command line: `accel-train [train] [flags]`, `accel-train evaluate|predict|preflight|smoke ...`.
 
 The train parser is generated from TrainConfig's fields. Flags take `--k v` and `--k=v`; booleans
 also `--flag` alone and `--flag true|false`. Arguments a platform adds that we do not know are

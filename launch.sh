@@ -8,15 +8,22 @@
 # Sources, first match wins for each value:
 #   1. explicit:   NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC_PER_NODE
 #   2. ModelArts:  MA_NUM_HOSTS|VC_WORKER_NUM  VC_TASK_INDEX  first of VC_WORKER_HOSTS  MA_NUM_GPUS
-#                  and the boot arguments --init_method tcp://HOST:PORT --rank N --world_size N
+#                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
+#                  --init_method tcp://HOST:PORT --rank N --world_size N
 #   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
 #   4. SLURM:      SLURM_NNODES SLURM_NODEID first host of SLURM_JOB_NODELIST  SLURM_GPUS_ON_NODE
-#   5. else one machine; processes per machine = the GPUs or NPUs found, else 1.
+#   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
+# Devices: nvidia-smi (or, without it, torch.cuda.device_count()), npu-smi; CUDA_VISIBLE_DEVICES and
+# ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one CPU process).
 #
 # Own options (everything else goes to the trainer):
 #   --dry-run             print the exact command and exit
-#   --preflight           check the rank-0 host and port first (always done for several machines;
-#                         --no-preflight skips it)
+#   --smoke-test          instead of training, run Accelerate's test script on this setup and fail
+#                         unless every rank joined one group of the expected size (accel-train smoke)
+#   --preflight           check the rank-0 host and port before each attempt (always done for
+#                         several machines; --no-preflight skips it)
+#   --rdzv_wait S         how long the preflight of a non-zero rank waits for rank 0 to come up
+#                         (or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
 #   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware
 #   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
 #                         (or ACCEL_MAX_RESTARTS=N); only a lost peer or a killed rank is relaunched:
@@ -24,6 +31,7 @@
 #   --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this script
 #                         (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is passed to the
 #                         job, which checkpoints and stops with exit status 4
+#   -h, --help            this text
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,13 +42,17 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
 # ---- arguments: our own, the ModelArts boot arguments, and the trainer's ----------------------
-dry_run=0 preflight=auto accel_config="${ACCEL_CONFIG:-}" max_restarts="${ACCEL_MAX_RESTARTS:-0}"
+dry_run=0 smoke_test=0 preflight=auto accel_config="${ACCEL_CONFIG:-}" max_restarts="${ACCEL_MAX_RESTARTS:-0}"
+rdzv_wait="${ACCEL_RDZV_WAIT:-${PREFLIGHT_TIMEOUT:-600}}"
 restart_on_preempt="${ACCEL_RESTART_ON_PREEMPT:-0}"
 ma_init_method="" ma_rank="" ma_world_size=""
 trainer_args=()
 while (($#)); do
   case "$1" in
     --dry-run|--dry_run) dry_run=1 ;;
+    --smoke-test|--smoke_test) smoke_test=1 ;;
+    --rdzv_wait=*) rdzv_wait="${1#*=}" ;;
+    --rdzv_wait) (($# > 1)) || die "--rdzv_wait needs a value"; rdzv_wait="$2"; shift ;;
     --preflight) preflight=1 ;;
     --no-preflight|--no_preflight) preflight=0 ;;
     --accel_config=*) accel_config="${1#*=}" ;;
@@ -54,7 +66,7 @@ while (($#)); do
     --rank) (($# > 1)) || die "--rank needs a value"; ma_rank="$2"; shift ;;
     --world_size=*) ma_world_size="${1#*=}" ;;
     --world_size) (($# > 1)) || die "--world_size needs a value"; ma_world_size="$2"; shift ;;
-    -h|--help) sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) trainer_args+=("$1") ;;
   esac
   shift
@@ -89,23 +101,61 @@ nnodes="$(first_set "${NNODES:-}" "${MA_NUM_HOSTS:-}" "${VC_WORKER_NUM:-}" "$ma_
 node_rank="$(first_set "${NODE_RANK:-}" "${VC_TASK_INDEX:-}" "$ma_rank" "${PET_NODE_RANK:-}" "${SLURM_NODEID:-}" 0)"
 master_addr="$(first_set "${MASTER_ADDR:-}" "$vc_first_host" "$ma_host" "$slurm_first_host")"
 master_port="$(first_set "${MASTER_PORT:-}" "$ma_port" "")"
-nproc="$(first_set "${NPROC_PER_NODE:-}" "${MA_NUM_GPUS:-}" "${PET_NPROC_PER_NODE:-}" "${SLURM_GPUS_ON_NODE:-}")"
+# MA_NUM_GPUS=0 / SLURM_GPUS_ON_NODE=0 (CPU-only flavours, CPU jobs) say "no devices", not "0 processes".
+ma_gpus="${MA_NUM_GPUS:-}" slurm_gpus="${SLURM_GPUS_ON_NODE:-}"
+[[ "$ma_gpus" == 0 ]] && ma_gpus=""
+[[ "$slurm_gpus" == 0 ]] && slurm_gpus=""
+nproc="$(first_set "${NPROC_PER_NODE:-}" "$ma_gpus" "${PET_NPROC_PER_NODE:-}" "$slurm_gpus")"
 
 # ---- hardware and config ----------------------------------------------------------------------
-count_nvidia() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true; }
+# Each count is what this process may use: the devices found, limited by the visible-device variable.
+visible() {  # NAME -> number of devices NAME lets through, or nothing when NAME is unset
+  [[ -v "$1" ]] || return 0
+  local list="${!1}" n=0 entry entries
+  IFS=, read -r -a entries <<< "$list"
+  for entry in "${entries[@]}"; do  # like the CUDA runtime: stop at the first invalid entry (-1, empty)
+    entry="${entry// /}"
+    [[ -z "$entry" || "$entry" == -* ]] && break
+    n=$((n + 1))
+  done
+  echo "$n"
+}
+count_nvidia() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+  else  # an image without nvidia-smi: ask the CUDA driver through torch (honours CUDA_VISIBLE_DEVICES)
+    timeout "${ACCEL_PROBE_TIMEOUT:-60}" "$PYTHON" -c 'import ctypes, sys
+try:
+    ctypes.CDLL("libcuda.so.1")
+except OSError:
+    print(0); sys.exit()
+import torch
+print(torch.cuda.device_count())' 2>/dev/null || true
+  fi
+}
 count_npu() {
   command -v npu-smi >/dev/null 2>&1 || return 0
   npu-smi info -l 2>/dev/null | awk -F: '/Total Count/ {gsub(/ /, "", $2); print $2; exit}'
 }
-n_gpu="$(count_nvidia)"; n_gpu="${n_gpu:-0}"
-n_npu="$(count_npu)"; n_npu="${n_npu:-0}"
+limit() { local found="${1:-0}" shown="$2"; is_uint "$found" || found=0; if [[ -n "$shown" ]] && ((shown < found)); then echo "$shown"; else echo "$found"; fi; }
+n_gpu="$(limit "$(count_nvidia)" "$(visible CUDA_VISIBLE_DEVICES)")"
+n_npu="$(limit "$(count_npu)" "$(visible ASCEND_RT_VISIBLE_DEVICES)")"
 if ((n_gpu > 0)); then device=gpu found="$n_gpu"
 elif ((n_npu > 0)); then device=npu found="$n_npu"
 else device=cpu found=1
 fi
+if [[ -z "${NPROC_PER_NODE:-}${PET_NPROC_PER_NODE:-}" && -n "$nproc" ]] && is_uint "$nproc"; then
+  # MA_NUM_GPUS / SLURM_GPUS_ON_NODE count the machine's devices; only the visible ones get a process.
+  if [[ "$device" != cpu ]] && ((nproc > found)); then
+    echo "launch.sh: the platform says $nproc devices, $found are visible here: $found process(es)" >&2
+    nproc="$found"
+  elif [[ "$device" == cpu ]]; then
+    echo "launch.sh: warning: the platform says $nproc devices, but no GPU or NPU is visible here; running $nproc CPU processes" >&2
+  fi
+fi
 nproc="${nproc:-$found}"
 
-for pair in "nnodes=$nnodes" "node_rank=$node_rank" "nproc_per_node=$nproc" "max_restarts=$max_restarts"; do
+for pair in "nnodes=$nnodes" "node_rank=$node_rank" "nproc_per_node=$nproc" "max_restarts=$max_restarts" "rdzv_wait=$rdzv_wait"; do
   is_uint "${pair#*=}" || die "${pair%%=*} must be a non-negative integer, got '${pair#*=}' (check NNODES/NODE_RANK/NPROC_PER_NODE or the platform variables)"
 done
 ((nnodes >= 1)) || die "the number of machines must be >= 1, got $nnodes"
@@ -162,7 +212,11 @@ if [[ "$device" == npu && "$dry_run" == 0 ]]; then  # bf16 only where the chip h
     launch_args+=(--mixed_precision fp16)
   fi
 fi
-cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
+if ((smoke_test)); then  # Accelerate's test script on the same launch arguments, checked for the group size
+  cmd=("$PYTHON" -m accel_train smoke "${launch_args[@]}")
+else
+  cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
+fi
 
 if ((dry_run)); then
   printf '%q ' env "${env_vars[@]}" "${cmd[@]}"; echo
@@ -179,10 +233,19 @@ except Exception as e:
   die "accelerate config $config_file is invalid: ${problem:-it does not load}"
 fi
 
-if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
-  # preflight prints its own one-line cause
-  env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
-    --port "${master_port:-29500}" --rank "$node_rank" --timeout "${PREFLIGHT_TIMEOUT:-60}" >&2 || exit 2
+# Before each attempt: the rank-0 host resolves and rank 0 can listen (rank 0), or its port answers
+# within --rdzv_wait seconds (other ranks: machines may start minutes apart). It prints its own one-line cause.
+run_preflight() {
+  if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
+    env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
+      --port "${master_port:-29500}" --rank "$node_rank" --timeout "$rdzv_wait" >&2 || exit 2
+  fi
+}
+
+if ((smoke_test)); then
+  run_preflight
+  env "${env_vars[@]}" "${cmd[@]}" || exit $?
+  exit 0
 fi
 
 # The trainer's own exit status (accelerate launch returns 1 for any failed worker): every rank writes
@@ -204,6 +267,7 @@ trap 'forward INT' INT
 
 attempt=0
 while true; do
+  run_preflight
   echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${master_addr:+, rank 0 at $master_addr:$master_port} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0

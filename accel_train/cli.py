@@ -1,4 +1,4 @@
-"""Command line: `accel-train [train] [flags]`, `accel-train evaluate|predict|preflight ...`.
+"""Command line: `accel-train [train] [flags]`, `accel-train evaluate|predict|preflight|smoke ...`.
 
 The train parser is generated from TrainConfig's fields. Flags take `--k v` and `--k=v`; booleans
 also `--flag` alone and `--flag true|false`. Arguments a platform adds that we do not know are
@@ -53,7 +53,7 @@ def train_parser() -> Parser:
                description="Train a timm model on CIFAR-10 or random data with Hugging Face Accelerate. "
                            "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
                            "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
-               epilog="Other commands: accel-train evaluate | predict | preflight (each has --help).",
+               epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each has --help).",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--version", action="version", version=f"accel_train {__version__}")
     p.add_argument("--config", metavar="YAML", help="start from a config.yaml written by an earlier run; "
@@ -153,7 +153,13 @@ def cmd_preflight(argv):
     return main_preflight(argv)
 
 
-COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "predict": cmd_predict, "preflight": cmd_preflight}
+def cmd_smoke(argv):
+    from .smoke import main_smoke
+    return main_smoke(argv)
+
+
+COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "predict": cmd_predict, "preflight": cmd_preflight,
+            "smoke": cmd_smoke}
 
 
 def main(argv: list[str] | None = None) -> int:

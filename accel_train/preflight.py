@@ -5,6 +5,8 @@
   1. H resolves (DNS or /etc/hosts);
   2. rank 0: H is an address of this machine and P is free on it (the rendezvous will listen there);
      other ranks: H:P accepts a TCP connection (retried until rank 0 is up or time runs out).
+Both the name lookup and the connection are retried until --timeout, so a node that starts minutes
+before rank 0 waits for it (launch.sh passes --rdzv_wait, default 600 s) instead of failing.
 Each failure is one line naming what to set. Exit 0 when every check passed, 1 otherwise.
 """
 
@@ -103,7 +105,11 @@ def check_reachable(ip: str, port: int, deadline: float) -> str | None:
 def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> list[str]:
     """Run the checks; return the failures (empty list = all good)."""
     deadline = time.monotonic() + timeout
-    addresses = resolve(host, timeout)
+    while True:  # a rank-0 pod's DNS name often appears only once that pod is up: retry until the deadline
+        addresses = resolve(host, min(5.0, max(deadline - time.monotonic(), 0.1)))
+        if addresses or time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
     if not addresses:
         return [f"rank-0 host {host!r} does not resolve within {timeout:.0f}s; set MASTER_ADDR to an address or a "
                 "name in DNS or /etc/hosts"]

@@ -3,18 +3,22 @@
 import os
 import shlex
 import shutil
+import socket
 import stat
 import subprocess
+import threading
+import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, clean_env
 
 LAUNCH = ROOT / "launch.sh"
 PLATFORM_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "MA_NUM_HOSTS",
                  "VC_WORKER_NUM", "VC_TASK_INDEX", "VC_WORKER_HOSTS", "MA_NUM_GPUS", "PET_NNODES", "PET_NODE_RANK",
                  "PET_NPROC_PER_NODE", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE",
-                 "ACCEL_CONFIG", "ACCEL_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                 "ACCEL_CONFIG", "ACCEL_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
+                 "ASCEND_RT_VISIBLE_DEVICES", "ACCEL_RDZV_WAIT", "PREFLIGHT_TIMEOUT", "ACCEL_PROBE_TIMEOUT", "PYTHON")
 
 
 def fake_tool(bindir, name, output):
@@ -29,11 +33,15 @@ def hw(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
 
-    def make(gpus=0, npus=0):
+    def make(gpus=0, npus=0, torch_gpus=None):
+        for old in bindir.iterdir():
+            old.unlink()
         if gpus:
             fake_tool(bindir, "nvidia-smi", "\n".join(f"GPU {i}: NVIDIA H100 (UUID: GPU-{i})" for i in range(gpus)))
         if npus:
             fake_tool(bindir, "npu-smi", f"\tTotal Count                    : {npus}\n\n\tNPU ID : 0")
+        if torch_gpus is not None:  # an image without nvidia-smi whose python sees CUDA devices
+            fake_tool(bindir, "python3", str(torch_gpus))
         return bindir
     return make
 
@@ -161,12 +169,169 @@ def test_named_config_and_cpu_processes():
     ({}, ["--init_method", "10.0.0.1:80"], "--init_method must look like tcp://HOST:PORT"),
     ({"MASTER_PORT": "99999"}, [], "MASTER_PORT must be a port number"),
     ({}, ["--rank"], "--rank needs a value"),
+    ({"ACCEL_RDZV_WAIT": "soon"}, [], "rdzv_wait must be a non-negative integer, got 'soon'"),
+    ({}, ["--rdzv_wait"], "--rdzv_wait needs a value"),
 ])
 def test_bad_environments_are_one_line_errors(env, args, message):
     proc = dry_run(env, args)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("launch.sh: error: ") and message in lines[0], lines
+
+
+def test_modelarts_cpu_flavour_is_one_cpu_process():
+    # MA_NUM_GPUS=0 on CPU-only flavours means no devices, not zero processes
+    env, opts, _ = parse(dry_run({"MA_NUM_GPUS": "0"}))
+    assert opts == {"config": "cpu.yaml", "--num_machines": "1", "--num_processes": "1"}
+    assert env["ACCELERATE_USE_CPU"] == "1"
+    _, opts, _ = parse(dry_run({"MA_NUM_GPUS": "0", "MA_NUM_HOSTS": "2", "VC_TASK_INDEX": "1",
+                                "VC_WORKER_HOSTS": "w0,w1"}))
+    multinode(opts, 2, 1, "w0", 29500, 2, "2node_cpu.yaml")
+
+
+@pytest.mark.parametrize("visible,procs,config", [
+    ("0,1", 2, "1node_gpu.yaml"),
+    ("GPU-8e6f1c2a-0000-0000-0000-000000000001,GPU-8e6f1c2a-0000-0000-0000-000000000002,MIG-3", 3, "1node_gpu.yaml"),
+    ("0,1,-1,3", 2, "1node_gpu.yaml"),  # the CUDA runtime stops at the first invalid entry
+    ("", 1, "cpu.yaml"),                 # no GPU visible: one CPU process
+    ("-1", 1, "cpu.yaml"),
+    ("0,1,2,3,4,5,6,7,8,9", 8, "1node_gpu.yaml"),  # never more than the node has
+])
+def test_cuda_visible_devices_sets_the_processes_per_node(hw, visible, procs, config):
+    env, opts, _ = parse(dry_run({"CUDA_VISIBLE_DEVICES": visible}, bindir=hw(gpus=8)))
+    assert opts == {"config": config, "--num_machines": "1", "--num_processes": str(procs)}
+    assert ("ACCELERATE_USE_CPU" in env) == (config == "cpu.yaml")
+    assert env.get("CUDA_VISIBLE_DEVICES", visible) == visible  # passed on untouched (gpu_ids: all)
+
+
+def test_visible_devices_limit_the_platform_device_counts(hw):
+    _, opts, _ = parse(dry_run({"MA_NUM_GPUS": "8", "CUDA_VISIBLE_DEVICES": "0,1"}, bindir=hw(gpus=8)))
+    assert opts["--num_processes"] == "2"
+    _, opts, _ = parse(dry_run({"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "2"}, bindir=hw(gpus=4)))
+    assert opts["--num_processes"] == "1"
+    _, opts, _ = parse(dry_run({"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7"}, bindir=hw(npus=8)))
+    assert opts == {"config": "1node_npu.yaml", "--num_machines": "1", "--num_processes": "4"}
+    _, opts, _ = parse(dry_run({"NPROC_PER_NODE": "3", "CUDA_VISIBLE_DEVICES": "0"}, bindir=hw(gpus=8)))
+    assert opts["--num_processes"] == "3"  # an explicit process count still wins
+
+
+def test_gpus_without_nvidia_smi_are_found_through_python(hw):
+    env, opts, _ = parse(dry_run({}, bindir=hw(torch_gpus=4)))
+    assert opts == {"config": "1node_gpu.yaml", "--num_machines": "1", "--num_processes": "4"}
+    assert "ACCELERATE_USE_CPU" not in env
+    _, opts, _ = parse(dry_run({"CUDA_VISIBLE_DEVICES": "0"}, bindir=hw(torch_gpus=4)))
+    assert opts["--num_processes"] == "1"
+
+
+def test_a_hanging_device_probe_is_bounded(hw, tmp_path):
+    bindir = hw()
+    (bindir / "python3").write_text("#!/bin/sh\nexec sleep 60\n")
+    (bindir / "python3").chmod(0o755)
+    start = time.monotonic()
+    _, opts, _ = parse(dry_run({"ACCEL_PROBE_TIMEOUT": "1"}, bindir=bindir))
+    assert opts["config"] == "cpu.yaml" and time.monotonic() - start < 30
+
+
+def test_help_is_only_the_help_text():
+    proc = subprocess.run(["bash", str(LAUNCH), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""
+    header = []
+    for line in LAUNCH.read_text().splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    assert proc.stdout.splitlines() == header
+    for option in ("--dry-run", "--smoke-test", "--preflight", "--rdzv_wait", "--accel_config", "--max_restarts",
+                   "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MA_NUM_GPUS=0"):
+        assert option in proc.stdout, option
+
+
+def test_smoke_test_dry_run_is_the_smoke_check_on_the_same_launch_arguments():
+    proc = dry_run({"NPROC_PER_NODE": "2"}, ["--smoke-test"])
+    assert proc.returncode == 0, proc.stderr
+    tokens = shlex.split(proc.stdout)
+    i = tokens.index("-m")
+    assert tokens[i + 1:i + 3] == ["accel_train", "smoke"] and "ACCELERATE_USE_CPU=1" in tokens[:i]
+    assert tokens[i + 3:] == ["--config_file", str(ROOT / "accelerate_configs" / "2proc_cpu.yaml"),
+                              "--num_machines", "1", "--num_processes", "2"]
+    proc = dry_run({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h0"}, ["--smoke-test"])
+    tokens = shlex.split(proc.stdout)
+    assert tokens[tokens.index("smoke") + 1:][-9:] == ["--machine_rank", "1", "--main_process_ip", "h0",
+                                                       "--main_process_port", "29500", "--rdzv_backend", "static",
+                                                       "--same_network"]
+
+
+# ---- launch.sh for real: the preflight before each attempt waits for rank 0 -----------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_accelerate(bindir, log, statuses):
+    """`accelerate` that records its arguments and exits with the next of `statuses` (one per call)."""
+    counter = bindir / "calls"
+    script = (f"#!/bin/bash\necho \"$*\" >> {log}\nn=$(cat {counter} 2>/dev/null || echo 0)\n"
+              f"echo $((n + 1)) > {counter}\nstatuses=({' '.join(map(str, statuses))})\nexit ${{statuses[$n]}}\n")
+    (bindir / "accelerate").write_text(script)
+    (bindir / "accelerate").chmod(0o755)
+
+
+def run_rank1(tmp_path, port, args, listen_after=None, statuses=(0,)):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    log = tmp_path / "accelerate_calls"
+    fake_accelerate(bindir, log, statuses)
+    env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
+    env.update(PATH=f"{bindir}:{env['PATH']}", NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), ACCEL_RESTART_DELAY="0")
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def rank0_comes_up():
+        server.bind(("127.0.0.1", port))
+        server.listen(16)
+
+    timer = threading.Timer(listen_after, rank0_comes_up) if listen_after is not None else None
+    start = time.monotonic()
+    if timer:
+        timer.start()
+    try:
+        proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        if timer:
+            timer.cancel()
+        server.close()
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, calls, time.monotonic() - start
+
+
+def test_a_rank_started_before_rank0_waits_for_it(tmp_path):
+    port = free_port()
+    proc, calls, elapsed = run_rank1(tmp_path, port, ["--rdzv_wait", "60", "--epochs", "1"], listen_after=4)
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed >= 4 and "preflight: ok" in proc.stderr
+    assert len(calls) == 1 and "--machine_rank 1" in calls[0] and f"--main_process_port {port}" in calls[0]
+    assert calls[0].endswith("-m accel_train --epochs 1")  # --rdzv_wait is launch.sh's own
+
+
+def test_the_wait_for_rank0_is_bounded_by_rdzv_wait(tmp_path):
+    port = free_port()
+    proc, calls, elapsed = run_rank1(tmp_path, port, ["--rdzv_wait=2", "--epochs", "1"])
+    assert proc.returncode == 2 and calls == []
+    failures = [line for line in proc.stderr.splitlines() if "FAILED" in line]
+    assert len(failures) == 1 and f"cannot reach rank 0 at 127.0.0.1:{port}" in failures[0]
+    assert elapsed < 30
+
+
+def test_the_preflight_runs_before_every_attempt(tmp_path):
+    port = free_port()
+    # the first attempt loses its peer (status 3), the relaunch succeeds
+    proc, calls, _ = run_rank1(tmp_path, port, ["--max_restarts", "1", "--rdzv_wait", "30"], listen_after=0,
+                               statuses=(3, 0))
+    assert proc.returncode == 0, proc.stderr
+    assert len(calls) == 2 and proc.stderr.count("preflight: ok") == 2
 
 
 def test_shellcheck_clean():

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, trainer_pids, wait_all, wait_for, write_cifar
+from conftest import ROOT, trainer_pids, wait_all, wait_for, write_cifar
 
 pytestmark = pytest.mark.slow
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -57,27 +57,18 @@ def test_plain_variables_on_two_hosts_with_shared_output(two_hosts, tmp_path):
         ["random_states_0.pkl", "random_states_1.pkl"]
 
 
-def test_accelerate_test_with_the_two_node_cpu_config(two_hosts, tmp_path):
-    # `accelerate test` takes only a config file: each machine runs it on a copy of 2node_cpu.yaml with
-    # its machine_rank and the rank-0 address filled in, as the README says.
-    port = random.randint(20000, 40000)
-    base = (CONFIGS / "2node_cpu.yaml").read_text()
-    procs, paths = [], []
-    for node in (0, 1):
-        cfg = tmp_path / f"node{node}.yaml"
-        cfg.write_text(re.sub(r"(?m)^machine_rank: 0", f"machine_rank: {node}", base)
-                       .replace("main_process_ip: 127.0.0.1", f"main_process_ip: {two_hosts.ip[0]}")
-                       .replace("main_process_port: 29500", f"main_process_port: {port}"))
-        paths.append(tmp_path / f"node{node}.log")
-        procs.append(two_hosts.popen(node, ["accelerate", "test", "--config_file", cfg],
-                                     two_hosts.env(node, ACCELERATE_USE_CPU="1"), paths[-1]))
+def test_smoke_check_on_two_hosts(two_hosts, tmp_path):
+    # The documented smoke check of a two-machine setup: launch.sh --smoke-test on each machine, which runs
+    # Accelerate's test script with that machine's rank and the rank-0 address, and checks the group size.
+    procs, paths = two_hosts.launch_plain(["--smoke-test"], tmp_path)
     codes = wait_all(procs, timeout=300)
     text = logs(paths)
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
-    both = "\n".join(text)
-    assert set(re.findall(r"Num processes: (\d+)", both)) == {"2"}
-    assert sorted(set(re.findall(r"Process index: (\d+)", both))) == ["0", "1"]
-    assert "Test is a success" in text[0]
+    for node in (0, 1):
+        assert re.findall(r"(?m)^Num processes: (\d+)$", text[node]) == ["2"]
+        assert re.findall(r"(?m)^Process index: (\d+)$", text[node]) == [str(node)]
+        assert (f"smoke: ok: 2node_cpu.yaml: 1 process(es) here (indices {node}..{node}) in one group of 2 over "
+                "2 machine(s)") in text[node]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 import socket
 import sys
 import subprocess
+import threading
 import time
 
+import accel_train.preflight as preflight_module
 from accel_train.preflight import preflight
 from conftest import ROOT, clean_env
 
@@ -49,3 +51,32 @@ def test_unresolvable_host_and_rank0_checks():
     assert len(failures) == 1 and "already in use" in failures[0]
     failures = preflight("192.0.2.1", free_port(), 0, timeout=5, log=lambda m: None)  # TEST-NET: not ours
     assert len(failures) == 1 and "not an address of this machine" in failures[0]
+
+
+def test_a_rank_started_before_rank0_waits_for_its_listener():
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    timer = threading.Timer(3, lambda: (server.bind(("127.0.0.1", port)), server.listen()))
+    start = time.monotonic()
+    timer.start()
+    try:
+        failures = preflight("127.0.0.1", port, 1, timeout=30, log=lambda m: None)
+    finally:
+        timer.cancel()
+        server.close()
+    assert failures == [] and 3 <= time.monotonic() - start < 30
+
+
+def test_a_rank0_name_that_resolves_late_is_waited_for(monkeypatch):
+    # in Kubernetes the rank-0 pod's DNS name appears only once that pod is up
+    answers = iter([[], [], ["127.0.0.1"]])
+    monkeypatch.setattr(preflight_module, "resolve", lambda host, timeout: next(answers))
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert preflight("rank0.job.svc", server.getsockname()[1], 1, timeout=30, log=lambda m: None) == []
+    answers = iter([[]] * 100)
+    start = time.monotonic()
+    failures = preflight("rank0.job.svc", 29500, 1, timeout=2, log=lambda m: None)
+    assert len(failures) == 1 and "does not resolve within 2s" in failures[0] and time.monotonic() - start < 10

@@ -42,3 +42,22 @@ def test_quick_start_training_command_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("model.safetensors", "model_config.json", "metrics.jsonl", "config.yaml", "training_curves.png"):
         assert (tmp_path / "out" / name).is_file(), name
+
+
+def test_ci_tests_the_lower_bounds_of_pyproject():
+    bounds = {}
+    requirements = (ROOT / "pyproject.toml").read_text().split("[project]", 1)[1].split("[project.scripts]", 1)[0]
+    for name, version in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', requirements):
+        bounds.setdefault(name.lower(), set()).add(version)
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints-min.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    assert all(len(v) == 1 for v in bounds.values()), bounds  # one bound per package, extras included
+    untested = {name for name in bounds if name not in pins}
+    assert untested == {"torch", "torchvision"}, untested  # the two the min-version venv reuses, not reinstalls
+    assert {name: bounds[name].pop() for name in pins} == pins
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash .ci/min_versions.sh" in ci.splitlines()

@@ -1,0 +1,76 @@
+"""accel-train smoke: Accelerate's own test script, passing only when the ranks formed the config's group."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from accel_train import smoke
+from accel_train.smoke import check
+from conftest import CONFIGS, ROOT, clean_env
+
+
+def run_smoke(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "accel_train", "smoke", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=clean_env())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,ranks", [("cpu.yaml", 1), ("2proc_cpu.yaml", 2)])
+def test_smoke_passes_when_every_rank_joined(config, ranks):
+    proc = run_smoke("--config_file", CONFIGS / config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.findall(r"(?m)^Num processes: (\d+)$", proc.stdout) == [str(ranks)] * ranks
+    assert sorted(re.findall(r"(?m)^Process index: (\d+)$", proc.stdout)) == [str(i) for i in range(ranks)]
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"smoke: ok: {config}: {ranks} process(es) here (indices 0..{ranks - 1}) in one group of {ranks} over "
+        "1 machine(s)")
+
+
+@pytest.mark.slow
+def test_what_accelerate_test_calls_a_success_the_smoke_check_calls_a_failure():
+    # Exactly what `accelerate test --config_file 2proc_cpu.yaml` runs: no ACCELERATE_USE_CPU, so the two
+    # ranks never join one group, and Accelerate's script still exits 0.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2proc_cpu.yaml"),
+           str(smoke.test_script())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.findall(r"(?m)^Num processes: (\d+)$", proc.stdout) == ["1", "1"]
+    problems = check(proc.stdout, proc.returncode, 2, range(2))
+    assert len(problems) == 2 and "did not join one group of 2" in problems[0], problems
+    assert "expected process indices 0..1 here, got 0, 0" in problems[1]
+
+
+@pytest.mark.slow
+def test_a_launcher_that_starts_fewer_ranks_fails_the_smoke_check(tmp_path):
+    # MULTI_CPU goes to accelerate's simple launcher, which starts one process whatever num_processes says
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text((CONFIGS / "2proc_cpu.yaml").read_text().replace("MULTI_GPU", "MULTI_CPU"))
+    proc = run_smoke("--config_file", config)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("smoke: FAILED for multi_cpu.yaml: expected 2 process(es) here"), lines[-3:]
+    assert "got 1: the ranks did not join one group of 2" in lines[-1]
+
+
+def test_check_needs_every_rank_of_this_machine_and_a_clean_exit():
+    rank = "Distributed environment: DistributedType.MULTI_GPU  Backend: nccl\nNum processes: {n}\nProcess index: {i}\n"
+    both = rank.format(n=4, i=2) + "noise\n" + rank.format(n=4, i=3)
+    assert check(both, 0, 4, range(2, 4)) == []                      # machine 1 of 2, two processes each
+    assert "exited with status 1" in check(both, 1, 4, range(2, 4))[0]
+    assert "got 2, 3" in check(both, 0, 4, range(0, 2))[0]          # the wrong machine rank
+    assert "got 4" in check(rank.format(n=4, i=2), 0, 4, range(2, 4))[0]  # one rank missing
+    assert "got none" in check("Test is a success", 0, 2, range(2))[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "--config_file is required"),
+    (["--config_file", "nope.yaml"], "--config_file nope.yaml: no such file"),
+    (["--config_file", CONFIGS / "2node_cpu.yaml", "--machine_rank", "2"], "machine_rank 2 is not below"),
+])
+def test_bad_smoke_arguments_are_one_line_errors(args, message):
+    proc = run_smoke(*args, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("accel-train: error: ") and message in lines[0], lines

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError
@@ -64,7 +64,7 @@ def _state_dict_cpu(module: torch.nn.Module) -> dict:
     return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, writer: bool, shared: bool,
+def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, writer: bool, shared: bool, model=None,
                     ema=None, history: dict | None = None, keep: int = 2) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
@@ -79,6 +79,11 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
         for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
+    if not shared and model is not None:
+        # Under DDP the ranks' weights are equal but their BatchNorm statistics are each rank's own until DDP
+        # broadcasts rank 0's at the next forward: do that now, so every machine's copy is rank 0's state.
+        for tensor in [*model.buffers(), *(ema.module.state_dict().values() if ema is not None else ())]:
+            broadcast(tensor, from_process=0)
     accelerator.wait_for_everyone()
     accelerator.project_configuration.save_on_each_node = not shared
     accelerator.save_state(str(tmp))

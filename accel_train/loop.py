@@ -188,7 +188,7 @@ def train(cfg: TrainConfig) -> dict:
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
     checkpoint = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
-                         shared=run.decision.shared, ema=ema, keep=cfg.keep_checkpoints)
+                         shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
     stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     run_start = time.perf_counter()

@@ -16,7 +16,7 @@ import types
 import typing
 
 from . import __version__
-from .config import ConfigError, TrainConfig, fields, load_yaml
+from .config import ConfigError, Parser, TrainConfig, fields, load_yaml
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -31,13 +31,6 @@ def str2bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line (ConfigError) instead of usage + exit."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
-
 def _base_type(tp):
     """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -46,7 +39,7 @@ def _base_type(tp):
 
 def train_parser() -> Parser:
     p = Parser(prog="accel-train", allow_abbrev=False,
-               description="Train a timm model on CIFAR-10 or random data with Hugging Face Accelerate. "
+               description="Train a timm model on CIFAR-10, an image folder or random data with Hugging Face Accelerate. "
                            "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
                            "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
                epilog="Other commands: accel-train evaluate | predict | preflight (each has --help).",

@@ -222,13 +222,13 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tupl
     return classes, files, labels
 
 
-def image_folder_splits(data_dir) -> tuple[Path, Path]:
+def image_folder_splits(data_dir, need_train: bool = True) -> tuple[Path, Path]:
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) pointing at the "
                         "folder that holds train/ and val/")
     train = root / "train"
-    if not train.is_dir():
+    if need_train and not train.is_dir():
         raise DataError(f"{root} has no train/ folder; an image folder is {root}/train/<class>/... and "
                         f"{root}/val/<class>/...")
     evaluation = next((root / d for d in EVAL_DIRS if (root / d).is_dir()), None)
@@ -367,7 +367,7 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
 
 
 def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted):
-    train_dir, eval_dir = image_folder_splits(cfg.data_dir)
+    train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
     classes = info.classes if info else None
     found = {}
     if "train" in wanted:

@@ -54,8 +54,8 @@ class TrainConfig:
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "
                                  "random, 224 for imagefolder (images are resized, shorter side, then "
                                  "centre-cropped)", "data")
-    train_samples: int | None = opt(None, "use only the first N training samples (random data: its size, "
-                                    "default 50000)", "data")
+    train_samples: int | None = opt(None, "use only the first N training samples (image folders: N evenly "
+                                    "spaced files; random data: its size, default 50000)", "data")
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
                                    "default 10000)", "data")
     pipeline: str = opt("auto", "'device': uint8 images live on the accelerator, batches are gathered and "

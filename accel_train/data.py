@@ -273,16 +273,21 @@ def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
 
 
 def check_images(files: list[Path]) -> None:
-    """The cpu pipeline decodes later, in workers: open every file now so that one that is not an image
-    stops the run before it starts (and is named)."""
+    """The cpu pipeline decodes later, in workers: read every file's header now (cheap, no decoding) so that
+    a file that is not an image stops the run before it starts, named. (A file whose header is fine but
+    whose pixel data is truncated is only found, and named, when a worker decodes it.)"""
     from PIL import Image
-    for path in files:
+
+    def one(path):
         try:
             with Image.open(path) as img:
-                img.verify()
+                img.size
         except Exception as e:  # Pillow raises many kinds for a broken file
-            raise DataError(f"{path} is not a readable image ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
-                            "replace or remove it") from None
+            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise DataError(f"{path} is not a readable image ({first}); replace or remove it") from None
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(one, files))
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -316,6 +321,7 @@ def device_budget(cfg: TrainConfig, device) -> int:
     """Bytes of decoded images the device pipeline may keep on `device`."""
     if cfg.device_data_mb is not None:
         return int(cfg.device_data_mb * 2**20)
+    from accelerate.utils import broadcast_object_list
     device = torch.device(device)
     try:
         if device.type == "cpu":
@@ -323,8 +329,9 @@ def device_budget(cfg: TrainConfig, device) -> int:
         else:
             free, _ = torch.accelerator.get_memory_info(device)
     except (ValueError, OSError, RuntimeError, AttributeError):
-        return 2**62  # unknown: do not refuse
-    return free // 4
+        free = 2**64  # unknown: do not refuse
+    # rank 0's measure for every rank: all ranks must choose the same pipeline
+    return broadcast_object_list([free // 4])[0]
 
 
 def choose_pipeline(cfg: TrainConfig, nbytes: int, device) -> tuple[str, str]:
@@ -366,15 +373,24 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
     return info, {k: Split(y, images=x) for k, (x, y) in tensors.items()}, pipeline, why
 
 
+def subset(files: list, labels: list, n: int | None) -> tuple[list, list]:
+    """--train_samples/--test_samples on an image folder: N evenly spaced files (files are sorted by class,
+    so the first N would be the first classes only)."""
+    if n is None or n >= len(files):
+        return files, labels
+    keep = np.linspace(0, len(files) - 1, n).round().astype(int)
+    return [files[i] for i in keep], [labels[i] for i in keep]
+
+
 def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted):
     train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
     classes = info.classes if info else None
     found = {}
     if "train" in wanted:
         classes, files, labels = scan_split(train_dir, classes)
-        found["train"] = (files[: cfg.train_samples], labels[: cfg.train_samples])
+        found["train"] = subset(files, labels, cfg.train_samples)
     _, files, labels = scan_split(eval_dir, classes)
-    found["test"] = (files[: cfg.test_samples], labels[: cfg.test_samples])
+    found["test"] = subset(files, labels, cfg.test_samples)
     size = info.image_size if info else cfg.resolution()
     pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device)
     splits, notes = {}, [why]

@@ -280,3 +280,11 @@ def test_image_folder_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_p
     steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps_part] == list(range(1, 7))
     assert all(abs(x["loss"] - y["loss"]) < 1e-6 for x, y in zip(steps_full, steps_part))
+
+
+def test_sample_limits_on_a_folder_keep_every_class(tmp_path):
+    root = write_image_folder(tmp_path / "d")
+    data = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, train_samples=6,
+                                  test_samples=3, batch_size=2), "cpu")
+    _, y = data.inputs(torch.arange(6), train=True)
+    assert data.train_size == 6 and data.test_size == 3 and sorted(set(y.tolist())) == [0, 1, 2]

@@ -199,9 +199,9 @@ class TrainConfig:
             if text is None:
                 out.append(None)
                 continue
-            try:
-                values = tuple(float(v) for v in str(text).split(","))
-            except ValueError:
+            try:  # 'R,G,B' from a flag, or a list in a --config YAML
+                values = tuple(float(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
+            except (TypeError, ValueError):
                 values = ()
             low = 0 if name == "mean" else 1e-6
             if len(values) != 3 or not all(low <= v <= 1 for v in values):

@@ -4,6 +4,7 @@ predict, --init_from, exact resume, and every bad input of the layout."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -210,9 +211,10 @@ def test_one_rank_learns_and_exports_the_data_sets_facts(trained):
 
 
 @pytest.mark.slow
-def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained):
+def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, tmp_path):
     data, out, _ = trained
-    proc = run_cli(["evaluate", "--checkpoint", out, "--data_dir", data, "--batch_size", "5"])
+    shutil.copytree(data / "val", tmp_path / "only_val" / "val")  # evaluate reads the evaluation split only
+    proc = run_cli(["evaluate", "--checkpoint", out, "--data_dir", tmp_path / "only_val", "--batch_size", "5"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     acc = float(re.search(r"test accuracy ([\d.]+)% on 12 samples", proc.stdout).group(1))
     assert acc == pytest.approx(100 * rows(out)[-1]["test_acc"], abs=0.01)

@@ -39,7 +39,8 @@ def _base_type(tp):
 
 def train_parser() -> Parser:
     p = Parser(prog="accel-train", allow_abbrev=False,
-               description="Train a timm model on CIFAR-10, an image folder or random data with Hugging Face Accelerate. "
+               description="Train a timm model on CIFAR-10, an image folder or random data with Hugging Face "
+                           "Accelerate. "
                            "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
                            "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
                epilog="Other commands: accel-train evaluate | predict | preflight (each has --help).",

@@ -253,9 +253,9 @@ def decode_image(path, size: int) -> torch.Tensor:
             left, top = (w - size) // 2, (h - size) // 2
             img = img.crop((left, top, left + size, top + size))
             array = np.asarray(img, dtype=np.uint8)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{path} is not a readable image ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
-                        "replace or remove it") from None
+    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise DataError(f"{path} is not a readable image ({first}); replace or remove it") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 

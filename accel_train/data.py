@@ -337,7 +337,7 @@ def device_budget(cfg: TrainConfig, device) -> int:
 def choose_pipeline(cfg: TrainConfig, nbytes: int, device) -> tuple[str, str]:
     """('device' or 'cpu', the reason in words)."""
     if cfg.pipeline == "cpu":
-        return "cpu", "--pipeline cpu"
+        return "cpu", "as asked (--pipeline cpu)"
     budget = device_budget(cfg, device)
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
     if nbytes <= budget:

@@ -233,7 +233,8 @@ def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, t
 def test_two_ranks_learn(tmp_path):
     data = write_image_folder(tmp_path / "d", train=8, val=5)
     out = tmp_path / "out"
-    launch("2proc_cpu.yaml", [*SMALL, "--data_dir", data, "--batch_size", "4", "--epochs", "3", "--output_dir", out])
+    # --data_url=D: how ModelArts passes the OBS input folder
+    launch("2proc_cpu.yaml", [*SMALL, f"--data_url={data}", "--batch_size", "4", "--epochs", "3", "--output_dir", out])
     r = rows(out)
     assert r[-1]["test_samples"] == 15 and r[-1]["step"] == 9 and r[-1]["test_acc"] >= 0.8, r
 

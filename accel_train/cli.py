@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Preempted, TrainConfig, fields, load_yaml)
+                     Diverged, Parser, Preempted, TrainConfig, fields, load_yaml)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -35,13 +35,6 @@ def str2bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line (ConfigError) instead of usage + exit."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see {self.prog} --help)")
-
-
 def _base_type(tp):
     """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -50,7 +43,8 @@ def _base_type(tp):
 
 def train_parser() -> Parser:
     p = Parser(prog="accel-train", allow_abbrev=False,
-               description="Train a timm model on CIFAR-10 or random data with Hugging Face Accelerate. "
+               description="Train a timm model on CIFAR-10, an image folder or random data with Hugging Face "
+                           "Accelerate. "
                            "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
                            "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
                epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each has --help).",

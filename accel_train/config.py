@@ -7,6 +7,7 @@ parser from these fields, so a default is written exactly once, here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -38,28 +39,42 @@ def opt(default, help, group, **extra):
     return field(default=default, metadata=dict(help=help, group=group, **extra))
 
 
-# CIFAR-10 channel statistics (computed on the 50,000 training images), used for normalisation.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
-                   "dog", "frog", "horse", "ship", "truck")
-NUM_CLASSES = len(CIFAR10_CLASSES)
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line (ConfigError) instead of usage + exit; every command's
+    parser (cli, evaluate, predict, preflight) is one of these."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 @dataclass
 class TrainConfig:
     # data
-    data: str = opt("random", "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'random' makes "
-                    "random images (deterministic by --seed)", "data", choices=("cifar10", "random"))
-    data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/", "data", aliases=("--data_url",))
-    train_samples: int | None = opt(None, "use only the first N training samples (random data: its size, "
-                                    "default 50000)", "data")
+    data: str = opt("random", "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' reads "
+                    "<data_dir>/train/<class>/* and <data_dir>/val|validation|test/<class>/*, 'random' makes "
+                    "random images (deterministic by --seed)", "data", choices=("cifar10", "imagefolder", "random"))
+    data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
+                        "(imagefolder)", "data", aliases=("--data_url",))
+    image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "
+                                 "random, 224 for imagefolder (images are resized, shorter side, then "
+                                 "centre-cropped)", "data")
+    train_samples: int | None = opt(None, "use only the first N training samples (image folders: N evenly "
+                                    "spaced files; random data: its size, default 50000)", "data")
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
                                    "default 10000)", "data")
-    pipeline: str = opt("device", "'device': uint8 images live on the accelerator, batches are gathered and "
-                        "augmented there; 'cpu': per-sample torchvision transforms in DataLoader workers",
-                        "data", choices=("device", "cpu"))
-    augment: bool = opt(True, "random crop (4-pixel padding) + horizontal flip on training images", "data")
+    pipeline: str = opt("auto", "'device': uint8 images live on the accelerator, batches are gathered and "
+                        "augmented there; 'cpu': per-sample torchvision transforms (and image decoding) in "
+                        "DataLoader workers; 'auto': device when the decoded data fits --device_data_mb, else cpu",
+                        "data", choices=("auto", "device", "cpu"))
+    device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
+                                       "the device; default: a quarter of its free memory", "data")
+    augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "
+                        "on training images", "data")
+    hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
+                      "other data that is not mirror-invariant", "data")
+    mean: str | None = opt(None, "per-channel mean 'R,G,B' in [0, 1] for normalisation; default: CIFAR-10's for "
+                           "cifar10/random, computed from the training images for imagefolder", "data")
+    std: str | None = opt(None, "per-channel std 'R,G,B' (see --mean)", "data")
     num_workers: int = opt(0, "DataLoader worker processes (the cpu pipeline)", "data")
 
     # model
@@ -69,6 +84,8 @@ class TrainConfig:
     model_kwargs: str | None = opt(None, "extra timm.create_model arguments as JSON, e.g. "
                                    "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", "model")
+    init_from: str | None = opt(None, "start from the weights of a model.safetensors on disk (an earlier export "
+                                "or timm weights); a classifier with another class count is re-created", "model")
     compile: bool = opt(False, "torch.compile the model", "model")
     compile_mode: str = opt("default", "torch.compile mode", "model",
                             choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
@@ -154,6 +171,14 @@ class TrainConfig:
         if not 0 < self.ema_decay < 1:
             raise ConfigError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
         self.model_kwargs_dict()
+        if self.image_size is not None and not 8 <= self.image_size <= 4096:
+            raise ConfigError(f"--image_size must be in 8..4096, got {self.image_size}")
+        if self.data == "cifar10" and self.image_size not in (None, 32):
+            raise ConfigError(f"CIFAR-10 images are 32x32: drop --image_size {self.image_size} or use "
+                              "--data imagefolder")
+        if self.device_data_mb is not None and self.device_data_mb < 0:
+            raise ConfigError(f"--device_data_mb must be >= 0, got {self.device_data_mb}")
+        self.normalisation()
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
 
@@ -168,6 +193,27 @@ class TrainConfig:
         if not isinstance(value, dict):
             raise ConfigError("--model_kwargs must be a JSON object, like '{\"drop_rate\": 0.1}'")
         return value
+
+    def resolution(self) -> int:
+        return self.image_size or (224 if self.data == "imagefolder" else 32)
+
+    def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+        """(mean, std) from --mean/--std, each three floats or None."""
+        out = []
+        for name in ("mean", "std"):
+            text = getattr(self, name)
+            if text is None:
+                out.append(None)
+                continue
+            try:  # 'R,G,B' from a flag, or a list in a --config YAML
+                values = tuple(float(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
+            except (TypeError, ValueError):
+                values = ()
+            low = 0 if name == "mean" else 1e-6
+            if len(values) != 3 or not all(low <= v <= 1 for v in values):
+                raise ConfigError(f"--{name} must be three numbers in [{low:g}, 1] like 0.5,0.5,0.5; got {text!r}")
+            out.append(values)
+        return out[0], out[1]
 
     def peak_lr(self, num_processes: int) -> float:
         if self.lr is not None:

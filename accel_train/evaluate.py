@@ -1,6 +1,8 @@
-"""`accel-train evaluate` and `accel-train predict`: use a finished run's model.safetensors.
+"""Evaluation: the function the training loop calls each epoch, and `accel-train evaluate` / `predict`,
+which use a finished run's model.safetensors and the data set's facts in its model_config.json.
 
     accel-train evaluate --checkpoint output_dir --data cifar10 --data_dir input_dir
+    accel-train evaluate --checkpoint output_dir --data imagefolder --data_dir my_images   # reads val/ only
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \
         --checkpoint output_dir ...
     accel-train predict --checkpoint output_dir cat.png ship.jpg
@@ -15,8 +17,24 @@ from pathlib import Path
 import torch
 
 from .checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
-from .cli import Parser
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, Parser, TrainConfig
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, loader, data, tta: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed."""
+    model.eval()
+    all_preds, all_labels = [], []
+    for batch in loader:
+        x, y = data.inputs(batch, train=False)
+        with accelerator.autocast():
+            scores = model(x).float().softmax(1)
+            if tta:
+                scores = scores + model(x.flip(3)).float().softmax(1)
+        preds, y = accelerator.gather_for_metrics((scores.argmax(1), y))
+        all_preds.append(preds)
+        all_labels.append(y)
+    return torch.cat(all_preds).cpu(), torch.cat(all_labels).cpu()
 
 
 def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]:
@@ -41,72 +59,81 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
 
 def main_evaluate(argv: list[str]) -> int:
     p = Parser(prog="accel-train evaluate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Accuracy and per-class accuracy of a finished run's model on the test split; "
-                           "runs on several ranks under accelerate launch (gather_for_metrics).")
+               description="Accuracy and per-class accuracy of a finished run's model on the evaluation split "
+                           "only; classes, input size and mean/std come from its model_config.json; runs on "
+                           "several ranks under accelerate launch (gather_for_metrics).")
     defaults = TrainConfig()
     p.add_argument("--checkpoint", required=True, help="output directory of a finished run")
-    p.add_argument("--data", default="cifar10", choices=("cifar10", "random"))
+    p.add_argument("--data", default=None, choices=("cifar10", "imagefolder", "random"),
+                   help="default: the data set the model was trained on")
     p.add_argument("--data_dir", "--data_url", default=defaults.data_dir)
     p.add_argument("--test_samples", type=int, default=None, help="only the first N test samples")
     p.add_argument("--batch_size", type=int, default=256, help="per process")
+    p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu"))
+    p.add_argument("--num_workers", type=int, default=defaults.num_workers, help="DataLoader workers (cpu pipeline)")
     p.add_argument("--tta", action="store_true", help="horizontal-flip test-time augmentation")
     p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")
     args = p.parse_args(argv)
 
+    from accelerate import Accelerator
     from accelerate.logging import get_logger
+    from accelerate.utils import is_npu_available
 
-    from .config import CIFAR10_CLASSES
-    from .data import build_data
-    from .loop import evaluate, make_accelerator
+    from accelerate.utils import broadcast_object_list
+
+    from .data import DataInfo, build_data, device_budget
     model, meta = load_exported(args.checkpoint, args.ema)
-    cfg = TrainConfig(data=args.data, data_dir=args.data_dir, test_samples=args.test_samples, seed=args.seed,
-                      batch_size=args.batch_size, train_samples=args.batch_size * 64)
-    accelerator = make_accelerator(cfg)
-    data = build_data(cfg, accelerator.device)
+    info = DataInfo.from_model_config(meta)
+    data_name = args.data or meta.get("data", "cifar10")
+    cfg = TrainConfig(data=data_name, data_dir=args.data_dir, test_samples=args.test_samples, seed=args.seed,
+                      batch_size=args.batch_size, pipeline=args.pipeline, num_workers=args.num_workers,
+                      image_size=info.image_size if data_name != "cifar10" else None)
+    accelerator = Accelerator(cpu=not (torch.accelerator.is_available() or is_npu_available()))
+    budget = broadcast_object_list([device_budget(cfg, accelerator.device)])[0]  # one pipeline for all ranks
+    data = build_data(cfg, accelerator.device, info=info, eval_only=True, budget=budget)
     model, test_loader = accelerator.prepare(model, data.test_loader)
     preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)
     log = get_logger("accel_train")
     acc = (preds == labels).float().mean().item()
+    width = max(12, *(len(c) for c in info.classes))
     lines = [f"{meta['architecture']} ({meta['stem']} stem) from {args.checkpoint}"
              + (" [EMA]" if args.ema else "") + (" [flip TTA]" if args.tta else "")
              + f": test accuracy {acc:.2%} on {labels.numel()} samples ({accelerator.num_processes} process(es))",
-             f"{'class':12s} {'samples':>8s} {'accuracy':>9s}"]
-    for c, name in enumerate(meta.get("classes", CIFAR10_CLASSES)):
+             f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]
+    for c, name in enumerate(info.classes):
         mask = labels == c
         n = int(mask.sum())
         accuracy = f"{(preds[mask] == c).float().mean().item():9.2%}" if n else f"{'-':>9s}"
-        lines.append(f"{name:12s} {n:8d} {accuracy}")
+        lines.append(f"{name:{width}s} {n:8d} {accuracy}")
     if accelerator.is_main_process:
         print("\n".join(lines), flush=True)
-    log.info(f"evaluated {labels.numel()} samples", main_process_only=True)
+    log.info(f"evaluated {labels.numel()} samples; {data.describe()}", main_process_only=True)
     accelerator.end_training()
     return 0
 
 
 def load_image(path, meta: dict) -> torch.Tensor:
-    """An image file -> normalised (3, 32, 32) float tensor, as the model was trained."""
-    from PIL import Image, UnidentifiedImageError
+    """An image file -> normalised (3, S, S) float tensor, exactly as the model saw its data (decode_image)."""
     from torchvision.transforms.v2 import functional as TF
+
+    from .data import DataError, DataInfo, decode_image
+    info = DataInfo.from_model_config(meta)
     try:
-        with Image.open(path) as img:
-            img = img.convert("RGB")
-            size = tuple(meta.get("input_size", [3, 32, 32])[1:])
-            if img.size != size[::-1]:
-                img = img.resize(size[::-1], Image.BICUBIC)
-            x = TF.pil_to_tensor(img)
-    except (OSError, UnidentifiedImageError) as e:
-        raise ConfigError(f"cannot read image {path} ({e}); pass PNG/JPEG files") from None
-    return TF.normalize(x.float() / 255, meta["mean"], meta["std"])
+        x = decode_image(path, info.image_size)
+    except DataError as e:
+        raise ConfigError(f"cannot read image: {e}") from None
+    return TF.normalize(x.float() / 255, list(info.mean), list(info.std))
 
 
 def main_predict(argv: list[str]) -> int:
     p = Parser(prog="accel-train predict", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Top-5 classes with probabilities for each image, from a finished run's model.")
+               description="Top-5 classes (the names of the data set the model was trained on) with "
+                           "probabilities for each image, from a finished run's model.")
     p.add_argument("--checkpoint", required=True, help="output directory of a finished run")
     p.add_argument("--ema", action="store_true", help="use model_ema.safetensors")
     p.add_argument("--top", type=int, default=5)
-    p.add_argument("images", nargs="+", help="image files (resized to 32x32 if needed)")
+    p.add_argument("images", nargs="+", help="image files (resized to the model's input size, centre crop)")
     args = p.parse_args(argv)
     model, meta = load_exported(args.checkpoint, args.ema)
     classes = meta["classes"]

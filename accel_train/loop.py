@@ -22,7 +22,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                              LoggerType, ProjectConfiguration, is_npu_available, set_seed, tqdm)
+                              LoggerType, ProjectConfiguration, broadcast_object_list, is_npu_available,
+                              set_seed, tqdm)
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -30,10 +31,11 @@ from timm.utils import ModelEmaV3
 
 from . import __version__
 from .checkpoint import TrainState, export_model, load_checkpoint, load_ema, read_history, save_checkpoint
-from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, Preempted, TrainConfig
-from .data import Data, build_data
+from .config import ConfigError, Preempted, TrainConfig
+from .data import Data, DataInfo, build_data, device_budget
+from .evaluate import evaluate
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, check_trackers, plot_curves
-from .model import NUM_CLASSES, create_model
+from .model import create_model, load_init_weights
 from .preempt import StopRequest
 from .resume import Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once
 
@@ -125,14 +127,16 @@ def setup(cfg: TrainConfig) -> Run:
         if decision.meta:
             reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
-    data = on_every_rank(accelerator, build_data, cfg, accelerator.device)
+    budget = broadcast_object_list([device_budget(cfg, accelerator.device)])[0]  # rank 0's: one pipeline choice
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
     with said_once(accelerator):
         if decision.meta:
             check_data(decision.meta, data.train_size)
         if data.train_size < cfg.batch_size * accelerator.num_processes:
             raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each "
                               f"of {accelerator.num_processes} processes; lower --batch_size or add data")
-        model = create_model(cfg.model, cfg.stem, **cfg.model_kwargs_dict())
+        model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
+        loaded = load_init_weights(model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
@@ -175,6 +179,9 @@ def setup(cfg: TrainConfig) -> Run:
         f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch {glob}, peak lr "
         f"{peak:.4g}, {steps_per_epoch} steps/epoch; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
+    log(data.describe())
+    if loaded:
+        log(loaded)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         trackers = [t.strip() for t in cfg.log_with.split(",")]
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))
@@ -232,7 +239,8 @@ def train(cfg: TrainConfig) -> dict:
     progress.close()
     stop.uninstall()
 
-    summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start, run.steps_per_epoch)
+    summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start, run.steps_per_epoch,
+                     run.data.info)
     accelerator.end_training()
     return summary
 
@@ -270,30 +278,12 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int) -> d
     return row
 
 
-@torch.no_grad()
-def evaluate(accelerator, model, loader, data, tta: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictions and labels for the whole test split, gathered over ranks, padding removed."""
-    model.eval()
-    all_preds, all_labels = [], []
-    for batch in loader:
-        x, y = data.inputs(batch, train=False)
-        with accelerator.autocast():
-            scores = model(x).float().softmax(1)
-            if tta:
-                scores = scores + model(x.flip(3)).float().softmax(1)
-        preds, y = accelerator.gather_for_metrics((scores.argmax(1), y))
-        all_preds.append(preds)
-        all_labels.append(y)
-    return torch.cat(all_preds).cpu(), torch.cat(all_labels).cpu()
+def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
+    return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
+            "metrics": metrics, "accel_train_version": __version__}
 
 
-def model_config(cfg: TrainConfig, metrics: dict) -> dict:
-    return {"architecture": cfg.model, "stem": cfg.stem, "num_classes": NUM_CLASSES, "input_size": [3, 32, 32],
-            "mean": list(CIFAR10_MEAN), "std": list(CIFAR10_STD), "classes": list(CIFAR10_CLASSES),
-            "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics, "accel_train_version": __version__}
-
-
-def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch) -> dict:
+def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info: DataInfo) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
@@ -306,9 +296,9 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch) -> d
         summary["final_test_acc_ema"] = last.get("test_acc_ema")
     if accelerator.is_main_process:
         plain = accelerator.unwrap_model(model, keep_torch_compile=False)
-        path = export_model(plain, out, model_config(cfg, summary))
+        path = export_model(plain, out, model_config(cfg, summary, info))
         if ema is not None:
-            export_model(ema.module, out, model_config(cfg, summary), filename="model_ema.safetensors")
+            export_model(ema.module, out, model_config(cfg, summary, info), filename="model_ema.safetensors")
         cfg.save_yaml(out / "config.yaml")
         curves = cfg.plot and bool(metrics.rows) and plot_curves(metrics.rows, out / CURVES_FILE, metrics.steps(),
                                                                  steps_per_epoch)

@@ -1,11 +1,13 @@
-"""Model: timm.create_model + the 32x32 ("cifar") stem."""
+"""Model: timm.create_model + the 32x32 ("cifar") stem, and --init_from (weights from a local file)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import timm
 import torch.nn as nn
 
-from .config import NUM_CLASSES, ConfigError
+from .config import ConfigError
 
 
 def apply_cifar_stem(model: nn.Module) -> nn.Module:
@@ -24,7 +26,8 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
     return model
 
 
-def create_model(name: str, stem: str = "cifar", num_classes: int = NUM_CLASSES, **kwargs) -> nn.Module:
+def create_model(name: str, stem: str = "cifar", num_classes: int = 10, **kwargs) -> nn.Module:
+    """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's."""
     if not timm.is_model(name):
         raise ConfigError(f"unknown timm model {name!r}; pick one from timm.list_models(), e.g. resnet18")
     try:
@@ -32,3 +35,48 @@ def create_model(name: str, stem: str = "cifar", num_classes: int = NUM_CLASSES,
     except (TypeError, ValueError, KeyError, AssertionError) as e:
         raise ConfigError(f"timm could not build {name!r} with {kwargs} ({e}); check --model_kwargs") from None
     return apply_cifar_stem(model) if stem == "cifar" else model
+
+
+def _names(keys: list[str], limit: int = 4) -> str:
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def load_init_weights(model: nn.Module, path) -> str:
+    """--init_from: copy the tensors of a safetensors file into `model` (before prepare, on every rank).
+
+    A classifier whose class count differs from the model's is re-created with timm's `reset_classifier`;
+    tensors the file lacks keep their initialisation. Any other mismatch (a shape, a tensor the model does
+    not have) is a ConfigError. Returns one line saying what was loaded, re-initialised and missing."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--init_from {path}: no such file; pass a model.safetensors (an earlier run's export or "
+                          "timm weights on disk)")
+    try:
+        weights = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--init_from {path} is not a safetensors file ({str(e).splitlines()[0][:120]}); pass a "
+                          "model.safetensors") from None
+    own = model.state_dict()
+    head = getattr(model, "pretrained_cfg", {}).get("classifier") or "fc"
+    head_keys = [k for k in own if k.startswith(head + ".")]
+    unexpected = [k for k in weights if k not in own]
+    wrong = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in own
+             if k in weights and k not in head_keys and weights[k].shape != own[k].shape]
+    if unexpected or wrong or not set(weights) & set(own):
+        detail = f"shape mismatch {_names(wrong)}" if wrong else f"tensors the model lacks: {_names(unexpected)}"
+        raise ConfigError(f"--init_from {path} does not fit this model ({detail}); check --model, --stem and "
+                          "--model_kwargs against the run that wrote it")
+    reset = [k for k in head_keys if k in weights and weights[k].shape != own[k].shape]
+    if reset:
+        model.reset_classifier(model.num_classes)  # a fresh head of the data set's class count
+        own = model.state_dict()
+    loaded = {k: v for k, v in weights.items() if k not in reset}
+    missing = [k for k in own if k not in weights]
+    model.load_state_dict({**own, **loaded})
+    line = f"--init_from {path}: loaded {len(loaded)} tensors"
+    if reset:
+        line += (f"; re-initialised {_names(reset)} ({weights[reset[0]].shape[0]} classes in the file, "
+                 f"{model.num_classes} here)")
+    return line + (f"; missing (kept at init) {_names(missing)}" if missing else "; none missing")

@@ -10,6 +10,10 @@ stem, batch, precision and memory format, torch.optim.SGD (nesterov) and a fixed
 on the device (no data pipeline at all). They alternate in rounds so that machine noise hits both.
 The last line printed is `ratio=<ours/bare>` (median img/s over median img/s).
 
+It also reports the one-time decode cost of an image folder (`--data imagefolder`, device pipeline):
+images/s of `data.decode_all` (Pillow decode, convert to RGB, resize, centre crop) on --decode_images
+generated PNG and JPEG files of mixed sizes, decoded to 32x32.
+
 On CPU it also reports 1 vs 2 processes at the same global batch (scaling, reported, not asserted),
 by running the trainer through `accelerate launch` with cpu.yaml and 2proc_cpu.yaml.
 """
@@ -116,6 +120,23 @@ def pipeline_rate(ours: Ours, steps: int, batch: int) -> float:
     return timed(step, steps, batch, ours.device)
 
 
+def decode_rate(args) -> float:
+    """images/s of the image-folder decode the device pipeline does once (accel_train.data.decode_all)."""
+    import numpy as np
+    from PIL import Image
+
+    from accel_train.data import decode_all
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as root:
+        files = []
+        for i in range(args.decode_images):
+            h, w = int(rng.integers(32, 129)), int(rng.integers(32, 129))
+            files.append(Path(root) / f"img_{i}.{'png' if i % 2 else 'jpg'}")
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(files[-1])
+        decode_all(files[:4], 32)  # warm up
+        return decode_all(files, 32)[1]
+
+
 def scaling(args) -> list[tuple[str, float]]:
     """1 vs 2 CPU processes, same global batch, through accelerate launch (real ranks)."""
     rows = []
@@ -150,6 +171,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--scaling_steps", type=int, default=12, help="steps of the 1-vs-2-process runs (CPU)")
     p.add_argument("--no_scaling", action="store_true")
+    p.add_argument("--decode_images", type=int, default=256, help="generated image files for the decode figure")
     p.add_argument("--output_dir", default=tempfile.mkdtemp(prefix="accel_train_bench_"))
     args = p.parse_args()
 
@@ -175,6 +197,7 @@ def main() -> None:
         print(f"{name + ' train step':22s} {statistics.median(v):13.1f} {min(v):10.1f} {max(v):10.1f}")
     print(f"{'pipeline only':22s} {pipe:13.1f}   ({pipe / statistics.median(rates['ours']):.0f}x the training "
           "throughput)")
+    print(f"{'image decode (once)':22s} {decode_rate(args):13.1f}   (images/s: PNG+JPEG, 32..128 px -> 32x32)")
     if device.type == "cpu" and not args.no_scaling:
         results = scaling(args)
         base = results[0][1]

@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train.cli import parse_train_args
-from accel_train.config import CIFAR10_CLASSES
+from accel_train.data import CIFAR10
 from accel_train.evaluate import load_exported
 from conftest import launch, run_cli, write_cifar
 
@@ -79,7 +79,7 @@ def test_evaluate_with_one_and_two_ranks_agrees(finished):
            for p in (one, two)]
     assert acc[0][:2] == acc[1][:2] and acc[0][1] == "53" and (acc[0][2], acc[1][2]) == ("1", "2")
     table = one.stdout.splitlines()[2:]
-    assert [line.split()[0] for line in table] == list(CIFAR10_CLASSES)
+    assert [line.split()[0] for line in table] == list(CIFAR10.classes)
     assert sum(int(line.split()[1]) for line in table) == 53
     final = json.loads((out / "model_config.json").read_text())["metrics"]["final_test_acc"]
     assert float(acc[0][0]) == pytest.approx(100 * final, abs=0.01)
@@ -101,7 +101,7 @@ def test_predict_prints_top5_for_each_image(finished, tmp_path):
     for path, line in zip(paths, lines):
         assert line.startswith(f"{path}: ")
         pairs = re.findall(r"(\w+) ([\d.]+)%", line.split(": ", 1)[1])
-        assert len(pairs) == 5 and all(name in CIFAR10_CLASSES for name, _ in pairs)
+        assert len(pairs) == 5 and all(name in CIFAR10.classes for name, _ in pairs)
         probs = [float(p) for _, p in pairs]
         assert probs == sorted(probs, reverse=True) and sum(probs) <= 100.5
     bad = run_cli(["predict", "--checkpoint", out, tmp_path / "missing.png"])

@@ -1,5 +1,5 @@
 """EMA and flip-TTA move the evaluated numbers the expected way, on toy cases built to show it,
-through the same pieces the trainer uses (timm ModelEmaV3, loop.evaluate, the device pipeline)."""
+through the same pieces the trainer uses (timm ModelEmaV3, evaluate.evaluate, the device pipeline)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from timm.utils import ModelEmaV3
 
 from accel_train.config import TrainConfig
 from accel_train.data import build_data
-from accel_train.loop import evaluate
+from accel_train.evaluate import evaluate
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,318 @@
+"""Training on your own images: an image folder (PNG and JPEG, grayscale, palette and RGB, mixed sizes,
+class names that are not numbers), both pipelines, the data set's facts in model_config.json, evaluate,
+predict, --init_from, exact resume, and every bad input of the layout."""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from accel_train.config import ConfigError, TrainConfig
+from accel_train.data import CIFAR10, DataInfo, build_data, crop_flip, crop_flip_params, cpu_transforms, decode_image
+from conftest import launch, run_cli, write_cifar
+
+# class name -> brightness: learnable from RGB and from grayscale, survives resizing, JPEG, crops and flips
+CLASSES = {"apple": 40, "banana_split": 128, "cherry-2": 215}
+KINDS = [("RGB", "png"), ("L", "jpg"), ("RGB", "jpg"), ("L", "png"), ("P", "png"), ("RGBA", "png")]
+SMALL = ["--data", "imagefolder", "--image_size", "16", "--batch_size", "8", "--lr", "0.05", "--warmup_epochs", "0"]
+
+
+def write_image_folder(root, train=8, val=4, classes=CLASSES, eval_dir="val", seed=0):
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", train), (eval_dir, val)):
+        for name, level in classes.items():
+            d = root / split / name
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                mode, ext = KINDS[i % len(KINDS)]
+                w, h = int(rng.integers(20, 49)), int(rng.integers(20, 49))
+                img = Image.fromarray(np.clip(level + rng.integers(-30, 31, (h, w, 3)), 0, 255).astype(np.uint8))
+                (img.convert("P") if mode == "P" else img.convert(mode)).save(d / f"img_{i:03d}.{ext}")
+    return root
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# In process: reader, description, augmentation, pipelines
+# ---------------------------------------------------------------------------------------------
+
+def test_folder_is_read_sorted_converted_resized_and_described(tmp_path):
+    root = write_image_folder(tmp_path / "d", eval_dir="validation")
+    (root / "train" / "apple" / "notes.txt").write_text("not an image, not an image extension: skipped")
+    data = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=24, batch_size=4), "cpu")
+    info = data.info
+    assert info.classes == ("apple", "banana_split", "cherry-2") and info.num_classes == 3
+    assert info.image_size == 24 and info.pad == 3 and data.train_size == 24 and data.test_size == 12
+    assert data.pipeline == "device" and re.search(r"train: 24 images decoded once at \d+ images/s", data.describe())
+    # mean/std computed from the training images (the classes' grey levels, not CIFAR-10's numbers)
+    expected = np.mean([40, 128, 215]) / 255
+    assert all(abs(m - expected) < 0.03 for m in info.mean) and all(0.2 < s < 0.4 for s in info.std)
+    x, y = data.inputs(torch.arange(12), train=False)
+    assert x.shape == (12, 3, 24, 24) and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    # every mode (L, P, RGBA, JPEG) became RGB with the class's level, whatever the source size
+    raw = x * torch.tensor(info.std).view(1, 3, 1, 1) + torch.tensor(info.mean).view(1, 3, 1, 1)
+    levels = (raw.mean((1, 2, 3)) * 255).tolist()
+    for level, label in zip(levels, y.tolist()):
+        assert abs(level - list(CLASSES.values())[label]) < 12
+
+
+def test_decode_keeps_aspect_by_centre_crop(tmp_path):
+    img = np.zeros((20, 60, 3), np.uint8)
+    img[:, 20:40] = 255  # a white centre third of a wide image
+    Image.fromarray(img).save(tmp_path / "wide.png")
+    x = decode_image(tmp_path / "wide.png", 10)
+    assert x.shape == (3, 10, 10) and x.dtype == torch.uint8 and x.float().mean() > 240
+
+
+def test_mean_std_flags_override_the_computed_ones(tmp_path):
+    root = write_image_folder(tmp_path / "d")
+    cfg = TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, mean="0.1,0.2,0.3", std="0.5,0.5,0.5")
+    info = build_data(cfg, "cpu").info
+    assert info.mean == (0.1, 0.2, 0.3) and info.std == (0.5, 0.5, 0.5)
+    with pytest.raises(ConfigError, match="--std must be three numbers"):
+        TrainConfig(std="0,1")
+    with pytest.raises(ConfigError, match="CIFAR-10 images are 32x32"):
+        TrainConfig(data="cifar10", image_size=64)
+
+
+def test_crop_padding_scales_with_size_and_hflip_false_never_mirrors():
+    assert CIFAR10.pad == 4 and DataInfo("x", ("a",), (0.5,) * 3, (0.5,) * 3, 64).pad == 8
+    images = torch.randint(0, 256, (32, 3, 64, 64), dtype=torch.uint8)
+    top, left, flip = crop_flip_params(torch.arange(32), epoch=1, seed=3, pad=8, hflip=False)
+    assert flip.sum() == 0 and top.max() <= 16 and left.max() <= 16 and top.max() > 8
+    out = crop_flip(images, top, left, flip, pad=8)
+    padded = torch.nn.functional.pad(images, (8, 8, 8, 8))
+    for i in range(32):
+        assert torch.equal(out[i], padded[i, :, top[i]:top[i] + 64, left[i]:left[i] + 64])
+    assert crop_flip_params(torch.arange(64), epoch=1, seed=3, pad=8)[2].sum() > 0  # flips by default
+    # the cpu pipeline's workers augment with the same hash (and the same --hflip) as the device pipeline
+    kw = dict(hflip=False, batch_size=4, train_samples=16, test_samples=4)
+    cpu = build_data(TrainConfig(pipeline="cpu", **kw), "cpu").train_loader.dataset
+    device = build_data(TrainConfig(pipeline="device", **kw), "cpu")
+    cpu.set_epoch(3)
+    for i in range(16):
+        assert torch.allclose(cpu[i][0], device.inputs(torch.tensor([i]), train=True, epoch=3)[0][0])
+    assert names_of(cpu_transforms(CIFAR10)) == ["ToDtype", "Normalize"]  # no random transform of its own
+
+
+def names_of(compose):
+    return [type(t).__name__ for t in compose.transforms]
+
+
+def test_pipeline_choice_says_why_and_cpu_decodes_the_same_images(tmp_path):
+    root = write_image_folder(tmp_path / "d")
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4, mean="0.5,0.5,0.5",
+              std="0.25,0.25,0.25")
+    small = build_data(TrainConfig(device_data_mb=0.001, **kw), "cpu")
+    assert small.pipeline == "cpu" and "do not fit the 0 MiB allowed" in small.describe()
+    assert small.test_loader.dataset.split.files is not None  # decoded per sample, in the workers
+    with pytest.raises(ConfigError, match="use --pipeline cpu"):
+        build_data(TrainConfig(pipeline="device", device_data_mb=0.001, **kw), "cpu")
+    device = build_data(TrainConfig(**kw), "cpu")
+    assert device.pipeline == "device" and "fit the" in device.describe()
+    xd, yd = device.inputs(next(iter(device.test_loader)), train=False)
+    xc, yc = small.inputs(next(iter(small.test_loader)), train=False)
+    assert torch.allclose(xd, xc, atol=1e-5) and torch.equal(yd, yc)
+
+
+def test_evaluation_reads_only_the_evaluation_split(tmp_path):
+    root = write_image_folder(tmp_path / "d")
+    info = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16), "cpu").info
+    for f in (root / "train").rglob("*.*"):
+        f.write_bytes(b"broken")  # training images unreadable: evaluation must not open them
+    data = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16), "cpu", info=info,
+                      eval_only=True)
+    assert data.train_loader is None and data.test_size == 12 and data.info == info
+    write_cifar(tmp_path / "c")
+    (tmp_path / "c" / "cifar-10-batches-py" / "data_batch_3").unlink()
+    data = build_data(TrainConfig(data="cifar10", data_dir=str(tmp_path / "c")), "cpu", info=CIFAR10, eval_only=True)
+    assert data.test_size == 11
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line naming the fix (and the file), exit 2, nothing written
+# ---------------------------------------------------------------------------------------------
+
+def break_folder(case, root, tmp_path):
+    write_image_folder(root)
+    if case == "no_train":
+        (root / "train").rename(root / "training")
+    elif case == "no_eval":
+        (root / "val").rename(root / "holdout")
+    elif case == "eval_class_unknown":
+        (root / "val" / "durian").mkdir()
+        (root / "val" / "apple" / "img_000.png").rename(root / "val" / "durian" / "img_000.png")
+    elif case == "empty_class":
+        (root / "train" / "zucchini").mkdir()
+    elif case in ("not_an_image", "not_an_image_cpu"):
+        (root / "train" / "banana_split" / "img_003.png").write_bytes(b"\x89PNG but then nothing")
+    elif case == "too_few":
+        return ["--batch_size", "32"]
+    elif case == "init_not_safetensors":
+        (tmp_path / "w.safetensors").write_bytes(b"{not safetensors at all")
+        return ["--init_from", tmp_path / "w.safetensors"]
+    elif case == "init_does_not_fit":  # an imagenet-stem resnet18's weights into the cifar stem
+        import timm
+        save_file(timm.create_model("resnet18", num_classes=3).state_dict(), tmp_path / "w.safetensors")
+        return ["--init_from", tmp_path / "w.safetensors"]
+    elif case == "init_foreign":
+        save_file({"encoder.weight": torch.zeros(2, 2)}, tmp_path / "w.safetensors")
+        return ["--init_from", tmp_path / "w.safetensors"]
+    return ["--pipeline", "cpu"] if case == "not_an_image_cpu" else []
+
+
+BAD = {
+    "no_train": "has no train/ folder",
+    "no_eval": "has no evaluation split; add",
+    "eval_class_unknown": "class folder(s) durian are not in the training split",
+    "empty_class": "zucchini has no images",
+    "not_an_image": "banana_split/img_003.png is not a readable image",
+    "not_an_image_cpu": "banana_split/img_003.png is not a readable image",
+    "too_few": "24 training samples cannot fill one batch of 32",
+    "init_not_safetensors": "is not a safetensors file",
+    "init_does_not_fit": "does not fit this model (shape mismatch conv1.weight",
+    "init_foreign": "does not fit this model (tensors the model lacks: encoder.weight",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_image_folder(case, tmp_path):
+    root = tmp_path / "d"
+    extra = break_folder(case, root, tmp_path)
+    out = tmp_path / "out"
+    proc = run_cli([*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", out, *extra])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and BAD[case] in errors[0], proc.stderr
+    assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs through accelerate launch
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    data = write_image_folder(root / "d", train=8, val=4)
+    out = root / "out"
+    proc = launch("cpu.yaml", [*SMALL, "--data_dir", data, "--epochs", "3", "--output_dir", out])
+    return data, out, proc.stderr
+
+
+@pytest.mark.slow
+def test_one_rank_learns_and_exports_the_data_sets_facts(trained):
+    data, out, log = trained
+    assert re.search(r"pipeline device: .* fit the .*; train: 24 images decoded once at \d+ images/s", log)
+    assert rows(out)[-1]["test_acc"] >= 0.9, rows(out)
+    meta = json.loads((out / "model_config.json").read_text())
+    assert meta["classes"] == list(CLASSES) and meta["num_classes"] == 3 and meta["input_size"] == [3, 16, 16]
+    assert meta["data"] == "imagefolder" and meta["mean"] != list(CIFAR10.mean) and len(meta["std"]) == 3
+    assert load_file(out / "model.safetensors")["fc.weight"].shape == (3, 512)
+
+
+@pytest.mark.slow
+def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, tmp_path):
+    data, out, _ = trained
+    shutil.copytree(data / "val", tmp_path / "only_val" / "val")  # evaluate reads the evaluation split only
+    proc = run_cli(["evaluate", "--checkpoint", out, "--data_dir", tmp_path / "only_val", "--batch_size", "5"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    acc = float(re.search(r"test accuracy ([\d.]+)% on 12 samples", proc.stdout).group(1))
+    assert acc == pytest.approx(100 * rows(out)[-1]["test_acc"], abs=0.01)
+    assert [line.split()[0] for line in proc.stdout.splitlines()[2:]] == list(CLASSES)
+    images = [data / "val" / name / "img_001.jpg" for name in CLASSES]
+    proc = run_cli(["predict", "--checkpoint", out, "--top", "2", *images])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    for path, line, name in zip(images, lines, CLASSES):
+        top = re.findall(r"([\w-]+) ([\d.]+)%", line.split(": ", 1)[1])
+        assert line.startswith(f"{path}: ") and len(top) == 2 and {n for n, _ in top} <= set(CLASSES)
+        assert top[0][0] == name, line
+
+
+@pytest.mark.slow
+def test_two_ranks_learn(tmp_path):
+    data = write_image_folder(tmp_path / "d", train=8, val=5)
+    out = tmp_path / "out"
+    # --data_url=D: how ModelArts passes the OBS input folder
+    launch("2proc_cpu.yaml", [*SMALL, f"--data_url={data}", "--batch_size", "4", "--epochs", "3", "--output_dir", out])
+    r = rows(out)
+    assert r[-1]["test_samples"] == 15 and r[-1]["step"] == 9 and r[-1]["test_acc"] >= 0.8, r
+
+
+@pytest.mark.slow
+def test_init_from_same_classes_loads_everything(trained, tmp_path):
+    data, first, _ = trained
+    out = tmp_path / "out"
+    proc = launch("cpu.yaml", [*SMALL, "--data_dir", data, "--epochs", "1", "--max_steps", "1", "--lr", "1e-6",
+                               "--init_from", first / "model.safetensors", "--output_dir", out])
+    assert "model.safetensors: loaded 122 tensors; none missing" in proc.stderr
+    assert rows(out)[-1]["test_acc"] >= 0.9  # starts where the first run ended, not from scratch
+    before, after = load_file(first / "model.safetensors"), load_file(out / "model.safetensors")
+    assert torch.allclose(before["layer1.0.conv1.weight"], after["layer1.0.conv1.weight"], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_init_from_other_class_count_recreates_the_head_on_the_cpu_pipeline(trained, tmp_path):
+    _, first, _ = trained
+    data = write_image_folder(tmp_path / "d", train=8, val=4, classes={"dark": 40, "light": 215})
+    out = tmp_path / "out"
+    proc = launch("cpu.yaml", [*SMALL, "--data_dir", data, "--epochs", "1", "--init_from", first / "model.safetensors",
+                               "--device_data_mb", "0.001", "--num_workers", "1", "--output_dir", out])
+    assert re.search(r"pipeline cpu: .* do not fit the 0 MiB allowed", proc.stderr)
+    assert "loaded 120 tensors; re-initialised fc.weight, fc.bias (3 classes in the file, 2 here)" in proc.stderr
+    before, after = load_file(first / "model.safetensors"), load_file(out / "model.safetensors")
+    assert after["fc.weight"].shape == (2, 512) and json.loads((out / "model_config.json").read_text())["classes"] \
+        == ["dark", "light"]
+    assert rows(out)[-1]["test_samples"] == 8
+    assert (before["conv1.weight"] - after["conv1.weight"]).abs().max() < 0.05  # fine-tuned, not re-drawn
+
+
+@pytest.mark.slow
+def test_image_folder_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path):
+    data = write_image_folder(tmp_path / "d", train=8, val=4)
+    args = [*SMALL, "--data_dir", data, "--image_size", "20", "--hflip", "false", "--epochs", "2", "--log_every", "1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    launch("cpu.yaml", [*args, "--output_dir", full])
+    launch("cpu.yaml", [*args, "--output_dir", part, "--max_steps", "4"])  # 3 steps per epoch: 1 into epoch 2
+    proc = launch("cpu.yaml", [*args, "--output_dir", part, "--resume", "auto"])
+    assert "step 4, 1 batches into the epoch" in proc.stderr
+    a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    assert rows(part)[-1]["test_acc"] == rows(full)[-1]["test_acc"]
+    steps_full = [json.loads(r) for r in (full / "steps.jsonl").read_text().splitlines()]
+    steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps_part] == list(range(1, 7))
+    assert all(abs(x["loss"] - y["loss"]) < 1e-6 for x, y in zip(steps_full, steps_part))
+
+
+def test_sample_limits_on_a_folder_keep_every_class(tmp_path):
+    root = write_image_folder(tmp_path / "d")
+    data = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, train_samples=6,
+                                  test_samples=3, batch_size=2), "cpu")
+    _, y = data.inputs(torch.arange(6), train=True)
+    assert data.train_size == 6 and data.test_size == 3 and sorted(set(y.tolist())) == [0, 1, 2]
+
+
+def test_evaluate_and_preflight_do_not_import_the_cli():
+    """No import cycle: cli imports evaluate/preflight, never the other way round; the evaluation function
+    lives beside the evaluate command and the loop uses that one."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, clean_env
+    code = ("import sys, accel_train.evaluate, accel_train.preflight, accel_train.loop as loop; "
+            "assert 'accel_train.cli' not in sys.modules, 'cli imported'; "
+            "assert loop.evaluate.__module__ == 'accel_train.evaluate'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]

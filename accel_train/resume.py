@@ -80,9 +80,9 @@ def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:
     for path in checkpoint_dirs(out):
         try:
             meta = json.loads((path / STATE_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        listing.append((meta["step"], meta.get("run_id", "legacy")))
+            listing.append((int(meta["step"]), meta.get("run_id", "legacy")))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a checkpoint accel_train wrote
     explicit = None
     if cfg.resume and cfg.resume != "auto":
         p = Path(cfg.resume)
@@ -90,7 +90,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:
             try:
                 meta = json.loads((p / STATE_FILE).read_text())
                 explicit = (meta["step"], meta.get("run_id", "legacy"))
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):
                 explicit = None
     probes = sorted(int(p.name[len(PROBE):]) for p in out.glob(PROBE + "*")) \
         if accelerator.is_local_main_process else None

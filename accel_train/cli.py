@@ -16,7 +16,7 @@ import types
 import typing
 
 from . import __version__
-from .config import ConfigError, TrainConfig, fields, load_yaml
+from .config import EXIT_DIVERGED, ConfigError, Diverged, TrainConfig, fields, load_yaml
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -91,6 +91,11 @@ def cmd_train(argv: list[str]) -> int:
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)
+    except Diverged as e:  # every rank stopped at the same step; the main process says why
+        from accelerate import PartialState
+        if PartialState().is_main_process:
+            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
     except RuntimeError as e:
         if type(e).__name__ not in COMM_ERRORS and not COMM_PATTERNS.search(str(e)):
             raise

@@ -94,7 +94,7 @@ def cmd_train(argv: list[str]) -> int:
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         from accelerate import PartialState
         if PartialState().is_main_process:
-            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
+            print(f"\naccel-train: error: {e}", file=sys.stderr, flush=True)  # (after any progress bar)
         return EXIT_DIVERGED
     except RuntimeError as e:
         if type(e).__name__ not in COMM_ERRORS and not COMM_PATTERNS.search(str(e)):

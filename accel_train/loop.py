@@ -9,7 +9,6 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -30,7 +29,7 @@ from timm.utils import ModelEmaV3
 
 from . import __version__
 from .checkpoint import TrainState, export_model, load_checkpoint, resolve_resume, save_checkpoint
-from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, Diverged, TrainConfig
+from .config import CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, ConfigError, TrainConfig
 from .data import Data, build_data
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
 from .model import NUM_CLASSES, create_model

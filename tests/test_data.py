@@ -6,7 +6,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from accel_train.config import TrainConfig
-from accel_train.data import (DataError, IndexDataset, build_data, crop_flip, crop_flip_params, random_data,
+from accel_train.data import (DataError, build_data, crop_flip, crop_flip_params, random_data,
                               read_batch, read_cifar10)
 from conftest import Exploit, write_batch, write_cifar
 

@@ -93,8 +93,10 @@ def cmd_train(argv: list[str]) -> int:
         train(cfg)
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         from accelerate import PartialState
-        if PartialState().is_main_process:
+        state = PartialState()
+        if state.is_main_process:
             print(f"\naccel-train: error: {e}", file=sys.stderr, flush=True)  # (after any progress bar)
+        state.wait_for_everyone()  # the line is out before any rank exits (torchrun then stops the rest)
         return EXIT_DIVERGED
     except RuntimeError as e:
         if type(e).__name__ not in COMM_ERRORS and not COMM_PATTERNS.search(str(e)):

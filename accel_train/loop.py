@@ -117,9 +117,18 @@ class Run:
 
 
 def bare_model(accelerator, model) -> torch.nn.Module:
-    """The user's module: without the DDP wrapper and without torch.compile's `_orig_mod.` wrapper."""
-    model = accelerator.unwrap_model(model)
-    return getattr(model, "_orig_mod", model)
+    """The user's module: without torch.compile's wrapper (outermost: compiled last) and without DDP's.
+
+    The compiled wrapper is taken off first: `unwrap_model` given a compiled model re-points its
+    `_orig_mod` at the unwrapped module (keep_torch_compile=True, the default), which would silently
+    take DDP out of the training model."""
+    return accelerator.unwrap_model(getattr(model, "_orig_mod", model))
+
+
+def wrappers(model) -> str:
+    """The wrapping order prepare() produced, e.g. OptimizedModule(DistributedDataParallel(ResNet))."""
+    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    return f"{type(model).__name__}({wrappers(inner)})" if isinstance(inner, torch.nn.Module) else type(model).__name__
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -167,7 +176,7 @@ def setup(cfg: TrainConfig) -> Run:
     log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {data.train_size} train / "
         f"{data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
         f"{accelerator.mixed_precision}], global batch {cfg.batch_size * accelerator.num_processes * cfg.grad_accum}"
-        f", peak lr {peak:.4g}, {steps_per_epoch} steps/epoch")
+        f", peak lr {peak:.4g}, {steps_per_epoch} steps/epoch, model {wrappers(model)}")
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         trackers = [t.strip() for t in cfg.log_with.split(",")]
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
@@ -319,6 +328,7 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch) -> d
         files += [CURVES_FILE] * bool(curves) + ["model_ema.safetensors"] * (ema is not None) + ["checkpoints/"]
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
                     f"{summary['best_test_acc'] or 0:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in "
-                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
+                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
+                    + f" | model {wrappers(model)}")
     accelerator.wait_for_everyone()
     return summary

@@ -113,6 +113,10 @@ def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
     out = tmp_path / "out"
     proc = launch(config, [*TINY, *RUN_A, "--output_dir", out], timeout=400)
     assert f"{ranks} process(es)" in proc.stderr and ", bf16]" in proc.stderr
+    # torch.compile wraps what prepare() made (DDP with 2 ranks), as Accelerate advises
+    # (at the start and still at the end: nothing unwrapped the training model on the way)
+    chain = "model OptimizedModule(" + ("DistributedDataParallel(ResNet))" if ranks > 1 else "ResNet)")
+    assert proc.stderr.count(chain) == 2, re.findall(r"model \S+", proc.stderr)
     row = check_run(out, ranks=ranks, ema=True)
     assert parse_train_args(["--config", str(out / "config.yaml")]).compile is True
     # evaluate (same topology, bf16, flip TTA as trained) reproduces the run's numbers, EMA included

@@ -99,6 +99,13 @@ def cmd_train(argv: list[str]) -> int:
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)
+    except Diverged as e:  # every rank stopped at the same step; the main process says why
+        from accelerate import PartialState
+        state = PartialState()
+        if state.is_main_process:
+            print(f"\naccel-train: error: {e}", file=sys.stderr, flush=True)  # (after any progress bar)
+        state.wait_for_everyone()  # the line is out before any rank exits (torchrun then stops the rest)
+        return EXIT_DIVERGED
     except Exception as e:
         if not is_lost_peer(e):
             raise
@@ -170,9 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
-    except Diverged as e:
-        print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_DIVERGED
     except Exception:
         traceback.print_exc()
         code = EXIT_ERROR

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 
 import yaml
@@ -152,6 +155,7 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
+        self._check_types_and_choices()
         positive = ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "log_every", "timeout_s",
                     "ddp_bucket_cap_mb")
         for name in positive:
@@ -181,6 +185,33 @@ class TrainConfig:
         self.normalisation()
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
+        if self.num_workers and self.pipeline != "cpu":
+            raise ConfigError(f"--num_workers {self.num_workers} needs --pipeline cpu (the device pipeline has "
+                              "no DataLoader workers); add --pipeline cpu or drop --num_workers")
+
+    def _check_types_and_choices(self) -> None:
+        """The checks argparse makes for flags, made here so that --config YAML gets them too."""
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), _base_type(hints[f.name])
+            if value is None and _optional(hints[f.name]):
+                continue
+            if kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind)
+            if not ok:
+                raise ConfigError(f"--{f.name} must be {'true or false' if kind is bool else 'a ' + kind.__name__}, "
+                                  f"got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"--{f.name} must be a finite number, got {value}")
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise ConfigError(f"--{f.name} {value!r}: invalid choice; pick one of {', '.join(choices)}")
 
     def model_kwargs_dict(self) -> dict:
         if not self.model_kwargs:
@@ -227,6 +258,16 @@ class TrainConfig:
         with open(path, "w") as f:
             f.write("# accel_train resolved configuration: `accel-train --config config.yaml` reproduces it\n")
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+
+
+def _optional(tp) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _base_type(tp):
+    """int | None -> int; bool -> bool."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
 
 
 def fields():

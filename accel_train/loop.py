@@ -9,7 +9,6 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 import time
@@ -22,8 +21,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                              LoggerType, ProjectConfiguration, broadcast_object_list, is_npu_available,
-                              set_seed, tqdm)
+                              LoggerType, ProjectConfiguration, TorchDynamoPlugin, broadcast_object_list,
+                              is_npu_available, set_seed, tqdm)
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -34,7 +33,7 @@ from .checkpoint import TrainState, export_model, load_checkpoint, load_ema, rea
 from .config import ConfigError, Preempted, TrainConfig
 from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
-from .metrics import CURVES_FILE, EpochMeter, MetricsLog, check_trackers, plot_curves
+from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
 from .model import create_model, load_init_weights
 from .preempt import StopRequest
 from .resume import Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once
@@ -52,6 +51,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
         cpu=not (torch.accelerator.is_available() or is_npu_available()),
         gradient_accumulation_steps=cfg.grad_accum,
+        # --compile: Accelerate compiles in prepare(), after the DDP wrap (compile last, as it advises)
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
@@ -116,6 +117,26 @@ class Run:
     math: dict                   # the run's math, recorded in every checkpoint (elastic resume checks it)
     history: dict | None         # metrics rows of the checkpoint resumed from
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per rank and epoch: whole accumulation windows only (the rest is dropped)."""
+        return self.steps_per_epoch * self.accelerator.gradient_accumulation_steps
+
+
+def bare_model(accelerator, model) -> torch.nn.Module:
+    """The user's module: without torch.compile's wrapper (outermost: compiled last) and without DDP's.
+
+    The compiled wrapper is taken off first: `unwrap_model` given a compiled model re-points its
+    `_orig_mod` at the unwrapped module (keep_torch_compile=True, the default), which would silently
+    take DDP out of the training model."""
+    return accelerator.unwrap_model(getattr(model, "_orig_mod", model))
+
+
+def wrappers(model) -> str:
+    """The wrapping order prepare() produced, e.g. "OptimizedModule(DDP wrapper(ResNet))"."""
+    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    return f"{type(model).__name__}({wrappers(inner)})" if isinstance(inner, torch.nn.Module) else type(model).__name__
+
 
 def setup(cfg: TrainConfig) -> Run:
     """Check every input before writing anything, agree on one resume decision, then build, prepare, resume."""
@@ -135,20 +156,25 @@ def setup(cfg: TrainConfig) -> Run:
         if data.train_size < cfg.batch_size * accelerator.num_processes:
             raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each "
                               f"of {accelerator.num_processes} processes; lower --batch_size or add data")
+        batches = data.train_size // (cfg.batch_size * accelerator.num_processes)  # per process and epoch
+        if batches < cfg.grad_accum:
+            raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
+                              f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
         model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
         loaded = load_init_weights(model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
                                     weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
-    if cfg.compile:
-        model = torch.compile(model, mode=cfg.compile_mode)
-    model, optimizer, train_loader, test_loader = accelerator.prepare(
+    model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
         model, optimizer, data.train_loader, data.test_loader)
 
+    # An epoch is a whole number of accumulation windows: a partial window at the end would take an
+    # optimizer step on fewer micro-batches at the same 1/grad_accum scale, so its micro-batches are
+    # dropped (as drop_last drops an incomplete batch).
+    steps_per_epoch = len(train_loader) // cfg.grad_accum
     # The lr is a function of the global optimizer step and the current flags, set with step_update(step):
     # no scheduler object is stepped per process, so num_processes never changes the schedule.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     peak = cfg.peak_lr(accelerator.num_processes)
     scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
                                        min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
@@ -160,7 +186,7 @@ def setup(cfg: TrainConfig) -> Run:
         history = read_history(decision.resume_from)
     scheduler.step_update(state.step)
     # the EMA starts from the weights training continues from, then takes the checkpoint's EMA if it has one
-    ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+    ema = ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
     if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from, accelerator.device):
         log(f"{decision.resume_from} has no EMA weights: the EMA starts from the resumed weights")
     criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
@@ -177,15 +203,15 @@ def setup(cfg: TrainConfig) -> Run:
     log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {data.train_size} train / "
         f"{data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
         f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch {glob}, peak lr "
-        f"{peak:.4g}, {steps_per_epoch} steps/epoch; checkpoints: "
+        f"{peak:.4g}, {steps_per_epoch} steps/epoch, model {wrappers(model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     log(data.describe())
     if loaded:
         log(loaded)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         trackers = [t.strip() for t in cfg.log_with.split(",")]
-        accelerator.init_trackers("accel_train", config=tracker_config(cfg))
-        check_trackers(accelerator, trackers)
+        accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
+        check_trackers(accelerator, trackers)  # checked there, the verdict sent to every rank
     return Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
                steps_per_epoch, total_steps, decision, math_, history)
 
@@ -194,11 +220,20 @@ def train(cfg: TrainConfig) -> dict:
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
-    checkpoint = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
-                         shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
+    save = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
+                   shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
+    # Non-finite losses are noted on the device every micro-batch and read back only where ranks
+    # meet anyway (every --log_every steps, the epoch end, a checkpoint): no host sync per step.
+    watch = NonFiniteWatch(accelerator.device, cfg.output_dir)
+
+    def checkpoint(state):  # never a checkpoint of non-finite weights: the last finite one stays newest
+        watch.check(accelerator, state.step, model)
+        return save(state, history=metrics.history())
+
     stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     run_start = time.perf_counter()
+    window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
     while state.epoch < cfg.epochs and state.step < run.total_steps:
         epoch = state.epoch
         model.train()
@@ -210,32 +245,38 @@ def train(cfg: TrainConfig) -> dict:
         for batch in loader:
             x, y = run.data.inputs(batch, train=True, epoch=epoch)
             meter.data_time += time.perf_counter() - tick
+            lr = optimizer.param_groups[0]["lr"]
             loss, logits = train_step(run, x, y, cfg.clip_grad)
             meter.update(loss, logits, y)
+            watch.update(loss, state.step + 1, lr)
+            window_loss += loss.detach().float()
             state.batch_in_epoch += 1
             if accelerator.sync_gradients:  # an optimizer step happened
                 state.step += 1
-                if state.step % cfg.log_every == 0:  # the loss and the lr of this step
-                    metrics.log_step(accelerator, state.step, loss, optimizer.param_groups[0]["lr"])
+                if state.step % cfg.log_every == 0:  # the step's loss (mean over its micro-batches and ranks)
+                    watch.check(accelerator, state.step)
+                    metrics.log_step(accelerator, state.step, window_loss / cfg.grad_accum, lr)
+                window_loss.zero_()
                 run.scheduler.step_update(state.step)
                 if ema is not None:
-                    ema.update(accelerator.unwrap_model(model), step=state.step)
+                    ema.update(bare_model(accelerator, model), step=state.step)
                 progress.update(1)
-                if state.step >= run.total_steps:
-                    break
+                if state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch:
+                    break  # --max_steps, or the end of the last whole accumulation window
                 if stop.should_stop(accelerator):
-                    path = checkpoint(state, history=metrics.history())
+                    path = checkpoint(state)
                     raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
                                     f"{path}; continue with --resume auto")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    checkpoint(state, history=metrics.history())
+                    checkpoint(state)
             tick = time.perf_counter()
 
+        watch.check(accelerator, state.step)
         row = end_of_epoch(run, cfg, meter, epoch)
         metrics.append(accelerator, row)
-        if state.batch_in_epoch >= len(run.train_loader):
+        if state.batch_in_epoch >= run.batches_per_epoch:
             state.epoch, state.batch_in_epoch = epoch + 1, 0
-        checkpoint(state, history=metrics.history())  # epoch end, or where --max_steps stopped
+        checkpoint(state)  # epoch end, or where --max_steps stopped
     progress.close()
     stop.uninstall()
 
@@ -295,8 +336,7 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info
     if ema is not None:
         summary["final_test_acc_ema"] = last.get("test_acc_ema")
     if accelerator.is_main_process:
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
-        path = export_model(plain, out, model_config(cfg, summary, info))
+        path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
         if ema is not None:
             export_model(ema.module, out, model_config(cfg, summary, info), filename="model_ema.safetensors")
         cfg.save_yaml(out / "config.yaml")
@@ -308,6 +348,7 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info
         files += [CURVES_FILE] * bool(curves) + ["model_ema.safetensors"] * (ema is not None) + ["checkpoints/"]
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
                     f"{summary['best_test_acc'] or 0:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in "
-                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
+                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
+                    + f" | model {wrappers(model)}")
     accelerator.wait_for_everyone()
     return summary

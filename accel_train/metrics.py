@@ -1,15 +1,16 @@
-"""Metrics: the epoch meter (every rank), metrics.jsonl / steps.jsonl and the trackers (written by the
-main process), the tracker check, and the training curves."""
+"""Metrics: the epoch meter and the non-finite watch (every rank), metrics.jsonl / steps.jsonl and the
+trackers (written by the main process), the tracker check, and the training curves."""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, Diverged
 
 METRICS_FILE = "metrics.jsonl"
 STEPS_FILE = "steps.jsonl"
@@ -38,7 +39,7 @@ class EpochMeter:
                             torch.tensor(float(self.samples), device=self.loss_sum.device, dtype=torch.float64)])
         loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        data_share = min(self.data_time / seconds, 1.0)
+        data_share = self.data_time / seconds  # both measured on one clock over the same epoch: <= 1
         return {
             "train_loss": loss_sum / max(samples, 1),
             "train_acc": correct / max(samples, 1),
@@ -49,6 +50,43 @@ class EpochMeter:
             "compute_frac": 1.0 - data_share,
             "epoch_seconds": seconds,
         }
+
+
+class NonFiniteWatch:
+    """Notes on the device, per micro-batch and without a host sync, the first step whose loss is not
+    finite; `check` reads that back on every rank at a point where the ranks meet anyway and raises
+    `Diverged` on all of them together."""
+
+    def __init__(self, device, output_dir):
+        self.first = torch.zeros((), device=device, dtype=torch.long)  # 0: every loss so far finite
+        self.lrs: dict[int, float] = {}  # lr of each step since the last check
+        self.output_dir = output_dir
+
+    def update(self, loss: torch.Tensor, step: int, lr: float) -> None:
+        self.lrs.setdefault(step, lr)
+        bad = ~torch.isfinite(loss.detach()) & (self.first == 0)
+        self.first = torch.where(bad, torch.full_like(self.first, step), self.first)
+
+    def check(self, accelerator, step: int, model: torch.nn.Module | None = None) -> None:
+        """A collective: every rank calls it. With a model, also checks its weights are finite."""
+        weights_ok = torch.ones((), device=self.first.device, dtype=torch.long)
+        if model is not None:
+            weights_ok = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all().long()
+        found = accelerator.gather(torch.stack([self.first, weights_ok]).reshape(1, 2)).reshape(-1, 2).tolist()
+        firsts = [f for f, _ in found if f > 0]
+        if firsts:
+            at = min(firsts)
+            what = f"the training loss became non-finite at step {at} (lr {self.lrs.get(at, float('nan')):.4g})"
+        elif not all(ok for _, ok in found):
+            what = f"the weights became non-finite after step {step} (lr {self.lrs.get(step, float('nan')):.4g})"
+        else:
+            self.lrs = {s: lr for s, lr in self.lrs.items() if s > step}
+            return
+        from .checkpoint import checkpoint_dirs
+        kept = checkpoint_dirs(self.output_dir)
+        raise Diverged(f"{what}: every rank stopped, nothing exported; "
+                       + (f"newest finite checkpoint: {kept[-1]}" if kept else "no checkpoint was written")
+                       + "; lower --lr (or set --clip_grad) and start again")
 
 
 class MetricsLog:
@@ -70,8 +108,8 @@ class MetricsLog:
             self.rows = [r for r in _read_jsonl(self.path) if r["epoch"] <= resume_at.epoch]
             self.step_rows = [r for r in _read_jsonl(self.steps_path) if r["step"] <= resume_at.step]
         if enabled:
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-            self.steps_path.write_text("".join(json.dumps(r) + "\n" for r in self.step_rows))
+            self.path.write_text("".join(dumps(r) + "\n" for r in self.rows))
+            self.steps_path.write_text("".join(dumps(r) + "\n" for r in self.step_rows))
 
     def history(self) -> dict:
         return {METRICS_FILE: list(self.rows), STEPS_FILE: list(self.step_rows)}
@@ -81,7 +119,7 @@ class MetricsLog:
         self.rows.append(row)
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(dumps(row) + "\n")
 
     def steps(self) -> list[dict]:
         return self.step_rows
@@ -94,7 +132,13 @@ class MetricsLog:
         self.step_rows.append(row)
         if self.enabled:
             with open(self.steps_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(dumps(row) + "\n")
+
+
+def dumps(row: dict) -> str:
+    """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not JSON)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
+                      allow_nan=False)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -104,9 +148,17 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:
-    """Accelerate drops a tracker whose package is missing with only a warning: make that an error."""
-    active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
-    missing = [name for name in requested if name.lower() not in active]
+    """Accelerate drops a tracker whose package is missing with only a warning: make that an error.
+
+    Trackers run on the main process only, so it is checked there and its verdict sent to every rank:
+    all ranks stop together with the same one-line error (or none does)."""
+    from accelerate.utils import broadcast_object_list
+    missing = []
+    if accelerator.is_main_process:
+        active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
+        missing = [name for name in requested if name.lower() not in active]
+    if accelerator.num_processes > 1:
+        missing = broadcast_object_list([missing])[0]
     if missing:
         raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install its "
                           f"package (tensorboard: pip install 'accel_train[tensorboard]'), or drop --log_with")

@@ -18,6 +18,10 @@ def small_run(out, *extra):
             *extra]
 
 
+def state_dir(out, step):
+    return out / "checkpoints" / f"step_{step:08d}"
+
+
 def weights(out):
     return load_file(out / "model.safetensors")
 
@@ -35,8 +39,11 @@ def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks):
     launch(CONFIG[ranks], small_run(full, *batch))
     # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
     launch(CONFIG[ranks], small_run(part, *batch, "--max_steps", "11"))
-    state = json.loads(next((part / "checkpoints").glob("step_00000011")).joinpath("trainer_state.json").read_text())
-    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (1, 11, 3 * (1 if ranks == 1 else 1))
+    state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())
+    # 3 steps into epoch 2: 3 batches on each rank (a rank's batch is 32 / ranks), saved by `ranks` processes
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (1, 11, 3)
+    assert sorted(p.name for p in state_dir(part, 11).glob("random_states_*")) == \
+        [f"random_states_{r}.pkl" for r in range(ranks)]
     proc = launch(CONFIG[ranks], small_run(part, *batch, "--resume", "auto"))
     assert "resumed from" in proc.stderr + proc.stdout and "step 11, 3 batches into the epoch" in proc.stderr
     assert_same_weights(weights(full), weights(part), atol=1e-6)

@@ -85,3 +85,44 @@ def test_help_is_grouped_with_defaults_and_version():
     out = subprocess.run([sys.executable, "-m", "accel_train", "--version"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("accel_train ")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("pipeline: gpu\n", r"--pipeline 'gpu': invalid choice; pick one of auto, device, cpu"),
+    ("stem: cifar10\n", r"--stem 'cifar10': invalid choice; pick one of cifar, imagenet"),
+    ("data: imagenet\n", r"--data 'imagenet': invalid choice"),
+    ("compile_mode: fastest\n", r"--compile_mode 'fastest': invalid choice"),
+    ("epochs: [3]\n", r"--epochs must be a int, got \[3\]"),
+    ("lr: .inf\n", "--lr must be a finite number, got inf"),
+    ("clip_grad: .nan\n", "--clip_grad must be a finite number, got nan"),
+    ("ema: maybe\n", "expected true or false"),
+])
+def test_config_yaml_values_get_the_checks_flags_get(tmp_path, text, match):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        parse_train_args(["--config", str(tmp_path / "c.yaml")])
+
+
+def test_every_check_lives_in_trainconfig():
+    with pytest.raises(ConfigError, match="--pipeline 'gpu': invalid choice"):
+        TrainConfig(pipeline="gpu")
+    with pytest.raises(ConfigError, match="--stem 'cifar10': invalid choice"):
+        TrainConfig(stem="cifar10")
+    with pytest.raises(ConfigError, match="--num_workers 2 needs --pipeline cpu"):
+        TrainConfig(num_workers=2)
+    assert TrainConfig(pipeline="cpu", num_workers=2, lr=1, clip_grad=2).lr == 1  # ints where floats go
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--clip_grad", "--warmup_epochs", "--lr_base", "--min_lr", "--momentum",
+                                  "--weight_decay", "--label_smoothing", "--ema_decay"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_flag_values_are_refused(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be"):
+        parse_train_args([f"{flag}={value}"])
+
+
+def test_non_finite_lr_exits_2_before_anything_is_written(tmp_path):
+    proc = run_cli(["--lr", "inf", "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["accel-train: error: --lr must be a finite number, got inf"]
+    assert not (tmp_path / "out").exists()

@@ -6,7 +6,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from accel_train.config import TrainConfig
-from accel_train.data import (DataError, IndexDataset, build_data, crop_flip, crop_flip_params, random_data,
+from accel_train.data import (DataError, build_data, crop_flip, crop_flip_params, random_data,
                               read_batch, read_cifar10)
 from conftest import Exploit, write_batch, write_cifar
 
@@ -146,20 +146,37 @@ def test_device_pipeline_gathers_and_cpu_pipeline_matches_eval(tmp_path):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_accelerate_shards_index_batches_disjointly(world):
+def test_build_data_train_loader_shards_disjointly_and_reshuffles_per_epoch(world):
+    """build_data's loaders as accelerator.prepare shards them (seedable sampler, rank r of `world`)."""
     from accelerate.data_loader import prepare_data_loader
-    from torch.utils.data import DataLoader
-
-    from accel_train.data import _identity
     n, bs = 103, 8
-    seen = []
-    for rank in range(world):
-        dl = DataLoader(IndexDataset(n), batch_size=bs, shuffle=True, drop_last=True, collate_fn=_identity)
-        shard = prepare_data_loader(dl, num_processes=world, process_index=rank, put_on_device=False,
-                                    use_seedable_sampler=True, data_seed=5)
-        shard.set_epoch(1)
-        seen.append(torch.cat(list(shard)).tolist())
-    flat = [i for s in seen for i in s]
-    assert len(flat) == len(set(flat)), "ranks saw the same sample"
-    assert len(flat) == (n // (bs * world)) * bs * world  # the whole epoch, minus the incomplete last step
-    assert len({len(s) for s in seen}) == 1
+
+    def epoch_batches(pipeline, epoch, num_workers=0):
+        """[(what the loader yielded, labels)] over all ranks, rank by rank."""
+        cfg = TrainConfig(train_samples=n, test_samples=13, batch_size=bs, pipeline=pipeline, num_workers=num_workers,
+                          augment=False)
+        data = build_data(cfg, "cpu")
+        out = []
+        for rank in range(world):
+            shard = prepare_data_loader(data.train_loader, num_processes=world, process_index=rank,
+                                        put_on_device=False, use_seedable_sampler=True, data_seed=5)
+            shard.set_epoch(epoch)
+            out += [(b, data.inputs(b, train=True, epoch=epoch)[1]) for b in shard]
+        return data, out
+
+    data, batches = epoch_batches("device", 1)
+    assert {len(y) for _, y in batches} == {bs}  # every step a full batch on every rank
+    seen = torch.cat([idx for idx, _ in batches]).tolist()  # the device pipeline yields sample indices
+    assert len(seen) == len(set(seen)), "ranks saw the same sample"
+    assert len(seen) == (n // (bs * world)) * bs * world  # the whole epoch, minus the incomplete last step
+    assert seen != sorted(seen), "the training order is not shuffled"
+    labels = torch.cat([y for _, y in batches]).tolist()
+    assert labels == data.inputs(torch.tensor(seen), train=True)[1].tolist()
+    assert seen == torch.cat([idx for idx, _ in epoch_batches("device", 1)[1]]).tolist()  # f(seed, epoch)
+    assert seen != torch.cat([idx for idx, _ in epoch_batches("device", 2)[1]]).tolist()  # reshuffled per epoch
+    # the cpu pipeline (DataLoader workers) hands each rank the same samples in the same order
+    _, cpu = epoch_batches("cpu", 1, num_workers=2)
+    assert torch.cat([y for _, y in cpu]).tolist() == labels
+    # the test loader keeps every sample once, in order, the last batch short
+    assert torch.cat([data.inputs(b, train=False)[1] for b in data.test_loader]).tolist() == \
+        data.inputs(torch.arange(13), train=False)[1].tolist()

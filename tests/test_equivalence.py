@@ -19,10 +19,10 @@ from conftest import launch
 pytestmark = pytest.mark.slow
 
 
-def run(out, config, batch):
-    launch(config, ["--train_samples", "192", "--test_samples", "40", "--epochs", "2", "--batch_size", batch,
+def run(out, config, batch, *extra, samples="192", max_steps="8"):
+    launch(config, ["--train_samples", samples, "--test_samples", "40", "--epochs", "2", "--batch_size", batch,
                     "--model_kwargs", '{"norm_layer": "groupnorm"}', "--log_every", "1", "--output_dir", out,
-                    "--max_steps", "8"])
+                    "--max_steps", max_steps, *extra])
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     return steps, load_file(out / "model.safetensors")
 
@@ -40,4 +40,18 @@ def test_two_ranks_batch_b_equal_one_rank_batch_2b(tmp_path):
     set_seed(42)  # the trainer's default seed, set before it builds the model
     init = create_model("resnet18", "cifar", norm_layer="groupnorm").state_dict()
     assert max((w1[k].double() - init[k].double()).abs().max().item() for k in w1) > 1e-3
+    assert abs(steps1[0]["loss"] - steps1[-1]["loss"]) > 1e-3
+
+
+def test_two_ranks_batch_b_grad_accum_2_equal_one_rank_batch_4b(tmp_path):
+    # 224 samples: 1 rank x 64 takes 3 steps an epoch; 2 ranks x 16 have 7 micro-batches each, i.e. 3 whole
+    # accumulation windows and one left over, which is dropped (a partial window would weigh less).
+    steps1, w1 = run(tmp_path / "one", "cpu.yaml", "64", samples="224", max_steps="6")
+    steps2, w2 = run(tmp_path / "two", "2proc_cpu.yaml", "16", "--grad_accum", "2", samples="224", max_steps="6")
+    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 7))  # two epochs of 3
+    for a, b in zip(steps1, steps2):  # the step's loss: mean over its micro-batches and ranks
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    worst = max((w1[k].double() - w2[k].double()).abs().max().item() for k in w1)
+    assert worst < 1e-5, worst
     assert abs(steps1[0]["loss"] - steps1[-1]["loss"]) > 1e-3

@@ -1,15 +1,19 @@
-"""EMA and flip-TTA move the evaluated numbers the expected way, on toy cases built to show it,
-through the same pieces the trainer uses (timm ModelEmaV3, evaluate.evaluate, the device pipeline)."""
+"""Flip-TTA moves the evaluated numbers the expected way on a toy case built to show it (through
+evaluate.evaluate and the device pipeline), and the trainer's EMA is timm's EMA of its optimizer steps."""
 
 import pytest
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
+from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 
+from accel_train.checkpoint import EMA_FILE
 from accel_train.config import TrainConfig
 from accel_train.data import build_data
 from accel_train.evaluate import evaluate
+from accel_train.model import create_model
+from conftest import launch
 
 
 @pytest.fixture(scope="module")
@@ -45,33 +49,29 @@ def test_flip_tta_recovers_mirrored_images(accelerator):
     assert plain == 0.5 and tta == 1.0
 
 
-class ChannelMeans(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(2, 10)
-
-    def forward(self, x):
-        return self.fc(x[:, :2].mean((2, 3)))
-
-
-def test_ema_of_noisy_iterates_evaluates_better_than_the_last_iterate(accelerator):
-    g = torch.Generator().manual_seed(0)
-    points = torch.randn(400, 2, generator=g)
-    labels = (points[:, 0] > 0).long()
-    images = (128 + 40 * points).clamp(0, 255).to(torch.uint8)[:, :, None, None].expand(400, 2, 32, 32)
-    images = torch.cat([images, torch.zeros(400, 1, 32, 32, dtype=torch.uint8)], 1).contiguous()
-
-    model = ChannelMeans()
-    with torch.no_grad():
-        model.fc.weight.zero_()
-        model.fc.bias.fill_(-10)
-        model.fc.bias[:2] = 0
-    ema = ModelEmaV3(model, decay=0.9)
-    best = torch.tensor([[-1.0, 0.0], [1.0, 0.0]])
-    for step in range(60):  # SGD-like iterates bouncing around the optimum along the wrong axis
-        with torch.no_grad():
-            model.fc.weight[:2] = best + torch.tensor([[0.0, 2.5], [0.0, -2.5]]) * (1 if step % 2 else -1)
+@pytest.mark.slow
+def test_trainers_ema_is_timms_ema_of_each_optimizer_steps_weights(tmp_path):
+    """The trainer's own EMA, from a real run: after every optimizer step (not every micro-batch) it moves
+    towards that step's weights by timm's warmup decay, and the exported EMA is the last one."""
+    out = tmp_path / "out"
+    launch("cpu.yaml", ["--train_samples", "64", "--test_samples", "8", "--batch_size", "8", "--epochs", "1",
+                        "--grad_accum", "2", "--ema", "--ema_decay", "0.99", "--max_steps", "4",
+                        "--checkpoint_every", "1", "--keep_checkpoints", "10", "--output_dir", out])
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    assert [int(p.name.split("_")[1]) for p in ckpts] == [1, 2, 3, 4]
+    weights = [load_file(p / "model.safetensors") for p in ckpts]
+    emas = [load_file(p / EMA_FILE) for p in ckpts]
+    model, reference = create_model("resnet18", "cifar"), create_model("resnet18", "cifar")
+    ema = ModelEmaV3(reference, decay=0.99, use_warmup=True)
+    ema.module.load_state_dict(emas[0])
+    for step in (2, 3, 4):
+        model.load_state_dict(weights[step - 1])
         ema.update(model, step=step)
-    last = evaluated_accuracy(accelerator, model, images, labels)
-    averaged = evaluated_accuracy(accelerator, ema, images, labels)
-    assert averaged > last + 0.15 and averaged > 0.9, (last, averaged)
+        worst = max((ema.module.state_dict()[k].double() - emas[step - 1][k].double()).abs().max().item()
+                    for k in emas[step - 1])
+        assert worst < 1e-6, (step, worst)
+        moved = max((emas[step - 1][k] - weights[step - 1][k]).abs().max().item() for k in emas[step - 1]
+                    if emas[step - 1][k].is_floating_point())
+        assert moved > 1e-4, "the EMA is a copy of the weights, not an average"
+    exported = load_file(out / "model_ema.safetensors")
+    assert exported.keys() == emas[-1].keys() and all(torch.equal(exported[k], emas[-1][k]) for k in exported)

@@ -1,0 +1,78 @@
+"""A diverged run stops every rank at one step with one line, exit status 5, no export of non-finite
+weights, the last finite checkpoint kept, and metrics files that strict JSON readers accept."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from timm.scheduler import create_scheduler_v2
+
+from accel_train.config import EXIT_DIVERGED
+from conftest import launch, run_cli
+
+# --lr 1e6: the loss is finite for the first steps and non-finite from step 4 on (seed 42)
+ARGS = ["--train_samples", "128", "--test_samples", "16", "--batch_size", "16", "--epochs", "2", "--lr", "1e6",
+        "--warmup_epochs", "0.5", "--checkpoint_every", "2", "--log_every", "1"]
+
+
+def schedule_lr(step):
+    """The lr optimizer step `step` runs with: timm's cosine schedule, 8 steps per epoch, 4 warmup steps."""
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e6)
+    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=0.5, min_lr=0.0, warmup_lr=1e4,
+                                   step_on_epochs=False, updates_per_epoch=8)
+    sched.step_update(step - 1)
+    return opt.param_groups[0]["lr"]
+
+
+def strict_jsonl(path):
+    def refuse(token):
+        raise AssertionError(f"{path.name} holds {token}, which is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def assert_diverged_cleanly(out, stderr):
+    errors = [line for line in stderr.splitlines() if "accel-train: error" in line]
+    assert len(errors) == 1, stderr[-3000:]
+    m = re.fullmatch(r"accel-train: error: the training loss became non-finite at step (\d+) \(lr ([\d.e+-]+)\): "
+                     r"every rank stopped, nothing exported; newest finite checkpoint: (\S+); .*", errors[0])
+    assert m, errors[0]
+    step, lr, kept = int(m.group(1)), float(m.group(2)), m.group(3)
+    assert "accel_train/loop.py" not in stderr and "Diverged" not in stderr  # no trainer traceback
+    assert not (out / "model.safetensors").exists() and not (out / "model_config.json").exists()
+    steps = strict_jsonl(out / "steps.jsonl")
+    # every step before the non-finite one is logged (log_every 1), none after; its lr is the one named
+    assert [r["step"] for r in steps] == list(range(1, step)) and all(math.isfinite(r["loss"]) for r in steps)
+    assert lr == pytest.approx(schedule_lr(step), rel=1e-3)  # the lr that step ran with
+    assert [r["lr"] for r in steps] == pytest.approx([schedule_lr(s) for s in range(1, step)])
+    strict_jsonl(out / "metrics.jsonl")
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    assert ckpts and str(ckpts[-1]) == kept and int(ckpts[-1].name.split("_")[1]) < step
+    for ckpt in ckpts:
+        weights = load_file(ckpt / "model.safetensors")
+        assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()), ckpt
+    return step, lr
+
+
+def test_divergence_one_process_exit_5(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli([*ARGS, "--output_dir", out])
+    assert proc.returncode == EXIT_DIVERGED == 5, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    step, _ = assert_diverged_cleanly(out, proc.stderr)
+    assert step > 2  # the checkpoint of step 2 was finite and stays
+
+
+@pytest.mark.slow
+def test_divergence_two_ranks_stop_together(tmp_path):
+    out = tmp_path / "out"
+    proc = launch("2proc_cpu.yaml", [*ARGS, "--batch_size", "8", "--output_dir", out], check=False)
+    assert proc.returncode != 0
+    assert "lost contact" not in proc.stderr
+    assert_diverged_cleanly(out, proc.stderr)
+    # torchrun's report: the first rank to leave left with 5; it stops the others (SIGTERM) as soon as one exits
+    root = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
+    assert root and root.group(1) == "5", proc.stderr[-3000:]
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) <= {"5", "-15"}

@@ -1,0 +1,186 @@
+"""Every user-facing flag on 1 process, on 2 processes and (those that touch outputs, checkpoints or
+collectives) on two network hosts, combined into few tiny runs; each run checks what the flags do.
+
+run A: --compile --channels_last --ema --tta under bf16 autocast (accelerate launch --mixed_precision bf16)
+run B: --log_with tensorboard --grad_accum 2 --clip_grad --pipeline cpu --num_workers 2
+two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under bf16
+(torch.compile is left out there: it takes minutes per rank on this machine's shared cores)
+"""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import timm
+import torch.nn as nn
+from safetensors.torch import load_file
+
+from accel_train.checkpoint import EMA_FILE
+from accel_train.cli import parse_train_args
+from accel_train.model import create_model
+from conftest import CONFIGS, launch, run_cli, wait_all
+
+TINY = ["--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--epochs", "1", "--log_every", "1"]
+RUN_A = ["--compile", "--channels_last", "--ema", "--tta"]
+RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0", "--pipeline", "cpu",
+         "--num_workers", "2"]
+HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last"]
+TOPOLOGY = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
+
+
+def bf16_config(tmp_path: Path, name: str) -> str:
+    path = tmp_path / f"bf16_{name}"
+    path.write_text((CONFIGS / name).read_text().replace("mixed_precision: 'no'", "mixed_precision: 'bf16'"))
+    return str(path)
+
+
+def strict_jsonl(path: Path) -> list[dict]:
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}, which is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def tensorboard_scalars(out: Path) -> tuple[dict, set]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tags, writers = {}, set()
+    for events in out.rglob("events.out.tfevents.*"):
+        writers.add(events.name.split(".")[-2])  # events.out.tfevents.<time>.<host>.<pid>.<n>
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            tags[tag] = [e.value for e in acc.Scalars(tag)]
+    return tags, writers
+
+
+def load_clean(path: Path):
+    state = load_file(path)
+    assert state and not any(k.startswith(("module.", "_orig_mod.")) or "._orig_mod." in k for k in state), \
+        [k for k in state][:5]
+    model = create_model("resnet18", "cifar")
+    model.load_state_dict(state, strict=True)
+    return state
+
+
+def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, tracker: bool = False) -> dict:
+    """What every finished run must leave, whatever the flags and the topology."""
+    steps_expected = 64 // (8 * ranks) // grad_accum
+    steps = strict_jsonl(out / "steps.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, steps_expected + 1))
+    assert all(math.isfinite(s["loss"]) and s["lr"] > 0 for s in steps)
+    (row,) = strict_jsonl(out / "metrics.jsonl")
+    assert row["step"] == steps_expected and row["train_samples"] == steps_expected * 8 * ranks * grad_accum
+    assert row["test_samples"] == 16 and 0 < row["data_wait_frac"] < 1
+    assert ("test_acc_ema" in row) == ema
+    load_clean(out / "model.safetensors")
+    meta = json.loads((out / "model_config.json").read_text())
+    assert meta["metrics"]["final_test_acc"] == row["test_acc"]
+    if ema:
+        exported = load_clean(out / "model_ema.safetensors")
+        (ckpt,) = (out / "checkpoints").glob("step_*")
+        saved = load_file(ckpt / EMA_FILE)
+        assert exported.keys() == saved.keys() and all((exported[k] == saved[k]).all() for k in saved)
+        # timm's own model takes it, with the README's one-line stem change
+        model = timm.create_model("resnet18", num_classes=10)
+        model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
+        model.load_state_dict(exported, strict=True)
+    else:
+        assert not (out / "model_ema.safetensors").exists()
+    if tracker:
+        tags, writers = tensorboard_scalars(out)
+        assert len(writers) == 1, f"trackers run on the main process only, found writers {writers}"
+        assert tags["step/train_loss"] == pytest.approx([s["loss"] for s in steps], rel=1e-6)
+        assert tags["epoch/test_acc"] == pytest.approx([row["test_acc"]])
+    else:
+        assert not list(out.rglob("events.out.tfevents.*"))
+    return row
+
+
+def evaluated(stdout: str, ranks: int) -> float:
+    m = re.search(r"test accuracy ([\d.]+)% on 16 samples \((\d) process", stdout)
+    assert m and int(m.group(2)) == ranks, stdout
+    return float(m.group(1)) / 100
+
+
+EVALUATE = ["evaluate", "--data", "random", "--test_samples", "16", "--batch_size", "8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
+    config = bf16_config(tmp_path, TOPOLOGY[ranks])
+    out = tmp_path / "out"
+    proc = launch(config, [*TINY, *RUN_A, "--output_dir", out], timeout=400)
+    assert f"{ranks} process(es)" in proc.stderr and ", bf16]" in proc.stderr
+    # torch.compile wraps what prepare() made (DDP with 2 ranks), as Accelerate advises
+    # (at the start and still at the end: nothing unwrapped the training model on the way)
+    chain = "model OptimizedModule(" + ("DistributedDataParallel(ResNet))" if ranks > 1 else "ResNet)")
+    assert proc.stderr.count(chain) == 2, re.findall(r"model \S+", proc.stderr)
+    row = check_run(out, ranks=ranks, ema=True)
+    assert parse_train_args(["--config", str(out / "config.yaml")]).compile is True
+    # evaluate (same topology, bf16, flip TTA as trained) reproduces the run's numbers, EMA included
+    plain = launch(config, [*EVALUATE, "--checkpoint", out, "--tta"])
+    assert evaluated(plain.stdout, ranks) == pytest.approx(row["test_acc"], abs=1e-4)
+    ema = launch(config, [*EVALUATE, "--checkpoint", out, "--tta", "--ema"])
+    assert "[EMA] [flip TTA]" in ema.stdout
+    assert evaluated(ema.stdout, ranks) == pytest.approx(row["test_acc_ema"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_run_b_tensorboard_grad_accum_clip_cpu_pipeline(tmp_path, ranks):
+    out = tmp_path / "out"
+    launch(TOPOLOGY[ranks], [*TINY, *RUN_B, "--output_dir", out])
+    row = check_run(out, ranks=ranks, grad_accum=2, tracker=True)
+    cfg = parse_train_args(["--config", str(out / "config.yaml")])
+    assert (cfg.grad_accum, cfg.clip_grad, cfg.pipeline, cfg.num_workers) == (2, 1.0, "cpu", 2)
+    proc = launch(TOPOLOGY[ranks], [*EVALUATE, "--checkpoint", out])
+    assert evaluated(proc.stdout, ranks) == pytest.approx(row["test_acc"], abs=1e-4)
+    # no EMA was trained: asking for it is one line
+    bad = run_cli([*EVALUATE, "--checkpoint", out, "--ema"])
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("trained with --ema")
+
+
+@pytest.mark.slow
+def test_two_hosts_tensorboard_ema_tta_grad_accum_clip_channels_last_bf16(two_hosts, tmp_path):
+    config = bf16_config(tmp_path, "2node_cpu.yaml")
+    out = tmp_path / "shared_out"
+    procs, paths = two_hosts.launch_plain(["--accel_config", config, *TINY, *HOSTS, "--output_dir", out], tmp_path)
+    codes = wait_all(procs, timeout=400)
+    text = [p.read_text() for p in paths]
+    assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
+    assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in text[0]
+    row = check_run(out, ranks=2, grad_accum=2, ema=True, tracker=True)
+    # evaluate across the two hosts gives the run's own numbers
+    (tmp_path / "eval").mkdir()
+    procs, paths = two_hosts.launch_plain(["--accel_config", config, *EVALUATE, "--checkpoint", out, "--tta",
+                                           "--ema"], tmp_path / "eval")
+    codes = wait_all(procs, timeout=300)
+    text = [p.read_text() for p in paths]
+    assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
+    assert evaluated(text[0], 2) == pytest.approx(row["test_acc_ema"], abs=1e-4)
+
+
+# ---- combinations that are not supported: one line, exit 2, nothing trained ----------------------
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--num_workers", "2"], "--num_workers 2 needs --pipeline cpu"),
+    (["--grad_accum", "16"], "--grad_accum 16 needs 16 batches per process and epoch, but there are 8"),
+    (["--compile_mode", "fast"], "invalid choice"),
+])
+def test_unsupported_combinations_are_one_line(tmp_path, args, fragment):
+    proc = run_cli([*TINY, *args, "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_missing_tracker_on_two_ranks_is_the_same_line_on_every_rank(tmp_path):
+    proc = launch("2proc_cpu.yaml", [*TINY, "--log_with", "wandb", "--output_dir", tmp_path / "out"], check=False)
+    assert proc.returncode != 0
+    errors = {line.strip() for line in proc.stderr.splitlines() if "accel-train: error" in line}
+    assert len(errors) == 1 and "tracker(s) wandb did not start" in errors.pop(), proc.stderr[-3000:]
+    assert "lost contact" not in proc.stderr

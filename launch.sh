@@ -237,14 +237,38 @@ fi
 # within --rdzv_wait seconds (other ranks: machines may start minutes apart). It prints its own one-line cause.
 run_preflight() {
   if [[ "$preflight" == 1 || ( "$preflight" == auto && nnodes -gt 1 ) ]]; then
-    env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
-      --port "${master_port:-29500}" --rank "$node_rank" --timeout "$rdzv_wait" >&2 || exit 2
+    run_child env "${env_vars[@]}" "$PYTHON" -m accel_train preflight --host "${master_addr:-127.0.0.1}" \
+      --port "${master_port:-29500}" --rank "$node_rank" --timeout "$rdzv_wait" >&2 || stopped_before_start || exit 2
   fi
+}
+stopped_before_start() {
+  if [[ -n "$signalled" ]]; then
+    echo "launch.sh: stopped by SIG$signalled before the job started (nothing to save)" >&2; exit 4
+  fi
+  return 1
+}
+
+# Preemption: SIGTERM / SIGUSR1 to this script go to what it runs as SIGTERM (the trainer checkpoints and
+# exits 4). The job is started with SIGUSR1 ignored: torchrun's agent has no handler for it and would die
+# (the trainer installs its own). Children run in the background so a signal is handled at once.
+child="" signalled=""
+forward() { signalled="$1"; if [[ -n "$child" ]]; then kill -TERM "$child" 2>/dev/null || true; fi; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap 'forward INT' INT
+run_child() {  # run "$@" in the background, wait for it through any signal, return its status
+  local status=0
+  ( trap '' USR1; exec "$@" ) &
+  child=$!
+  wait "$child" || status=$?
+  while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done
+  child=""
+  return "$status"
 }
 
 if ((smoke_test)); then
   run_preflight
-  env "${env_vars[@]}" "${cmd[@]}" || exit $?
+  run_child env "${env_vars[@]}" "${cmd[@]}" || exit $?
   exit 0
 fi
 
@@ -258,24 +282,14 @@ trainer_status() {
   done
 }
 
-# Preemption: SIGTERM / SIGUSR1 to this script go to the job (the trainer checkpoints and exits 4).
-child="" signalled=""
-forward() { signalled="$1"; if [[ -n "$child" ]]; then kill -TERM "$child" 2>/dev/null || true; fi; }
-trap 'forward TERM' TERM
-trap 'forward USR1' USR1
-trap 'forward INT' INT
-
 attempt=0
 while true; do
   run_preflight
   echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${master_addr:+, rank 0 at $master_addr:$master_port} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
+  stopped_before_start || true
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
-  env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" "${cmd[@]}" &
-  child=$!
-  wait "$child" || status=$?
-  while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done
-  child=""
+  run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" "${cmd[@]}" || status=$?
   reported="$(trainer_status "$status_dir")"
   rm -rf "$status_dir"
   if ((status == 0)); then exit 0; fi

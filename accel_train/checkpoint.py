@@ -14,6 +14,7 @@ resumes from, and copying it to machines that lack it, is `resume.py`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -114,13 +115,14 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
     return final
 
 
-def load_checkpoint(accelerator, path: Path, log) -> TrainState:
+def load_checkpoint(accelerator, path: Path) -> TrainState:
     """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a function of the
     step and the current flags (see README: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
-    if not rng.is_file():
-        log(f"WARNING: {path} has no RNG state for rank {accelerator.process_index} (it was written by "
+    if not rng.is_file():  # said by the rank it concerns, whatever --log_all_ranks says
+        logging.getLogger("accel_train").warning(
+            f"{path} has no RNG state for rank {accelerator.process_index} (it was written by "
             f"{meta.get('num_processes', '?')} processes); this rank's python/numpy/torch RNG starts from the seed")
     try:
         accelerator.load_state(str(path))
@@ -128,6 +130,9 @@ def load_checkpoint(accelerator, path: Path, log) -> TrainState:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another one to "
                           "--resume or delete it") from None
+    # load_state restored each rank's micro-step counter (none where a rank had no RNG file); checkpoints
+    # are taken at optimizer steps, so every rank starts a new accumulation window: count from 0 alike
+    accelerator.step = 0
     return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
                       run_id=meta.get("run_id", "legacy"))
 

@@ -21,11 +21,14 @@ from .config import ConfigError, Parser, TrainConfig
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, data, tta: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed."""
+def evaluate(accelerator, model, loader, data, tta: bool = False, stop=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed.
+    `stop` (training): a StopRequest asked every batch; None is returned on every rank when it fires."""
     model.eval()
     all_preds, all_labels = [], []
     for batch in loader:
+        if stop is not None and stop.should_stop(accelerator):
+            return None
         x, y = data.inputs(batch, train=False)
         with accelerator.autocast():
             scores = model(x).float().softmax(1)

@@ -36,7 +36,8 @@ from .evaluate import evaluate
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
 from .model import create_model, load_init_weights
 from .preempt import StopRequest
-from .resume import Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once
+from .resume import (Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once,
+                     same_everywhere)
 
 logger = get_logger("accel_train")
 
@@ -150,6 +151,8 @@ def setup(cfg: TrainConfig) -> Run:
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     budget = broadcast_object_list([device_budget(cfg, accelerator.device)])[0]  # rank 0's: one pipeline choice
     data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
+    same_everywhere(accelerator, "the data (training / test samples, classes)",
+                    (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):
         if decision.meta:
             check_data(decision.meta, data.train_size)
@@ -161,7 +164,7 @@ def setup(cfg: TrainConfig) -> Run:
             raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
                               f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
         model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
-        loaded = load_init_weights(model, cfg.init_from) if cfg.init_from else None
+    loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
@@ -181,7 +184,7 @@ def setup(cfg: TrainConfig) -> Run:
                                        updates_per_epoch=steps_per_epoch)
     state, history = TrainState(run_id=decision.run_id), None
     if decision.resume_from:
-        state = load_checkpoint(accelerator, decision.resume_from, log)
+        state = load_checkpoint(accelerator, decision.resume_from)
         state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
         history = read_history(decision.resume_from)
     scheduler.step_update(state.step)
@@ -217,8 +220,11 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def train(cfg: TrainConfig) -> dict:
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
+    if stop.should_stop(accelerator):  # during start-up: nothing new to save
+        raise Preempted(f"stopped by {stop.name} during start-up, before step {state.step + 1}")
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
     save = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
                    shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
@@ -230,7 +236,6 @@ def train(cfg: TrainConfig) -> dict:
         watch.check(accelerator, state.step, model)
         return save(state, history=metrics.history())
 
-    stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     run_start = time.perf_counter()
     window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
@@ -238,8 +243,10 @@ def train(cfg: TrainConfig) -> dict:
         epoch = state.epoch
         model.train()
         run.train_loader.set_epoch(epoch)  # the epoch's data order; then skip what a resumed run already did
-        loader = accelerator.skip_first_batches(run.train_loader, state.batch_in_epoch) if state.batch_in_epoch \
-            else run.train_loader
+        loader = run.train_loader
+        if state.batch_in_epoch:  # (all of the epoch's steps, when only its evaluation is left)
+            loader = accelerator.skip_first_batches(loader, state.batch_in_epoch) \
+                if state.batch_in_epoch < run.batches_per_epoch else []
         meter = EpochMeter(accelerator.device)
         tick = time.perf_counter()
         for batch in loader:
@@ -264,15 +271,17 @@ def train(cfg: TrainConfig) -> dict:
                 if state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch:
                     break  # --max_steps, or the end of the last whole accumulation window
                 if stop.should_stop(accelerator):
-                    path = checkpoint(state)
                     raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
-                                    f"{path}; continue with --resume auto")
+                                    f"{checkpoint(state)}; continue with --resume auto")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                     checkpoint(state)
             tick = time.perf_counter()
 
         watch.check(accelerator, state.step)
-        row = end_of_epoch(run, cfg, meter, epoch)
+        row = end_of_epoch(run, cfg, meter, epoch, stop)
+        if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
+            raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
+                            f"{checkpoint(state)}; continue with --resume auto")
         metrics.append(accelerator, row)
         if state.batch_in_epoch >= run.batches_per_epoch:
             state.epoch, state.batch_in_epoch = epoch + 1, 0
@@ -301,16 +310,22 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | No
     return loss, logits
 
 
-def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int) -> dict:
-    """Reduce the epoch's training sums, evaluate on the whole test split, log one line."""
+def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None) -> dict | None:
+    """Reduce the epoch's training sums, evaluate on the whole test split, log one line (None: stopped by a
+    signal during the evaluation)."""
     train_stats = meter.result(run.accelerator)
-    preds, labels = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta)
+    evaluated = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta, stop)
+    if evaluated is None:
+        return None
+    preds, labels = evaluated
     row = {"epoch": epoch + 1, "step": run.state.step, **train_stats,
            "test_acc": (preds == labels).float().mean().item(), "test_samples": labels.numel(),
            "lr": run.optimizer.param_groups[0]["lr"]}
     if run.ema is not None:
-        ema_preds, _ = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta)
-        row["test_acc_ema"] = (ema_preds == labels).float().mean().item()
+        ema_evaluated = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta, stop)
+        if ema_evaluated is None:
+            return None
+        row["test_acc_ema"] = (ema_evaluated[0] == labels).float().mean().item()
     logger.info(f"epoch {epoch + 1}/{cfg.epochs} step {row['step']}: train loss {row['train_loss']:.4f} "
                 f"acc {row['train_acc']:.2%} | test acc {row['test_acc']:.2%} ({row['test_samples']} samples)"
                 + (f" ema {row['test_acc_ema']:.2%}" if run.ema is not None else "")

@@ -102,11 +102,12 @@ class MetricsLog:
         self.path, self.steps_path = Path(output_dir) / METRICS_FILE, Path(output_dir) / STEPS_FILE
         self.enabled = enabled
         self.rows, self.step_rows = [], []
-        if history is not None:
-            self.rows, self.step_rows = history.get(METRICS_FILE, []), history.get(STEPS_FILE, [])
-        elif resume_at is not None and resume_at.step > 0:
-            self.rows = [r for r in _read_jsonl(self.path) if r["epoch"] <= resume_at.epoch]
-            self.step_rows = [r for r in _read_jsonl(self.steps_path) if r["step"] <= resume_at.step]
+        if resume_at is not None and resume_at.step > 0:
+            if history is None:  # an older checkpoint: the files of this machine
+                history = {METRICS_FILE: _read_jsonl(self.path), STEPS_FILE: _read_jsonl(self.steps_path)}
+            # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch rewrites)
+            self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch]
+            self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
         if enabled:
             self.path.write_text("".join(dumps(r) + "\n" for r in self.rows))
             self.steps_path.write_text("".join(dumps(r) + "\n" for r in self.step_rows))

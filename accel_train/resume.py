@@ -33,7 +33,7 @@ from .config import ConfigError, TrainConfig
 PROBE = ".accel_train-probe-"
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
-               "custom_data", "enable_gpu", "overwrite", "resume"}
+               "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule)
 RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data")
 
@@ -75,7 +75,7 @@ def on_every_rank(accelerator, check, *args, **kwargs):
     return result
 
 
-def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:
+def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     listing = []
     for path in checkpoint_dirs(out):
         try:
@@ -92,9 +92,12 @@ def _report(accelerator, cfg: TrainConfig, out: Path) -> dict:
                 explicit = (meta["step"], meta.get("run_id", "legacy"))
             except (OSError, ValueError, KeyError, TypeError):
                 explicit = None
-    probes = sorted(int(p.name[len(PROBE):]) for p in out.glob(PROBE + "*")) \
+    probes = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}{job}-*")) \
         if accelerator.is_local_main_process else None
     flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
+    # the resume mode must agree (the path itself may be each machine's own), and so must init_from's presence
+    flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
+    flags["init_from"] = "a weights file" if cfg.init_from else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
             "listing": listing, "explicit": explicit, "probes": probes}
 
@@ -161,15 +164,19 @@ def _write_copy(files: dict[str, bytes], final: Path) -> None:
 def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     """Every rank calls this once, right after the Accelerator is built and the output dir checked."""
     rank = accelerator.process_index
-    probe = out / f"{PROBE}{rank}"
+    job = broadcast_object_list([uuid.uuid4().hex[:12] if rank == 0 else None])[0]  # this job's probes only
+    probe = out / f"{PROBE}{job}-{rank}"
     if accelerator.is_local_main_process:
         probe.touch()
     accelerator.wait_for_everyone()
     try:
-        reports = gather_object([_report(accelerator, cfg, out)])
-    finally:
+        reports = gather_object([_report(accelerator, cfg, out, job)])
         accelerator.wait_for_everyone()  # every machine has looked before the probes go
+    finally:
         probe.unlink(missing_ok=True)
+        for stale in out.glob(PROBE + "*"):  # left by a job killed here
+            if not stale.name.startswith(f"{PROBE}{job}-"):
+                stale.unlink(missing_ok=True)
     _check_flags(reports)
     writer, shared, machines = _storage(reports, rank)
     target, runs = _choose(cfg, reports)
@@ -191,14 +198,20 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
                           f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
     explicit = cfg.resume != "auto"
-    holds = [(step, run_id) in r["listing"] or (explicit and r["explicit"] == (step, run_id)) for r in reports]
-    local = Path(cfg.resume) if explicit and reports[rank]["explicit"] == target else \
-        out / CKPT_DIR / f"step_{step:08d}"
-    missing = [r["rank"] for r, has in zip(reports, holds) if not has and (r["local_main"] if not shared else r["rank"] == 0)]
+    # a rank reads the checkpoint from --resume PATH if its machine has it, else from its output dir
+    at_path = [explicit and r["explicit"] == target for r in reports]
+    in_out = [target in r["listing"] for r in reports]
+    needs = [not a and not o for a, o in zip(at_path, in_out)]
+    local = Path(cfg.resume) if at_path[rank] else out / CKPT_DIR / f"step_{step:08d}"
+    if shared:  # one storage: its writer (rank 0) writes the copy if any rank needs it there
+        missing = [0] if any(needs) else []
+    else:       # each machine's writer (its local main process) for its own ranks
+        missing = [r["rank"] for r, need in zip(reports, needs) if need and r["local_main"]]
     if missing:
-        source = holds.index(True)
+        source = next(r for r in range(len(reports)) if at_path[r] or in_out[r])
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
-        files = broadcast_object_list([_read_files(local) if rank == source else None], from_process=source)[0]
+        here = Path(cfg.resume) if at_path[rank] else out / CKPT_DIR / f"step_{step:08d}"
+        files = broadcast_object_list([_read_files(here) if rank == source else None], from_process=source)[0]
         if rank in missing:
             _write_copy(files, out / CKPT_DIR / f"step_{step:08d}")
         del files
@@ -211,8 +224,14 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process batch when the
     number of processes changed. Changes cfg.batch_size in place."""
     old = meta.get("run")
-    if not old:  # a checkpoint of an older accel_train: nothing recorded to check against
+    if not old:  # a checkpoint of an older accel_train: only its process count was recorded
+        if meta.get("num_processes", num_processes) != num_processes:
+            raise ConfigError(f"the checkpoint was written by an older accel_train on {meta['num_processes']} "
+                              f"processes and records no global batch; resume it on {meta['num_processes']} processes")
         return
+    if cfg.grad_accum != old["grad_accum"]:
+        raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
+                          f"with --grad_accum {old['grad_accum']} (the per-process batch follows the process count)")
     for key in RUN_MATH:
         now = cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
         if key in old and old[key] != now:
@@ -225,8 +244,7 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
         if rest or per < 1:
             works = [n for n in range(1, glob // cfg.grad_accum + 1) if (glob // cfg.grad_accum) % n == 0][:12]
             raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over {num_processes} processes x "
-                              f"--grad_accum {cfg.grad_accum}; resume on one of {works} processes (or change "
-                              "--grad_accum)")
+                              f"--grad_accum {cfg.grad_accum}; resume on one of {works} processes")
         if per != cfg.batch_size:
             log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process batch "
                 f"{cfg.batch_size} -> {per} keeps the checkpoint's global batch {glob}")
@@ -246,6 +264,17 @@ def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
     if not old:
         return meta["batch_in_epoch"]
     return meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"] // (batch_size * num_processes)
+
+
+def same_everywhere(accelerator, what: str, value) -> None:
+    """A fact every rank must share (e.g. the size of each machine's own copy of the data): one line if not."""
+    values = gather_object([value])
+    if any(v != values[0] for v in values):
+        e = ConfigError(f"the machines disagree on {what}: rank 0 has {values[0]!r}, rank "
+                        f"{next(i for i, v in enumerate(values) if v != values[0])} has "
+                        f"{next(v for v in values if v != values[0])!r}; give every machine the same data")
+        e.quiet = not accelerator.is_main_process
+        raise e
 
 
 def check_data(meta: dict, train_size: int) -> None:

@@ -159,4 +159,15 @@ def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
     assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
     errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
     assert len(errors) == 1 and "rank 1: data directory" in errors[0] and "nowhere" in errors[0], text[0][-2000:]
-    assert not (tmp_path / "data-node0" / "model.safetensors").exists()
+    assert not (tmp_path / "data" / "node0" / "model.safetensors").exists()
+    # the same flags, but each machine's own copy of the data differs in size: refused, not a hang
+    small = write_cifar(tmp_path / "small", rows=(7, 5, 6, 9, 1))
+    codes, text = job(["--data_dir", small], "size")
+    assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
+    errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "the machines disagree on the data" in errors[0], text[0][-2000:]
+    # --resume auto on one machine only (a replaced machine started without it): refused, naming the flag
+    codes, text = job(["--resume", "auto"], "resume")
+    assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
+    errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
+    assert len(errors) == 1 and "--resume is None on rank 0 but 'auto' on rank 1" in errors[0], text[0][-2000:]

@@ -100,3 +100,35 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     step = int(stops[0][1])
     assert "relaunching to resume" in text and f"step {step}, {step} batches into the epoch" in text
     assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 17))
+
+
+def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
+    # 6000 test samples: the evaluation takes longer than torchrun's 30 s grace would allow to wait out
+    out = tmp_path / "out"
+    run = ["--test_samples", "6000", "--epochs", "1"]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = launch_sh(out, uuid.uuid4().hex, log, *run)
+        try:
+            wait_for(lambda: steps_logged(out) >= 16, timeout=240, interval=0.01)  # the epoch's last step
+        except AssertionError:
+            finish(proc, 1)
+            raise
+        time.sleep(1)  # into the evaluation
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        code = finish(proc, 60)
+        elapsed = time.monotonic() - sent
+    text = (tmp_path / "run.log").read_text()
+    assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
+    assert "while evaluating epoch 1" in text
+    state = json.loads((out / "checkpoints" / "step_00000016" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, 16, 16)
+    assert not (out / "metrics.jsonl").read_text().strip()  # the epoch's row comes with its evaluation
+    # the resumed run redoes only the evaluation, then finishes
+    with open(tmp_path / "resume.log", "w") as log:
+        code = finish(launch_sh(out, uuid.uuid4().hex, log, *run, "--resume", "auto"), 300)
+    text = (tmp_path / "resume.log").read_text()
+    assert code == 0, text[-3000:]
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 16, 6000)]
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 17))

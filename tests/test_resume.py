@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
+from accel_train.checkpoint import checkpoint_dirs
 from accel_train.model import create_model
 
 from conftest import launch, run_cli
@@ -64,6 +65,8 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
     one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "8", *GN, *ckpt), check=False),
                    "--batch_size 8", "global batch 32", status=1)
     one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--seed", "7", *ckpt)), "--seed 7")
+    one_line_error(run_cli(small(part, "--batch_size", "16", "--grad_accum", "2", *GN, *ckpt)),
+                   "--grad_accum 2 differs from the checkpoint's 1")
     one_line_error(run_cli(small(part, "--batch_size", "32", *ckpt)), "--model_kwargs {}")
     one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--train_samples", "224", *ckpt)),
                    "trained on 256 training samples, this data has 224")
@@ -103,7 +106,10 @@ def test_checkpoints_belong_to_a_run(tmp_path):
     launch("cpu.yaml", small(other, "--batch_size", "32", "--epochs", "1", "--max_steps", "8"))
     shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000099")
     one_line_error(run_cli(small(out, "--batch_size", "32", "--resume", "auto")), "2 different runs")
-    # nor rotate them: a resume of the first run (explicit path) keeps only its own newest, not the stranger
+    # rotation counts only the run's own checkpoints: the stranger is neither kept in its place nor deleted
+    first = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())["run_id"]
+    assert [p.name for p in checkpoint_dirs(out, first)] == before
+    assert [p.name for p in checkpoint_dirs(out)] == before + ["step_00000099"]
     shutil.rmtree(out / "checkpoints" / "step_00000099")
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--keep_checkpoints", "1",
                                     "--resume", "auto"))

@@ -21,7 +21,8 @@ from .config import ConfigError, Parser, TrainConfig
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, data, tta: bool = False, stop=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def evaluate(accelerator, model, loader, data, tta: bool = False,
+             stop=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed.
     `stop` (training): a StopRequest asked every batch; None is returned on every rank when it fires."""
     model.eval()

@@ -239,7 +239,9 @@ def train(cfg: TrainConfig) -> dict:
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     run_start = time.perf_counter()
     window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
-    while state.epoch < cfg.epochs and state.step < run.total_steps:
+    # (an epoch whose steps are all done but whose evaluation was interrupted is finished first)
+    while state.epoch < cfg.epochs and (state.step < run.total_steps
+                                        or state.batch_in_epoch >= run.batches_per_epoch):
         epoch = state.epoch
         model.train()
         run.train_loader.set_epoch(epoch)  # the epoch's data order; then skip what a resumed run already did

@@ -135,8 +135,8 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
         return None, runs
     if cfg.resume == "auto":
         if len(runs) > 1:
-            raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs ({', '.join(sorted(runs))})"
-                              "; keep one run per output directory (move the others away)")
+            raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
+                              f"({', '.join(sorted(runs))}); keep one run per output directory (move the others away)")
         found = [entry for r in reports for entry in r["listing"]]
         return (max(found) if found else None), runs
     held = [r["explicit"] for r in reports if r["explicit"]]

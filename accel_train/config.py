@@ -185,7 +185,7 @@ class TrainConfig:
         self.normalisation()
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
-        if self.num_workers and self.pipeline != "cpu":
+        if self.num_workers and self.pipeline == "device":
             raise ConfigError(f"--num_workers {self.num_workers} needs --pipeline cpu (the device pipeline has "
                               "no DataLoader workers); add --pipeline cpu or drop --num_workers")
 

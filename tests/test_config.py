@@ -109,7 +109,7 @@ def test_every_check_lives_in_trainconfig():
     with pytest.raises(ConfigError, match="--stem 'cifar10': invalid choice"):
         TrainConfig(stem="cifar10")
     with pytest.raises(ConfigError, match="--num_workers 2 needs --pipeline cpu"):
-        TrainConfig(num_workers=2)
+        TrainConfig(pipeline="device", num_workers=2)
     assert TrainConfig(pipeline="cpu", num_workers=2, lr=1, clip_grad=2).lr == 1  # ints where floats go
 
 

@@ -165,7 +165,7 @@ def test_two_hosts_tensorboard_ema_tta_grad_accum_clip_channels_last_bf16(two_ho
 # ---- combinations that are not supported: one line, exit 2, nothing trained ----------------------
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--num_workers", "2"], "--num_workers 2 needs --pipeline cpu"),
+    (["--pipeline", "device", "--num_workers", "2"], "--num_workers 2 needs --pipeline cpu"),
     (["--grad_accum", "16"], "--grad_accum 16 needs 16 batches per process and epoch, but there are 8"),
     (["--compile_mode", "fast"], "invalid choice"),
 ])

@@ -29,15 +29,16 @@ def test_smoke_passes_when_every_rank_joined(config, ranks):
 
 
 @pytest.mark.slow
-def test_what_accelerate_test_calls_a_success_the_smoke_check_calls_a_failure():
+def test_what_accelerate_test_calls_a_success_the_smoke_check_calls_a_failure(tmp_path):
     # Exactly what `accelerate test --config_file 2proc_cpu.yaml` runs: no ACCELERATE_USE_CPU, so the two
     # ranks never join one group, and Accelerate's script still exits 0.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2proc_cpu.yaml"),
            str(smoke.test_script())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The two lone "main processes" share the script's scratch file and may race on it (then the script fails
+    # for that reason); the group size is printed before that, and it is what the smoke check judges.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env())
     assert re.findall(r"(?m)^Num processes: (\d+)$", proc.stdout) == ["1", "1"]
-    problems = check(proc.stdout, proc.returncode, 2, range(2))
+    problems = check(proc.stdout, 0, 2, range(2))  # even with the exit status accelerate test calls a success
     assert len(problems) == 2 and "did not join one group of 2" in problems[0], problems
     assert "expected process indices 0..1 here, got 0, 0" in problems[1]
 

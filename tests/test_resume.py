@@ -52,6 +52,8 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
         assert f"2 -> {ranks} processes; per-process batch 16 -> {per} keeps the checkpoint's global batch 32" \
             in proc.stderr, proc.stderr[-3000:]
         assert "step 5, " in proc.stderr and f"{5 * 32 // (per * ranks)} batches into the epoch" in proc.stderr
+        # ranks the checkpoint had no RNG state for say so themselves (not an INFO line of the main process)
+        assert [r for r in range(4) if f"no RNG state for rank {r} " in proc.stderr] == list(range(2, ranks))
         got = load_file(out / "model.safetensors")
         assert worst(ref, got) <= 1e-5, (ranks, worst(ref, got))
         steps = [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()]

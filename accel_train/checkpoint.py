@@ -25,6 +25,7 @@ from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError
+from .metrics import dumps, read_jsonl
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -98,7 +99,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
         if ema is not None:
             save_file(_state_dict_cpu(ema.module), tmp / EMA_FILE)
         for name, rows in (history or {}).items():
-            (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
         meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
         with open(tmp / STATE_FILE, "w") as f:
             json.dump(meta, f, indent=1)
@@ -141,8 +142,7 @@ def read_history(path: Path) -> dict | None:
     """The metrics rows a checkpoint carries (metrics.jsonl, steps.jsonl), or None for an older checkpoint."""
     if not (path / HISTORY[0]).is_file():
         return None
-    return {name: [json.loads(line) for line in (path / name).read_text().splitlines() if line.strip()]
-            for name in HISTORY if (path / name).is_file()}
+    return {name: read_jsonl(path / name) for name in HISTORY}
 
 
 def load_ema(ema, path: Path, device) -> bool:

@@ -104,7 +104,7 @@ class MetricsLog:
         self.rows, self.step_rows = [], []
         if resume_at is not None and resume_at.step > 0:
             if history is None:  # an older checkpoint: the files of this machine
-                history = {METRICS_FILE: _read_jsonl(self.path), STEPS_FILE: _read_jsonl(self.steps_path)}
+                history = {METRICS_FILE: read_jsonl(self.path), STEPS_FILE: read_jsonl(self.steps_path)}
             # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch rewrites)
             self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch]
             self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
@@ -142,7 +142,7 @@ def dumps(row: dict) -> str:
                       allow_nan=False)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -72,6 +72,19 @@ while (($#)); do
   shift
 done
 
+# ModelArts' Ascend-Powered-Engine preset (rank-table mode) runs the boot file once per card, with
+# ASCEND_DEVICE_ID, RANK_ID, RANK_SIZE and RANK_TABLE_FILE set; its documentation: "check the ASCEND_DEVICE_ID
+# value. If it is 0, execute the logic; otherwise, exit directly" (ModelArts user guide, "Starting a Preset
+# Image's Boot File"). Device 0's copy starts one process per card of this node; the other copies exit 0.
+ascend_per_card=0
+if [[ -n "${ASCEND_DEVICE_ID:-}" && -n "${RANK_SIZE:-}" && -n "${RANK_TABLE_FILE:-}" ]]; then
+  ascend_per_card=1
+  if [[ "$ASCEND_DEVICE_ID" != 0 ]]; then
+    echo "launch.sh: ASCEND_DEVICE_ID=$ASCEND_DEVICE_ID: this is one copy of the boot file per card (Ascend-Powered-Engine); the job for all of this node's cards is started by device 0's copy, this copy exits" >&2
+    exit 0
+  fi
+fi
+
 ma_host="" ma_port=""
 if [[ -n "$ma_init_method" ]]; then
   [[ "$ma_init_method" =~ ^tcp://([^:/]+|\[[0-9a-fA-F:]+\]):([0-9]+)/?$ ]] \
@@ -137,9 +150,16 @@ count_npu() {
   command -v npu-smi >/dev/null 2>&1 || return 0
   npu-smi info -l 2>/dev/null | awk -F: '/Total Count/ {gsub(/ /, "", $2); print $2; exit}'
 }
+ascend_cards_per_node() {  # without npu-smi: RANK_SIZE counts the rank table's cards, all nodes together
+  if ! is_uint "$RANK_SIZE" || ((RANK_SIZE < 1)); then die "RANK_SIZE must be a positive integer, got '$RANK_SIZE'"; fi
+  ((RANK_SIZE % nnodes == 0)) || die "RANK_SIZE=$RANK_SIZE cards cannot be split evenly over $nnodes machines"
+  echo $((RANK_SIZE / nnodes))
+}
 limit() { local found="${1:-0}" shown="$2"; is_uint "$found" || found=0; if [[ -n "$shown" ]] && ((shown < found)); then echo "$shown"; else echo "$found"; fi; }
 n_gpu="$(limit "$(count_nvidia)" "$(visible CUDA_VISIBLE_DEVICES)")"
-n_npu="$(limit "$(count_npu)" "$(visible ASCEND_RT_VISIBLE_DEVICES)")"
+n_npu="$(count_npu)"
+if ((ascend_per_card)) && [[ -z "$n_npu" ]]; then n_npu="$(ascend_cards_per_node)"; fi
+n_npu="$(limit "$n_npu" "$(visible ASCEND_RT_VISIBLE_DEVICES)")"
 if ((n_gpu > 0)); then device=gpu found="$n_gpu"
 elif ((n_npu > 0)); then device=npu found="$n_npu"
 else device=cpu found=1
@@ -189,12 +209,37 @@ if grep -qE '^use_cpu: *true' "$config_file"; then device=cpu; fi
 if grep -qE '^distributed_type: *MULTI_NPU' "$config_file"; then device=npu; fi
 
 # ---- environment these platforms need ---------------------------------------------------------
+# A dead peer must be found by the trainer's own collective timeout (--timeout_s) on every backend. torch_npu
+# asks for a process-group timeout above HCCL's own (HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200;
+# HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A), so HCCL's are set below --timeout_s unless
+# the user set them (the trainer then refuses values that are not below it).
+DEFAULT_TIMEOUT_S=300  # TrainConfig.timeout_s (tests/test_platform_faults.py checks that they agree)
+trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one given wins, as in argparse)
+  local value="$DEFAULT_TIMEOUT_S" i
+  for ((i = 0; i < ${#trainer_args[@]}; i++)); do
+    case "${trainer_args[i]}" in
+      --timeout_s=*) value="${trainer_args[i]#*=}" ;;
+      --timeout_s) value="${trainer_args[i + 1]:-}" ;;
+    esac
+  done
+  is_uint "$value" || value="$DEFAULT_TIMEOUT_S"  # the trainer reports a bad value itself
+  echo "$value"
+}
+hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC rounded down to a multiple of 68
+  local budget=$(($1 * 3 / 4))
+  local connect=$((budget < 120 ? 120 : (budget > 7200 ? 7200 : budget))) exec=$((budget / 68 * 68))
+  echo "$connect" "$((exec < 68 ? 68 : exec))"
+}
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
 case "$device" in
   cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
-  npu) env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1800}") ;;
+  npu) read -r hccl_connect hccl_exec <<< "$(hccl_timeouts "$(trainer_timeout_s)")"
+       env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}") ;;
 esac
-for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME HCCL_SOCKET_IFNAME TP_SOCKET_IFNAME; do
+if ((ascend_per_card)); then  # they describe the one card this copy was started for, not the job's ranks
+  unset ASCEND_DEVICE_ID RANK_ID RANK_SIZE
+fi
+for var in GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME HCCL_SOCKET_IFNAME HCCL_IF_IP TP_SOCKET_IFNAME; do
   if [[ -n "${!var:-}" ]]; then env_vars+=("$var=${!var}"); fi
 done
 
@@ -274,13 +319,22 @@ fi
 
 # The trainer's own exit status (accelerate launch returns 1 for any failed worker): every rank writes
 # it to a file in ACCEL_TRAIN_STATUS_DIR; the most telling one decides what happens next.
+# A rank that ended by SIGABRT wrote none: NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default)
+# aborts a rank at the process-group timeout without a Python exception. Each rank's faulthandler notes
+# the abort in ACCEL_TRAIN_STATUS_DIR/faults/; such a rank counts as a lost peer (3), and the SIGTERM that
+# torchrun then sends the other ranks does not make their exit a preemption.
 trainer_status() {
   local codes c
-  codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ') "
-  for c in 2 5 1 4 3; do  # bad input, diverged, error, preempted, lost peer
+  codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ' || true) "
+  for c in 2 5; do  # bad input, diverged
+    if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
+  done
+  if aborted "$1"; then echo 3; return; fi
+  for c in 1 4 3; do  # error, preempted, lost peer
     if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
   done
 }
+aborted() { grep -qs '^Fatal Python error: Aborted' "$1"/faults/*; }
 
 attempt=0
 while true; do
@@ -291,6 +345,9 @@ while true; do
   status=0
   run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" "${cmd[@]}" || status=$?
   reported="$(trainer_status "$status_dir")"
+  if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
+    echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2
+  fi
   rm -rf "$status_dir"
   if ((status == 0)); then exit 0; fi
   case "$reported" in

@@ -8,6 +8,7 @@ ignored with one warning. Bad input is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import re
@@ -94,8 +95,27 @@ def is_lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(LOST_PEER_ORIGINS.search(str(error)))
 
 
+def note_aborts() -> None:
+    """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no Python exception)
+    leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which launch.sh reads as a lost peer."""
+    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
+    if not folder:
+        return
+    try:
+        Path(folder, "faults").mkdir(exist_ok=True)
+        note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
+    except OSError:
+        return
+    faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
+    _fault_notes.append(note)
+
+
+_fault_notes: list = []
+
+
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
+    note_aborts()
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)

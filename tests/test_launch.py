@@ -128,7 +128,7 @@ def test_modelarts_npu(hw):
     env, opts, _ = parse(dry_run({"VC_WORKER_NUM": "2", "VC_TASK_INDEX": "0", "VC_WORKER_HOSTS": "a,b",
                                   "MA_NUM_GPUS": "8"}, ["--init_method", "tcp://a:7777"], bindir=hw(npus=8)))
     multinode(opts, 2, 0, "a", 7777, 16, "2node_npu.yaml")
-    assert env["HCCL_CONNECT_TIMEOUT"] == "1800"
+    assert int(env["HCCL_CONNECT_TIMEOUT"]) < 300  # below --timeout_s (tests/test_platform_faults.py)
     env, opts, _ = parse(dry_run({"HCCL_CONNECT_TIMEOUT": "600"}, bindir=hw(npus=4)))
     assert opts == {"config": "1node_npu.yaml", "--num_machines": "1", "--num_processes": "4"}
     assert env["HCCL_CONNECT_TIMEOUT"] == "600"

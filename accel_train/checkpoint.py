@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,11 +123,13 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     meta = json.loads((path / STATE_FILE).read_text())
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
     if not rng.is_file():  # said by the rank it concerns, whatever --log_all_ranks says
-        logging.getLogger("accel_train").warning(
+        logging.getLogger("accel_train").info(
             f"{path} has no RNG state for rank {accelerator.process_index} (it was written by "
-            f"{meta.get('num_processes', '?')} processes); this rank's python/numpy/torch RNG starts from the seed")
+            f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a function of "
+            "(seed, step, rank)")
     try:
-        accelerator.load_state(str(path))
+        with quiet_rng_load():
+            accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another one to "
@@ -136,6 +139,23 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     accelerator.step = 0
     return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
                       run_id=meta.get("run_id", "legacy"))
+
+
+class _DropRngLoadNotice(logging.Filter):
+    def filter(self, record):
+        return "Could not load random states" not in record.getMessage()
+
+
+@contextmanager
+def quiet_rng_load():
+    """load_state logs "Could not load random states" where a rank's file is missing or does not load (numpy
+    1.x/2.x pickles, another process count). Nothing depends on those files any more (loop.reseed): not said."""
+    log, drop = logging.getLogger("accelerate.checkpointing"), _DropRngLoadNotice()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def read_history(path: Path) -> dict | None:

@@ -9,6 +9,7 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -43,6 +44,8 @@ logger = get_logger("accel_train")
 
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    if is_npu_available():
+        check_hccl_timeouts(cfg.timeout_s)
     trackers = [t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else []
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
@@ -57,14 +60,34 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),
+        kwargs_handlers=[  # the collective timeout on every backend; no backend named (Accelerate forces hccl on
+            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),  # NPU and refuses any other name)
             DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb,
                                           gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
         ],
     )
     check_one_group(accelerator.num_processes, cfg)
     return accelerator
+
+
+# HCCL's own timeouts and their defaults when unset (CANN environment variables HCCL_CONNECT_TIMEOUT, 120..7200 s,
+# and HCCL_EXEC_TIMEOUT); torch_npu asks for a process-group timeout above both, else which timeout ends a job
+# whose peer died is left to chance. launch.sh sets both below --timeout_s.
+HCCL_TIMEOUT_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": 120, "HCCL_EXEC_TIMEOUT": 1836}
+
+
+def check_hccl_timeouts(timeout_s: int, env=os.environ) -> None:
+    """On NPU: --timeout_s must exceed HCCL's connect and execution timeouts (set or default)."""
+    for name, default in HCCL_TIMEOUT_DEFAULTS.items():
+        text = env.get(name, "").strip()
+        if text and not text.isdigit():
+            raise ConfigError(f"{name}={text!r} is not a number of seconds; unset it (launch.sh sets it from "
+                              "--timeout_s) or give an integer below --timeout_s")
+        value = int(text) if text else default
+        if value >= timeout_s:
+            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s{'' if text else ', its default'}"
+                              f"): a dead peer would be found by HCCL's timeout or not at all; raise --timeout_s "
+                              f"above {value} or set {name} below {timeout_s} (launch.sh does it when {name} is unset)")
 
 
 def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:
@@ -300,6 +323,7 @@ def train(cfg: TrainConfig) -> dict:
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None):
     """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
+    reseed(run)
     with accelerator.accumulate(model):
         with accelerator.autocast():
             logits = model(x)
@@ -310,6 +334,22 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | No
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss, logits
+
+
+def draw_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
+    """A 63-bit seed that depends on (seed, optimizer step, micro-batch in its window, rank) and nothing else."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{micro_batch}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def reseed(run: Run) -> None:
+    """Every random draw of a micro-batch (dropout, drop path) is a function of (seed, step, rank): resume is
+    exact without Accelerate's random-state files (which hold no NPU state and do not load across numpy majors).
+    torch.manual_seed seeds the CPU generator, every CUDA device and the privateuse1 device (torch_npu's npu) on
+    the host, without a device sync."""
+    state, accelerator = run.state, run.accelerator
+    micro = state.batch_in_epoch % accelerator.gradient_accumulation_steps
+    torch.manual_seed(draw_seed(run.math["seed"], state.step, micro, accelerator.process_index))
 
 
 def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None) -> dict | None:

@@ -13,6 +13,10 @@
 #   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
 #   4. SLURM:      SLURM_NNODES SLURM_NODEID first host of SLURM_JOB_NODELIST  SLURM_GPUS_ON_NODE
 #   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
+# ModelArts' Ascend-Powered-Engine preset runs this file once per card (ASCEND_DEVICE_ID, RANK_ID, RANK_SIZE,
+# RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node (without npu-smi:
+# RANK_SIZE / machines of them); the other copies exit 0 at once.
+# NPUs: HCCL_CONNECT_TIMEOUT and HCCL_EXEC_TIMEOUT are set below the trainer's --timeout_s unless set.
 # Devices: nvidia-smi (or, without it, torch.cuda.device_count()), npu-smi; CUDA_VISIBLE_DEVICES and
 # ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one CPU process).
 #

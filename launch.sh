@@ -156,6 +156,7 @@ count_npu() {
 }
 ascend_cards_per_node() {  # without npu-smi: RANK_SIZE counts the rank table's cards, all nodes together
   if ! is_uint "$RANK_SIZE" || ((RANK_SIZE < 1)); then die "RANK_SIZE must be a positive integer, got '$RANK_SIZE'"; fi
+  if ! is_uint "$nnodes" || ((nnodes < 1)); then echo "$RANK_SIZE"; return; fi  # (a bad count is reported below)
   ((RANK_SIZE % nnodes == 0)) || die "RANK_SIZE=$RANK_SIZE cards cannot be split evenly over $nnodes machines"
   echo $((RANK_SIZE / nnodes))
 }

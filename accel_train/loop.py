@@ -85,9 +85,10 @@ def check_hccl_timeouts(timeout_s: int, env=os.environ) -> None:
                               "--timeout_s) or give an integer below --timeout_s")
         value = int(text) if text else default
         if value >= timeout_s:
-            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s{'' if text else ', its default'}"
-                              f"): a dead peer would be found by HCCL's timeout or not at all; raise --timeout_s "
-                              f"above {value} or set {name} below {timeout_s} (launch.sh does it when {name} is unset)")
+            source = "" if text else ", its default"
+            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s{source}): a dead peer would "
+                              f"be found by HCCL's timeout or not at all; raise --timeout_s above {value} or set "
+                              f"{name} below {timeout_s} (launch.sh does it when {name} is unset)")
 
 
 def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:

@@ -258,7 +258,10 @@ class TrainConfig:
         self.stem = self.stem_for(info.image_size)
         self.mean, self.std = (",".join(f"{v:g}" for v in values) for values in (info.mean, info.std))
         self.pipeline = pipeline
-        return "resolved defaults: " + (", ".join(f"--{name} {getattr(self, name)}" for name in auto) or "none (all given)")
+        if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
+            self.num_workers = 0
+        said = ", ".join(f"--{name} {getattr(self, name)}" for name in auto)
+        return "resolved defaults: " + (said or "none (all given)")
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) from --mean/--std, each three floats or None."""

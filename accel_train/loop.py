@@ -404,8 +404,10 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info
         if best is not None and best.row is not None and not best.on_disk:
             logger.warning(f"the best epoch ({best.row['epoch']}, test acc {best.row['test_acc']:.2%}) was trained "
                            f"before a resume and its {BEST_FILE} is not on this disk: no later epoch beat it")
+        best_at = f" (epoch {summary['best_epoch']})" if "best_epoch" in summary else ""
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
-                    f"{summary['best_test_acc'] or 0:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in "
+                    f"{summary['best_test_acc'] or 0:.2%}{best_at}, {summary['images_per_sec'] or 0:.0f} img/s | "
+                    f"outputs in "
                     f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
                     + f" | model {wrappers(model)}")
     accelerator.wait_for_everyone()

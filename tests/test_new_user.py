@@ -10,11 +10,9 @@ import json
 import os
 import stat
 
-import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 

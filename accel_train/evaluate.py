@@ -6,6 +6,7 @@ which use a finished run's model.safetensors and the data set's facts in its mod
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \
         --checkpoint output_dir ...
     accel-train predict --checkpoint output_dir cat.png ship.jpg
+    accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
 """
 
 from __future__ import annotations

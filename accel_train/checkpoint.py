@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast, gather_object
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from .config import ConfigError
 from .metrics import dumps, read_jsonl
@@ -33,6 +33,7 @@ STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
 MODEL_FILE = "model.safetensors"
 MODEL_CONFIG_FILE = "model_config.json"
+BEST_FILE = "model_best.safetensors"  # the weights of the epoch with the highest test_acc so far
 RNG_PREFIX = "random_states_"
 HISTORY = ("metrics.jsonl", "steps.jsonl")  # the run's rows so far, carried by every checkpoint
 
@@ -67,8 +68,29 @@ def _state_dict_cpu(module: torch.nn.Module) -> dict:
     return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
 
 
+def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' own save_file creates its file 0600 whatever the umask (its writer's temporary file); write
+    the same bytes the way every other output is written (mode from the umask), atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(save(tensors, metadata=metadata))
+    os.replace(tmp, path)
+
+
+def _file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (read from /proc: os.umask would set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
 def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, writer: bool, shared: bool, model=None,
-                    ema=None, history: dict | None = None, keep: int = 2) -> Path:
+                    ema=None, history: dict | None = None, keep: int = 2, facts: dict | None = None) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
     `writer`: this process writes to its disk (the main process for a shared output dir, else each machine's
@@ -97,8 +119,12 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
             for name, data in states:
                 (tmp / name).write_bytes(data)
     if writer:
+        for name in tmp.glob("*.safetensors"):  # accelerate's save_state writes them 0600 (safetensors' save_file)
+            os.chmod(name, _file_mode())
         if ema is not None:
-            save_file(_state_dict_cpu(ema.module), tmp / EMA_FILE)
+            save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
+        if facts is not None:  # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
+            (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
         for name, rows in (history or {}).items():
             (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
         meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
@@ -177,10 +203,61 @@ def load_ema(ema, path: Path, device) -> bool:
     return True
 
 
-def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE) -> Path:
-    """Plain state dict (no `module.` / `_orig_mod.` prefixes) as safetensors + model_config.json."""
+def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE,
+                 extra: dict | None = None, write_config: bool = True) -> Path:
+    """Plain state dict (no `module.` / `_orig_mod.` prefixes) as safetensors + model_config.json. The file's
+    metadata also carries mean/std (what --init_from reads when the file travels without its model_config.json)
+    and `extra` (the best model: its epoch, step and test_acc)."""
     path = Path(output_dir) / filename
-    save_file(_state_dict_cpu(model), path, metadata={"format": "pt", "architecture": model_config["architecture"]})
-    with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
-        json.dump(model_config, f, indent=1)
+    metadata = {"format": "pt", "architecture": model_config["architecture"], "mean": json.dumps(model_config["mean"]),
+                "std": json.dumps(model_config["std"]), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
+    if write_config:
+        with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
+            json.dump(model_config, f, indent=1)
     return path
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The epoch row with the highest test_acc (the first of equals), or None."""
+    rows = [r for r in rows if r.get("test_acc") is not None]
+    return max(rows, key=lambda r: r["test_acc"]) if rows else None
+
+
+def exported_best(output_dir) -> dict | None:
+    """{epoch, step, test_acc} of the model_best.safetensors in output_dir, or None when there is none."""
+    from safetensors import safe_open
+    path = Path(output_dir) / BEST_FILE
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return {k: json.loads(meta[k]) for k in ("epoch", "step", "test_acc")}
+    except Exception:  # missing, partial or not ours
+        return None
+
+
+class BestModel:
+    """Which epoch is the best so far (highest test_acc; the first of equals) and whether its weights are in
+    <output_dir>/model_best.safetensors.
+
+    The best so far comes from the metrics rows (a resumed run: the rows its checkpoint carries, so it survives
+    a resume on any machine). The file is this machine's: a file that is not the rows' best (written by epochs
+    after the checkpoint resumed from, or by another run) is deleted at start; a machine whose disk lacks the
+    best's file (a resume on another machine's disk) writes one again only when a later epoch beats the best:
+    checkpoints do not carry a second copy of the weights (see README: Outputs)."""
+
+    def __init__(self, output_dir, rows: list[dict], writer: bool):
+        self.row = best_row(rows)
+        found = exported_best(output_dir) if writer else None
+        mine = self.row is not None and found is not None and \
+            (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])
+        if writer and not mine:
+            (Path(output_dir) / BEST_FILE).unlink(missing_ok=True)
+        self.on_disk = mine
+
+    def improves(self, row: dict) -> bool:
+        return row.get("test_acc") is not None and (self.row is None or row["test_acc"] > self.row["test_acc"])
+
+    def take(self, row: dict) -> None:
+        if self.improves(row):
+            self.row, self.on_disk = row, True

@@ -34,6 +34,14 @@ class Diverged(Exception):
     """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
 
 
+# Automatic defaults (README: Train on your own images). The cifar stem keeps the full resolution into the first
+# block: at 224 px that is ~49x the compute of timm's own stem (7x7/2 conv + maxpool, 4x smaller each side), so it
+# is the default only for small images.
+CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
+MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resnet input size)
+SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
+
+
 # Exit statuses of the trainer; launch.sh acts on them (README: Exit statuses).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
 
@@ -59,8 +67,9 @@ class TrainConfig:
     data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
                         "(imagefolder)", "data", aliases=("--data_url",))
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "
-                                 "random, 224 for imagefolder (images are resized, shorter side, then "
-                                 "centre-cropped)", "data")
+                                 "random; for imagefolder the training images' own size (the median shorter side "
+                                 f"of up to {SIZE_SAMPLE} of them), at most {MAX_AUTO_SIZE} (images are resized, "
+                                 "shorter side, then centre-cropped)", "data")
     train_samples: int | None = opt(None, "use only the first N training samples (image folders: N evenly "
                                     "spaced files; random data: its size, default 50000)", "data")
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
@@ -75,15 +84,17 @@ class TrainConfig:
                         "on training images", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
                       "other data that is not mirror-invariant", "data")
-    mean: str | None = opt(None, "per-channel mean 'R,G,B' in [0, 1] for normalisation; default: CIFAR-10's for "
-                           "cifar10/random, computed from the training images for imagefolder", "data")
+    mean: str | None = opt(None, "per-channel mean 'R,G,B' in [0, 1] for normalisation; default: with --init_from "
+                           "the weights' own (their model_config.json, or timm's pretrained_cfg), else CIFAR-10's "
+                           "for cifar10/random, computed from the training images for imagefolder", "data")
     std: str | None = opt(None, "per-channel std 'R,G,B' (see --mean)", "data")
     num_workers: int = opt(0, "DataLoader worker processes (the cpu pipeline)", "data")
 
     # model
     model: str = opt("resnet18", "any timm model name", "model")
-    stem: str = opt("cifar", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
-                    "'imagenet': timm's model unchanged", "model", choices=("cifar", "imagenet"))
+    stem: str = opt("auto", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
+                    f"'imagenet': timm's model unchanged; 'auto': cifar up to --image_size {CIFAR_STEM_MAX}, "
+                    "imagenet above", "model", choices=("auto", "cifar", "imagenet"))
     model_kwargs: str | None = opt(None, "extra timm.create_model arguments as JSON, e.g. "
                                    "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", "model")
@@ -225,8 +236,32 @@ class TrainConfig:
             raise ConfigError("--model_kwargs must be a JSON object, like '{\"drop_rate\": 0.1}'")
         return value
 
-    def resolution(self) -> int:
-        return self.image_size or (224 if self.data == "imagefolder" else 32)
+    def resolution(self, native: int | None = None) -> int:
+        """--image_size, or the default for the data: 32 for cifar10/random; for an image folder its images' own
+        size `native` (the median shorter side), rounded down to a multiple of 8, within 8..MAX_AUTO_SIZE."""
+        if self.image_size:
+            return self.image_size
+        if self.data != "imagefolder":
+            return 32
+        return max(8, min(MAX_AUTO_SIZE, (native or MAX_AUTO_SIZE) // 8 * 8))
+
+    def stem_for(self, image_size: int) -> str:
+        return self.stem if self.stem != "auto" else ("cifar" if image_size <= CIFAR_STEM_MAX else "imagenet")
+
+    def resolve(self, info, pipeline: str) -> str:
+        """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
+        DataInfo: image size, mean/std) and the machine (the pipeline chosen) gave, so the log, config.yaml,
+        model_config.json and the checkpoints all say the values the run used. Returns the log line."""
+        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline")
+                if getattr(self, name) in (None, "auto")]
+        self.image_size = info.image_size
+        self.stem = self.stem_for(info.image_size)
+        self.mean, self.std = (",".join(f"{v:g}" for v in values) for values in (info.mean, info.std))
+        self.pipeline = pipeline
+        if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
+            self.num_workers = 0
+        said = ", ".join(f"--{name} {getattr(self, name)}" for name in auto)
+        return "resolved defaults: " + (said or "none (all given)")
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) from --mean/--std, each three floats or None."""

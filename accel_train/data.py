@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from .config import ConfigError, TrainConfig
+from .config import SIZE_SAMPLE, ConfigError, TrainConfig
 
 CIFAR_DIR = "cifar-10-batches-py"
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -272,6 +272,20 @@ def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
     return out, len(files) / max(time.perf_counter() - start, 1e-9)
 
 
+def native_size(files: list[Path], limit: int = SIZE_SAMPLE) -> int | None:
+    """The images' own size: the median shorter side of up to `limit` evenly spaced files (headers only, no
+    decoding; the same files on every rank). None if none is readable (the decode or check names them)."""
+    from PIL import Image
+    sides = []
+    for i in np.linspace(0, len(files) - 1, min(limit, len(files))).round().astype(int) if files else ():
+        try:
+            with Image.open(files[i]) as img:
+                sides.append(min(img.size))
+        except Exception:  # a broken file: named by check_images / decode_image, not here
+            continue
+    return int(np.median(sides)) if sides else None
+
+
 def check_images(files: list[Path]) -> None:
     """The cpu pipeline decodes later, in workers: read every file's header now (cheap, no decoding) so that
     a file that is not an image stops the run before it starts, named. (A file whose header is fine but
@@ -392,7 +406,8 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
         found["train"] = subset(files, labels, cfg.train_samples)
     _, files, labels = scan_split(eval_dir, classes)
     found["test"] = subset(files, labels, cfg.test_samples)
-    size = info.image_size if info else cfg.resolution()
+    size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
+                                                        and "train" in found else None)
     pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget)
     splits, notes = {}, [why]
     for split, (files, labels) in found.items():

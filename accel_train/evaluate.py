@@ -6,18 +6,20 @@ which use a finished run's model.safetensors and the data set's facts in its mod
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \
         --checkpoint output_dir ...
     accel-train predict --checkpoint output_dir cat.png ship.jpg
+    accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from .checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
-from .config import ConfigError, Parser, TrainConfig
+from .checkpoint import EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+from .config import EXIT_BAD_INPUT, ConfigError, Parser, TrainConfig
 
 
 @torch.no_grad()
@@ -42,15 +44,18 @@ def evaluate(accelerator, model, loader, data, tta: bool = False,
 
 
 def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]:
-    """model.safetensors (or model_ema.safetensors) + model_config.json -> (eval-mode model, config)."""
+    """model.safetensors (or the EMA's) + model_config.json -> (eval-mode model, config). `checkpoint`: a finished
+    run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json)."""
     from safetensors.torch import load_file
 
     from .model import create_model
     root = Path(checkpoint)
-    weights = root / ("model_ema.safetensors" if ema else MODEL_FILE)
-    if not (root / MODEL_CONFIG_FILE).is_file() or not weights.is_file():
-        raise ConfigError(f"{root} has no {MODEL_CONFIG_FILE} and {weights.name}; pass the --output_dir of a "
-                          "finished run" + (" trained with --ema" if ema else ""))
+    weights = root / ((EMA_FILE if (root / EMA_FILE).is_file() else "model_ema.safetensors") if ema else MODEL_FILE)
+    missing = [name for name, path in ((MODEL_CONFIG_FILE, root / MODEL_CONFIG_FILE), (weights.name, weights))
+               if not path.is_file()]
+    if missing:
+        raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
+                          "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
     meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
     model = create_model(meta["architecture"], meta["stem"], num_classes=meta["num_classes"],
                          **meta.get("model_kwargs", {}))
@@ -67,7 +72,8 @@ def main_evaluate(argv: list[str]) -> int:
                            "only; classes, input size and mean/std come from its model_config.json; runs on "
                            "several ranks under accelerate launch (gather_for_metrics).")
     defaults = TrainConfig()
-    p.add_argument("--checkpoint", required=True, help="output directory of a finished run")
+    p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
+                   "(<output_dir>/checkpoints/step_N)")
     p.add_argument("--data", default=None, choices=("cifar10", "imagefolder", "random"),
                    help="default: the data set the model was trained on")
     p.add_argument("--data_dir", "--data_url", default=defaults.data_dir)
@@ -130,22 +136,66 @@ def load_image(path, meta: dict) -> torch.Tensor:
     return TF.normalize(x.float() / 255, list(info.mean), list(info.std))
 
 
+def image_paths(args: list[str]) -> list[Path]:
+    """Files as given; a folder gives its image files (extensions Pillow claims, recursively, sorted)."""
+    from .data import _image_extensions
+    extensions, out = _image_extensions(), []
+    for arg in map(Path, args):
+        if arg.is_dir():
+            out += sorted(f for f in arg.rglob("*") if f.is_file() and not f.name.startswith(".")
+                          and f.suffix.lower() in extensions)
+        else:
+            out.append(arg)
+    return out
+
+
+def predict_lines(model, meta: dict, paths: list[Path], top: int, batch: int = 64):
+    """Yields (path, 'class p%, ...' or None, error or None) per image, in order: a file that cannot be read is
+    named, and the others are still predicted."""
+    classes = meta["classes"]
+    for start in range(0, len(paths), batch):
+        chunk, good, errors = paths[start:start + batch], [], {}
+        for path in chunk:
+            try:
+                good.append((path, load_image(path, meta)))
+            except ConfigError as e:
+                errors[path] = str(e)
+        probs = iter(())
+        if good:
+            with torch.no_grad():
+                probs = iter(model(torch.stack([x for _, x in good])).float().softmax(1))
+        for path in chunk:
+            if path in errors:
+                yield path, None, errors[path]
+                continue
+            values, indices = next(probs).topk(min(top, len(classes)))
+            yield path, ", ".join(f"{classes[i]} {v:.1%}" for v, i in zip(values.tolist(), indices.tolist())), None
+
+
 def main_predict(argv: list[str]) -> int:
     p = Parser(prog="accel-train predict", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                description="Top-5 classes (the names of the data set the model was trained on) with "
                            "probabilities for each image, from a finished run's model.")
-    p.add_argument("--checkpoint", required=True, help="output directory of a finished run")
+    p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
+                   "(<output_dir>/checkpoints/step_N)")
     p.add_argument("--ema", action="store_true", help="use model_ema.safetensors")
     p.add_argument("--top", type=int, default=5)
-    p.add_argument("images", nargs="+", help="image files (resized to the model's input size, centre crop)")
+    p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
+                   "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
     args = p.parse_args(argv)
     model, meta = load_exported(args.checkpoint, args.ema)
-    classes = meta["classes"]
-    batch = torch.stack([load_image(path, meta) for path in args.images])
-    with torch.no_grad():
-        probs = model(batch).float().softmax(1)
-    k = min(args.top, probs.shape[1])
-    for path, row in zip(args.images, probs):
-        values, indices = row.topk(k)
-        print(f"{path}: " + ", ".join(f"{classes[i]} {v:.1%}" for v, i in zip(values.tolist(), indices.tolist())))
+    paths = image_paths(args.images)
+    if not paths:
+        raise ConfigError(f"no image files in {' '.join(args.images)}")
+    bad = []
+    for path, line, error in predict_lines(model, meta, paths, args.top):
+        if error:
+            bad.append(path)
+            print(error, file=sys.stderr, flush=True)
+        else:
+            print(f"{path}: {line}", flush=True)
+    if bad:
+        print(f"{len(bad)} of {len(paths)} images could not be read: {', '.join(map(str, bad[:10]))}"
+              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""), file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     return 0

@@ -30,12 +30,13 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
 from . import __version__
-from .checkpoint import TrainState, export_model, load_checkpoint, load_ema, read_history, save_checkpoint
+from .checkpoint import (BEST_FILE, BestModel, TrainState, export_model, load_checkpoint, load_ema, read_history,
+                         save_checkpoint)
 from .config import ConfigError, Preempted, TrainConfig
 from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
-from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
-from .model import create_model, load_init_weights
+from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, Pace, check_trackers, plot_curves
+from .model import create_model, init_normalisation, load_init_weights
 from .preempt import StopRequest
 from .resume import (Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once,
                      same_everywhere)
@@ -141,6 +142,7 @@ class Run:
     decision: Decision           # who writes checkpoints, where training resumed from
     math: dict                   # the run's math, recorded in every checkpoint (elastic resume checks it)
     history: dict | None         # metrics rows of the checkpoint resumed from
+    best: BestModel | None = None  # the best epoch so far and whether its weights are in model_best.safetensors
 
     @property
     def batches_per_epoch(self) -> int:
@@ -174,7 +176,13 @@ def setup(cfg: TrainConfig) -> Run:
             reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     budget = broadcast_object_list([device_budget(cfg, accelerator.device)])[0]  # rank 0's: one pipeline choice
+    if cfg.init_from and (cfg.mean is None or cfg.std is None):  # fine-tuning keeps the weights' normalisation
+        mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
+        if mean is not None:
+            cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
+            log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
     data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
+    resolved = cfg.resolve(data.info, data.pipeline)  # image size, stem, mean/std, pipeline: the run's values
     same_everywhere(accelerator, "the data (training / test samples, classes)",
                     (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):
@@ -222,7 +230,8 @@ def setup(cfg: TrainConfig) -> Run:
     math_ = dict(global_batch=glob, batch_size=cfg.batch_size, num_processes=accelerator.num_processes,
                  num_machines=decision.num_machines, grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed,
                  model=cfg.model, stem=cfg.stem, model_kwargs=cfg.model_kwargs_dict(), data=cfg.data,
-                 train_size=data.train_size)
+                 train_size=data.train_size, image_size=cfg.image_size, mean=list(data.info.mean),
+                 std=list(data.info.std), augment=cfg.augment, hflip=cfg.hflip)
 
     if decision.resume_from:
         log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
@@ -233,6 +242,7 @@ def setup(cfg: TrainConfig) -> Run:
         f"{peak:.4g}, {steps_per_epoch} steps/epoch, model {wrappers(model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     log(data.describe())
+    log(resolved)
     if loaded:
         log(loaded)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
@@ -250,8 +260,10 @@ def train(cfg: TrainConfig) -> dict:
     if stop.should_stop(accelerator):  # during start-up: nothing new to save
         raise Preempted(f"stopped by {stop.name} during start-up, before step {state.step + 1}")
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
+    run.best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
     save = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
-                   shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
+                   shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints,
+                   facts=model_config(cfg, {}, run.data.info))
     # Non-finite losses are noted on the device every micro-batch and read back only where ranks
     # meet anyway (every --log_every steps, the epoch end, a checkpoint): no host sync per step.
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir)
@@ -261,6 +273,7 @@ def train(cfg: TrainConfig) -> dict:
         return save(state, history=metrics.history())
 
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+    pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
     run_start = time.perf_counter()
     window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
     # (an epoch whose steps are all done but whose evaluation was interrupted is finished first)
@@ -286,7 +299,8 @@ def train(cfg: TrainConfig) -> dict:
             state.batch_in_epoch += 1
             if accelerator.sync_gradients:  # an optimizer step happened
                 state.step += 1
-                if state.step % cfg.log_every == 0:  # the step's loss (mean over its micro-batches and ranks)
+                last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
+                if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches and ranks)
                     watch.check(accelerator, state.step)
                     metrics.log_step(accelerator, state.step, window_loss / cfg.grad_accum, lr)
                 window_loss.zero_()
@@ -294,7 +308,8 @@ def train(cfg: TrainConfig) -> dict:
                 if ema is not None:
                     ema.update(bare_model(accelerator, model), step=state.step)
                 progress.update(1)
-                if state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch:
+                pace.step_done(state.step)
+                if last:
                     break  # --max_steps, or the end of the last whole accumulation window
                 if stop.should_stop(accelerator):
                     raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
@@ -308,7 +323,7 @@ def train(cfg: TrainConfig) -> dict:
         if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
             raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
                             f"{checkpoint(state)}; continue with --resume auto")
-        metrics.append(accelerator, row)
+        record_epoch(run, cfg, metrics, row)
         if state.batch_in_epoch >= run.batches_per_epoch:
             state.epoch, state.batch_in_epoch = epoch + 1, 0
         checkpoint(state)  # epoch end, or where --max_steps stopped
@@ -316,7 +331,7 @@ def train(cfg: TrainConfig) -> dict:
     stop.uninstall()
 
     summary = finish(accelerator, cfg, model, ema, metrics, time.perf_counter() - run_start, run.steps_per_epoch,
-                     run.data.info)
+                     run.data.info, run=run)
     accelerator.end_training()
     return summary
 
@@ -377,12 +392,30 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     return row
 
 
+def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, row: dict) -> None:
+    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
+    model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
+    metrics.append(run.accelerator, row)
+    if run.best.improves(row) and run.accelerator.is_main_process:
+        best = {k: row[k] for k in ("epoch", "step", "test_acc")}
+        export_model(bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, best, run.data.info),
+                     filename=BEST_FILE, extra=best, write_config=False)
+    run.best.take(row)
+
+
+def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
+    """The lr each step trained with, from the schedule itself (a function of the step): step k used the lr set
+    after k - 1 steps. At most `points` points."""
+    stride = max(1, total_steps // points)
+    return [{"step": k, "lr": scheduler._get_lr(k - 1)[0]} for k in range(1, total_steps + 1, stride)]
+
+
 def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
     return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
             "metrics": metrics, "accel_train_version": __version__}
 
 
-def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info: DataInfo) -> dict:
+def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info: DataInfo, run: Run = None) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
     out = Path(cfg.output_dir)
@@ -393,19 +426,29 @@ def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info
                "images_per_sec": last.get("images_per_sec")}
     if ema is not None:
         summary["final_test_acc_ema"] = last.get("test_acc_ema")
+    best = run.best if run is not None else None
+    if best is not None and best.row is not None:
+        summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
     if accelerator.is_main_process:
         path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
         if ema is not None:
             export_model(ema.module, out, model_config(cfg, summary, info), filename="model_ema.safetensors")
         cfg.save_yaml(out / "config.yaml")
-        curves = cfg.plot and bool(metrics.rows) and plot_curves(metrics.rows, out / CURVES_FILE, metrics.steps(),
-                                                                 steps_per_epoch)
+        curves = cfg.plot and bool(metrics.rows) and plot_curves(
+            metrics.rows, out / CURVES_FILE, metrics.steps(), steps_per_epoch,
+            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"]) if run is not None else None)
         logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
                     main_process_only=False)
         files = ["model.safetensors", "model_config.json", "metrics.jsonl", "steps.jsonl", "config.yaml"]
         files += [CURVES_FILE] * bool(curves) + ["model_ema.safetensors"] * (ema is not None) + ["checkpoints/"]
+        files += [BEST_FILE] * bool(best is not None and best.on_disk)
+        if best is not None and best.row is not None and not best.on_disk:
+            logger.warning(f"the best epoch ({best.row['epoch']}, test acc {best.row['test_acc']:.2%}) was trained "
+                           f"before a resume and its {BEST_FILE} is not on this disk: no later epoch beat it")
+        best_at = f" (epoch {summary['best_epoch']})" if "best_epoch" in summary else ""
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
-                    f"{summary['best_test_acc'] or 0:.2%}, {summary['images_per_sec'] or 0:.0f} img/s | outputs in "
+                    f"{summary['best_test_acc'] or 0:.2%}{best_at}, {summary['images_per_sec'] or 0:.0f} img/s | "
+                    f"outputs in "
                     f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
                     + f" | model {wrappers(model)}")
     accelerator.wait_for_everyone()

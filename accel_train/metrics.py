@@ -52,6 +52,52 @@ class EpochMeter:
         }
 
 
+SLOW_RUN_S = 3600  # a run whose training steps alone are estimated to take longer is told so, with flags that help
+
+
+def slow_run_warning(cfg, seconds_per_step: float, steps_left: int) -> str | None:
+    """One line when `steps_left` steps at `seconds_per_step` take longer than SLOW_RUN_S: the estimate and the
+    flags that would shorten it for this configuration; None otherwise."""
+    eta = seconds_per_step * steps_left
+    if eta <= SLOW_RUN_S:
+        return None
+    size, hints = cfg.image_size or 32, []
+    if cfg.stem == "cifar" and size > 32:
+        hints.append(f"--stem imagenet (timm's stem: ~16x less compute than the cifar stem at {size} px)")
+    if size > 64:
+        hints.append(f"--image_size {max(32, size // 2)} (4x fewer pixels)")
+    hints += ["--epochs / --max_steps (a shorter run)", "--train_samples N (a subset)"]
+    return (f"this run will take about {eta / 3600:.1f} h ({steps_left} steps at {seconds_per_step:.2f} s/step, "
+            f"evaluation not counted); faster: " + ", ".join(hints))
+
+
+class Pace:
+    """Says early (once, main process) when the run will take hours. Timed on the host clock over steps
+    first+1 .. first+1+K (the first step, with its warm-up, is left out), with no host sync: on an accelerator
+    the host runs ahead of the device until its queue fills (a few steps), so the estimate can only be low."""
+
+    K = 3
+
+    def __init__(self, cfg, first_step: int, total_steps: int, enabled: bool):
+        self.cfg, self.first, self.total, self.enabled = cfg, first_step, total_steps, enabled
+        self.start = None
+
+    def step_done(self, step: int, now: float | None = None) -> str | None:
+        if not self.enabled or step > self.first + 1 + self.K:
+            return None
+        now = time.perf_counter() if now is None else now
+        if step == self.first + 1:
+            self.start = now
+            return None
+        if step < self.first + 1 + self.K or self.start is None:
+            return None
+        line = slow_run_warning(self.cfg, (now - self.start) / self.K, self.total - step)
+        if line:
+            import logging
+            logging.getLogger("accel_train").warning(line)
+        return line
+
+
 class NonFiniteWatch:
     """Notes on the device, per micro-batch and without a host sync, the first step whose loss is not
     finite; `check` reads that back on every rank at a point where the ranks meet anyway and raises
@@ -165,16 +211,19 @@ def check_trackers(accelerator, requested: list[str]) -> None:
                           f"package (tensorboard: pip install 'accel_train[tensorboard]'), or drop --log_with")
 
 
-def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0) -> bool:
+def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0,
+                lr_steps: list[dict] | None = None) -> bool:
     """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
 
-    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly, the lr as a line
-    that shows the warmup and the cosine decay.
+    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly. The lr is drawn from
+    `lr_steps` (every step's lr, from the schedule: warmup and cosine decay even on a short run), else from
+    the logged points. Epoch ticks are whole numbers.
     """
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return False
     epochs = [r["epoch"] for r in rows]
@@ -189,13 +238,17 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     if any("test_acc_ema" in r for r in rows):
         axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--", label="test (EMA)")
     axes[1].set_title("accuracy (%)")
-    if at:
+    if lr_steps and steps_per_epoch:
+        axes[2].plot([s["step"] / steps_per_epoch for s in lr_steps], [s["lr"] for s in lr_steps], "-",
+                     label="lr (schedule, per step)")
+    elif at:
         axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
     else:
         axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
     axes[2].set_title("learning rate")
     for ax in axes:
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

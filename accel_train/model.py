@@ -80,3 +80,29 @@ def load_init_weights(model: nn.Module, path) -> str:
         line += (f"; re-initialised {_names(reset)} ({weights[reset[0]].shape[0]} classes in the file, "
                  f"{model.num_classes} here)")
     return line + (f"; missing (kept at init) {_names(missing)}" if missing else "; none missing")
+
+
+def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | None, str]:
+    """The mean/std the --init_from weights were trained with (timm's convention: a pretrained model keeps its
+    own normalisation): the model_config.json beside the file (an accel_train export or checkpoint), else the
+    file's safetensors metadata (accel_train exports carry it), else timm's pretrained_cfg of `model_name`
+    (timm weights). (None, None, why) when none says."""
+    import json
+
+    from safetensors import safe_open
+    path = Path(path)
+    beside = path.parent / "model_config.json"
+    try:
+        meta = json.loads(beside.read_text()) if beside.is_file() else {}
+        if meta.get("mean") and meta.get("std"):
+            return tuple(meta["mean"]), tuple(meta["std"]), str(beside)
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+        if "mean" in header and "std" in header:
+            return tuple(json.loads(header["mean"])), tuple(json.loads(header["std"])), f"{path}'s metadata"
+    except Exception:  # not readable here: load_init_weights names the problem
+        return None, None, "unreadable"
+    cfg = timm.models.get_pretrained_cfg(model_name)
+    if cfg is not None and cfg.mean and cfg.std:
+        return tuple(cfg.mean), tuple(cfg.std), f"timm's pretrained_cfg of {model_name}"
+    return None, None, "no normalisation known for these weights"

@@ -34,8 +34,11 @@ PROBE = ".accel_train-probe-"
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
                "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}
-# the run's math: a resume that changes one of these is refused (the global batch has its own rule)
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data")
+# the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
+# size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
+# the checkpoint's.
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
+AUTOMATIC = (None, "auto")
 
 
 @dataclass
@@ -232,12 +235,7 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     if cfg.grad_accum != old["grad_accum"]:
         raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
                           f"with --grad_accum {old['grad_accum']} (the per-process batch follows the process count)")
-    for key in RUN_MATH:
-        now = cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
-        if key in old and old[key] != now:
-            raise ConfigError(f"--{key} {now!r} differs from the checkpoint's {old[key]!r}: resuming would "
-                              f"change the run; resume with --{key} {old[key]!r} or start a fresh run "
-                              "in another --output_dir")
+    keep_run_math(old, cfg)
     glob = old["global_batch"]
     if num_processes != old["num_processes"]:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)
@@ -256,6 +254,29 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     if cfg.epochs != old["epochs"]:
         log(f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for {cfg.epochs} epochs and "
             "continues from the current step on it")
+
+
+def _flag_value(key: str, value):
+    """A run-math value as a flag spells it (mean/std: 'R,G,B')."""
+    return ",".join(f"{v:g}" for v in value) if key in ("mean", "std") and value is not None else value
+
+
+def keep_run_math(old: dict, cfg: TrainConfig) -> None:
+    """Refuse a flag that changes the checkpoint's run math (one line naming it); automatic values take the
+    checkpoint's (so a resume neither re-derives the image size nor recomputes mean/std). Pure: changes cfg."""
+    mean_std = dict(zip(("mean", "std"), cfg.normalisation()))
+    for key in RUN_MATH:
+        if key not in old:  # a checkpoint of an older accel_train
+            continue
+        now = cfg.model_kwargs_dict() if key == "model_kwargs" else mean_std[key] if key in mean_std \
+            else getattr(cfg, key)
+        then = tuple(old[key]) if key in mean_std and old[key] is not None else old[key]
+        if now in AUTOMATIC:
+            setattr(cfg, key, _flag_value(key, then))
+        elif now != then:
+            raise ConfigError(f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
+                              f"{_flag_value(key, then)!r}: resuming would change the run; resume with --{key} "
+                              f"{_flag_value(key, then)} or start a fresh run in another --output_dir")
 
 
 def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:

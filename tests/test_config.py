@@ -12,7 +12,7 @@ from conftest import ROOT, run_cli
 def test_defaults_live_in_trainconfig():
     cfg = parse_train_args([])
     assert cfg == TrainConfig()
-    assert cfg.model == "resnet18" and cfg.stem == "cifar" and cfg.data == "random"
+    assert cfg.model == "resnet18" and cfg.stem == "auto" and cfg.data == "random"
     assert cfg.data_dir == "input_dir" and cfg.output_dir == "output_dir"
 
 
@@ -89,7 +89,7 @@ def test_help_is_grouped_with_defaults_and_version():
 
 @pytest.mark.parametrize("text,match", [
     ("pipeline: gpu\n", r"--pipeline 'gpu': invalid choice; pick one of auto, device, cpu"),
-    ("stem: cifar10\n", r"--stem 'cifar10': invalid choice; pick one of cifar, imagenet"),
+    ("stem: cifar10\n", r"--stem 'cifar10': invalid choice; pick one of auto, cifar, imagenet"),
     ("data: imagenet\n", r"--data 'imagenet': invalid choice"),
     ("compile_mode: fastest\n", r"--compile_mode 'fastest': invalid choice"),
     ("epochs: [3]\n", r"--epochs must be a int, got \[3\]"),

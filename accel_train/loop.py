@@ -9,6 +9,7 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -33,6 +34,7 @@ from .checkpoint import TrainState, export_model, load_checkpoint, load_ema, rea
 from .config import ConfigError, Preempted, TrainConfig
 from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
+from .hardware import DeviceFacts, channels_last_default, choose_precision, compile_problem, device_facts
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
 from .model import create_model, load_init_weights
 from .preempt import StopRequest
@@ -42,15 +44,30 @@ from .resume import (Decision, batches_done, check_data, decide, on_every_rank, 
 logger = get_logger("accel_train")
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
+def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
+    """The precision asked for and where: the trainer's flag, else the launcher's config, else nothing."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
+    launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config (or its flag)
+    if launched:
+        return launched.lower(), f"the accelerate config's mixed_precision: '{launched.lower()}'"
+    return None, ""
+
+
+def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
     trackers = [t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else []
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
         raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
                           f"{', '.join(LoggerType.list())}")
+    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
+    cpu = not (torch.accelerator.is_available() or is_npu_available())
+    facts = facts or device_facts(cpu=True if cpu else None)
+    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # README: Precision
+    refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
     accelerator = Accelerator(
-        # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
-        cpu=not (torch.accelerator.is_available() or is_npu_available()),
+        cpu=cpu,
+        mixed_precision="no" if refusal else choice.precision,
         gradient_accumulation_steps=cfg.grad_accum,
         # --compile: Accelerate compiles in prepare(), after the DDP wrap (compile last, as it advises)
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
@@ -63,7 +80,12 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
                                           gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
         ],
     )
+    with said_once(accelerator):  # the same facts on every rank: one line
+        if refusal:
+            raise ConfigError(refusal)
     check_one_group(accelerator.num_processes, cfg)
+    accelerator.device_facts = facts
+    logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
     return accelerator
 
 
@@ -143,6 +165,10 @@ def setup(cfg: TrainConfig) -> Run:
     """Check every input before writing anything, agree on one resume decision, then build, prepare, resume."""
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
+    if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
+        channels_last, why = channels_last_default(accelerator.device_facts.kind)
+        cfg = dataclasses.replace(cfg, channels_last=channels_last)
+        log(f"memory format {why}")
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)  # flags agree, who writes, which checkpoint (copied if needed)

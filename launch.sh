@@ -210,11 +210,11 @@ fi
 # Precision: one the device has (accel_train/hardware.py; README: Precision and memory format per platform):
 # bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend 910A, fp32 on CPUs without bf16.
 # Our own configs get the device's best; a config the user named keeps its own where the device has it.
-# Skipped when the trainer's --mixed_precision decides, and in --dry-run on GPU/NPU (the probe imports torch)
+# Skipped when the trainer's --mixed_precision (or --force_precision) decides, and in --dry-run on GPU/NPU (the probe imports torch)
 # unless ACCEL_TRAIN_DEVICE_FACTS states the facts.
 config_precision="$(sed -nE "s/^mixed_precision: *['\"]?([A-Za-z0-9]+)['\"]?.*/\1/p" "$config_file" | head -n 1)"
 asked_by_flag=0
-for arg in "${trainer_args[@]}"; do [[ "$arg" == --mixed_precision* ]] && asked_by_flag=1; done
+for arg in "${trainer_args[@]}"; do [[ "$arg" == --mixed_precision* || "$arg" == --force_precision* ]] && asked_by_flag=1; done
 if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACCEL_TRAIN_DEVICE_FACTS:-}" ]]; then
   probe=(--config_precision "${config_precision:-no}")
   [[ "$device" == cpu ]] && probe+=(--cpu)

@@ -248,5 +248,8 @@ def test_launch_sh_keeps_a_named_config_and_the_trainer_flag(tmp_path):
     config.write_text(config.read_text().replace("mixed_precision: 'no'", "mixed_precision: 'bf16'"))
     precision, _, err = precision_of(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, ["--accel_config", str(config)]))
     assert precision == "no" and "not the config's bf16" in err
+    precision, _, _ = precision_of(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU},
+                                           ["--accel_config", str(config), "--force_precision"]))
+    assert precision is None  # the trainer runs the config's bf16 anyway, as asked
     _, opts, trainer = parse(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": BF16_CPU}, ["--mixed_precision", "no"]))
     assert "--mixed_precision" not in opts and trainer[-2:] == ["--mixed_precision", "no"]

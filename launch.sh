@@ -196,6 +196,7 @@ if ((nnodes > 1)); then
   master_port="${master_port:-29500}"
 fi
 
+named_config="$accel_config"  # a config the user named keeps its precision where the device has it
 if [[ -z "$accel_config" ]]; then
   case "$device:$((nnodes > 1)):$((nproc > 1))" in
     cpu:0:0) accel_config=cpu ;;
@@ -256,10 +257,26 @@ if ((nnodes > 1)); then
 elif [[ -n "$master_port" ]]; then
   launch_args+=(--main_process_port "$master_port")
 fi
-if [[ "$device" == npu && "$dry_run" == 0 ]]; then  # bf16 only where the chip has it
-  bf16="$(timeout 60 "$PYTHON" -c 'import torch, torch_npu; print(torch.npu.is_bf16_supported())' 2>/dev/null || true)"
-  if [[ "$bf16" == False ]] && grep -qE '^mixed_precision: *bf16' "$config_file"; then
-    launch_args+=(--mixed_precision fp16)
+# Precision: one the device has (accel_train/hardware.py; README: Precision and memory format per platform):
+# bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend 910A, fp32 on CPUs without bf16.
+# Our own configs get the device's best; a config the user named keeps its own where the device has it.
+# Skipped when the trainer's --mixed_precision (or --force_precision) decides, and in --dry-run on GPU/NPU (the probe imports torch)
+# unless ACCEL_TRAIN_DEVICE_FACTS states the facts.
+config_precision="$(sed -nE "s/^mixed_precision: *['\"]?([A-Za-z0-9]+)['\"]?.*/\1/p" "$config_file" | head -n 1)"
+asked_by_flag=0
+for arg in "${trainer_args[@]}"; do [[ "$arg" == --mixed_precision* || "$arg" == --force_precision* ]] && asked_by_flag=1; done
+if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACCEL_TRAIN_DEVICE_FACTS:-}" ]]; then
+  probe=(--config_precision "${config_precision:-no}")
+  [[ "$device" == cpu ]] && probe+=(--cpu)
+  [[ -n "$named_config" ]] && probe+=(--keep)
+  chosen="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" timeout "${ACCEL_PROBE_TIMEOUT:-60}" \
+    "$PYTHON" -m accel_train.hardware "${probe[@]}" 2>/dev/null || true)"
+  precision="${chosen%% *}"
+  if [[ "$precision" =~ ^(no|fp16|bf16)$ ]]; then
+    echo "launch.sh: ${chosen#* }" >&2
+    if [[ "$precision" != "${config_precision:-no}" ]]; then launch_args+=(--mixed_precision "$precision"); fi
+  else
+    echo "launch.sh: warning: could not read the device's precision facts; the config's mixed_precision (${config_precision:-no}) stays" >&2
   fi
 fi
 if ((smoke_test)); then  # Accelerate's test script on the same launch arguments, checked for the group size

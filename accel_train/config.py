@@ -97,7 +97,8 @@ class TrainConfig:
                     "imagenet above", "model", choices=("auto", "cifar", "imagenet"))
     model_kwargs: str | None = opt(None, "extra timm.create_model arguments as JSON, e.g. "
                                    "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
-    channels_last: bool = opt(False, "channels_last memory format for model and inputs", "model")
+    channels_last: bool | None = opt(None, "channels_last memory format for model and inputs; default: on for CPU "
+                                     "and CUDA (measured faster), off on NPUs (not measured there)", "model")
     init_from: str | None = opt(None, "start from the weights of a model.safetensors on disk (an earlier export "
                                 "or timm weights); a classifier with another class count is re-created", "model")
     compile: bool = opt(False, "torch.compile the model", "model")
@@ -149,6 +150,14 @@ class TrainConfig:
     # performance
     ddp_bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MiB", "performance")
     ddp_grad_as_bucket_view: bool = opt(True, "DDP gradient_as_bucket_view", "performance")
+    mixed_precision: str = opt("auto", "'auto': the launcher's config (accelerate launch, launch.sh), and without a "
+                               "launcher the fastest precision the device has natively (bf16 on Ampere+ GPUs, "
+                               "Ascend A2/A3 and CPUs with avx512_bf16/AMX/aarch64 bf16; fp16 on older GPUs and "
+                               "910A; fp32 on other CPUs); no|fp16|bf16: that one (overrides the launcher's); "
+                               "one the device lacks is refused", "performance",
+                               choices=("auto", "no", "fp16", "bf16"))
+    force_precision: bool = opt(False, "use the asked precision even where the device lacks it (emulated, slow)",
+                                "performance")
 
     # platform: flags the ModelArts seed passes; device and ranks come from the launch config
     custom_data: bool | None = opt(None, "ModelArts seed flag: true = --data random, false = --data cifar10",

@@ -9,6 +9,7 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -35,6 +36,7 @@ from .checkpoint import (BEST_FILE, BestModel, TrainState, export_model, load_ch
 from .config import ConfigError, Preempted, TrainConfig
 from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
+from .hardware import DeviceFacts, channels_last_default, choose_precision, compile_problem, device_facts
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, Pace, check_trackers, plot_curves
 from .model import create_model, init_normalisation, load_init_weights
 from .preempt import StopRequest
@@ -44,17 +46,32 @@ from .resume import (Decision, batches_done, check_data, decide, on_every_rank, 
 logger = get_logger("accel_train")
 
 
-def make_accelerator(cfg: TrainConfig) -> Accelerator:
+def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
+    """The precision asked for and where: the trainer's flag, else the launcher's config, else nothing."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
+    launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config (or its flag)
+    if launched:
+        return launched.lower(), f"the accelerate config's mixed_precision: '{launched.lower()}'"
+    return None, ""
+
+
+def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
     if is_npu_available():
-        check_hccl_timeouts(cfg.timeout_s)
+        hccl_timeouts(cfg.timeout_s)
     trackers = [t.strip() for t in cfg.log_with.split(",")] if cfg.log_with else []
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
         raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
                           f"{', '.join(LoggerType.list())}")
+    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
+    cpu = not (torch.accelerator.is_available() or is_npu_available())
+    facts = facts or device_facts(cpu=True if cpu else None)
+    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # README: Precision
+    refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
     accelerator = Accelerator(
-        # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
-        cpu=not (torch.accelerator.is_available() or is_npu_available()),
+        cpu=cpu,
+        mixed_precision="no" if refusal else choice.precision,
         gradient_accumulation_steps=cfg.grad_accum,
         # --compile: Accelerate compiles in prepare(), after the DDP wrap (compile last, as it advises)
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
@@ -67,29 +84,43 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
                                           gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
         ],
     )
+    with said_once(accelerator):  # the same facts on every rank: one line
+        if refusal:
+            raise ConfigError(refusal)
     check_one_group(accelerator.num_processes, cfg)
+    accelerator.device_facts = facts
+    logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
     return accelerator
 
 
-# HCCL's own timeouts and their defaults when unset (CANN environment variables HCCL_CONNECT_TIMEOUT, 120..7200 s,
-# and HCCL_EXEC_TIMEOUT); torch_npu asks for a process-group timeout above both, else which timeout ends a job
-# whose peer died is left to chance. launch.sh sets both below --timeout_s.
-HCCL_TIMEOUT_DEFAULTS = {"HCCL_CONNECT_TIMEOUT": 120, "HCCL_EXEC_TIMEOUT": 1836}
+# HCCL's own timeouts (CANN environment variables HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200, and
+# HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A); torch_npu asks for a process-group timeout above
+# both, else which timeout ends a job whose peer died is left to chance. Unset ones are set below --timeout_s,
+# as launch.sh does (hccl_timeouts there: the same rule, tests/test_platform_faults.py checks they agree).
+HCCL_TIMEOUTS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
 
 
-def check_hccl_timeouts(timeout_s: int, env=os.environ) -> None:
-    """On NPU: --timeout_s must exceed HCCL's connect and execution timeouts (set or default)."""
-    for name, default in HCCL_TIMEOUT_DEFAULTS.items():
+def derived_hccl_timeouts(timeout_s: int) -> tuple[int, int]:
+    """(connect, exec) for --timeout_s: three quarters of it, connect within 120..7200, exec a multiple of 68."""
+    budget = timeout_s * 3 // 4
+    return min(max(budget, 120), 7200), max(budget // 68 * 68, 68)
+
+
+def hccl_timeouts(timeout_s: int, env=os.environ) -> None:
+    """On NPU, before the process group exists: HCCL's timeouts below --timeout_s. Unset ones are set here (HCCL
+    reads them when it builds its communicator, in this process); ones the user set must already be below."""
+    for name, derived in zip(HCCL_TIMEOUTS, derived_hccl_timeouts(timeout_s)):
         text = env.get(name, "").strip()
         if text and not text.isdigit():
-            raise ConfigError(f"{name}={text!r} is not a number of seconds; unset it (launch.sh sets it from "
+            raise ConfigError(f"{name}={text!r} is not a number of seconds; unset it (it is then set from "
                               "--timeout_s) or give an integer below --timeout_s")
-        value = int(text) if text else default
+        value = int(text) if text else derived
         if value >= timeout_s:
-            source = "" if text else ", its default"
-            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s{source}): a dead peer would "
-                              f"be found by HCCL's timeout or not at all; raise --timeout_s above {value} or set "
-                              f"{name} below {timeout_s} (launch.sh does it when {name} is unset)")
+            source = f"set to {text}" if text else "its least value"
+            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s, {source}): a dead peer "
+                              f"would be found by HCCL's timeout or not at all; raise --timeout_s above {value}"
+                              + (f" or set {name} below {timeout_s}" if text else ""))
+        env[name] = str(value)
 
 
 def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:
@@ -169,6 +200,10 @@ def setup(cfg: TrainConfig) -> Run:
     """Check every input before writing anything, agree on one resume decision, then build, prepare, resume."""
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
+    if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
+        channels_last, why = channels_last_default(accelerator.device_facts.kind)
+        cfg = dataclasses.replace(cfg, channels_last=channels_last)
+        log(f"memory format {why}")
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)  # flags agree, who writes, which checkpoint (copied if needed)

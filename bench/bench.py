@@ -2,6 +2,7 @@
 
     python bench/bench.py                      # CPU, small: about a minute on 2 cores
     python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last [--compile]
+    python bench/bench.py --table              # fp32/bf16 x NCHW/channels_last, ours/bare in each, CPU flags
 
 "ours" is the real accel_train code path: `loop.setup()` (Accelerator, device-resident data pipeline,
 timm model + stem, timm SGD, prepare) and per step `data.inputs()` (gather + crop + flip + normalise
@@ -84,7 +85,7 @@ class Ours:
         self.cfg = parse_train_args([
             "--data", "random", "--train_samples", str(max(args.batch_size * 8, 1024)), "--test_samples", "64",
             "--batch_size", str(args.batch_size), "--model", args.model, "--output_dir", args.output_dir,
-            "--channels_last", str(args.channels_last), "--compile", str(args.compile),
+            "--channels_last", str(args.channels_last), "--compile", str(args.compile), "--force_precision", "true",
             "--compile_mode", args.compile_mode, "--epochs", "100"])
         self.run = setup(self.cfg)
         self.device = self.run.accelerator.device
@@ -157,6 +158,40 @@ def scaling(args) -> list[tuple[str, float]]:
     return rows
 
 
+def cpu_flags_line() -> str:
+    from accel_train.hardware import CPU_BF16_X86, best_precision, device_facts
+    facts = device_facts(cpu=True)
+    shown = [f for f in (*CPU_BF16_X86, "amx_tile", "avx512_fp16", "avx512_vnni", "avx512f", "avx2", "bf16", "asimd")
+             if f in facts.cpu_flags]
+    return (f"# CPU: {facts.name or '?'} ({facts.arch}), {os.cpu_count()} cores; flags: {' '.join(shown) or 'none'}; "
+            f"accel_train's choice: {best_precision(facts)[0]}")
+
+
+def table(args) -> None:
+    """fp32/bf16 x NCHW/channels_last, ours and bare in each: one process per precision (Accelerate's precision
+    is per process), NCHW and channels_last interleaved inside it, ours and bare alternating."""
+    print(cpu_flags_line(), flush=True)
+    rows = {}
+    for precision in ("no", "bf16"):
+        cmd = [sys.executable, __file__, "--device", args.device, "--model", args.model, "--batch_size",
+               str(args.batch_size), "--precision", precision, "--both_formats", "--rounds", str(args.rounds),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--output_dir", args.output_dir]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"bench --precision {precision} failed")
+        for line in proc.stdout.splitlines():
+            if line.startswith("mode "):
+                _, prec, fmt, *vals = line.split()
+                rows[(prec, fmt)] = dict(v.split("=") for v in vals)
+    base = float(rows[("no", "NCHW")]["ours"])
+    print(f"{'mode':22s} {'ours img/s':>11s} {'bare img/s':>11s} {'ours/bare':>10s} {'ours vs fp32 NCHW':>18s}  "
+          "(ours: min..max over rounds)")
+    for (prec, fmt), v in rows.items():
+        print(f"{('fp32' if prec == 'no' else prec) + ' ' + fmt:22s} {float(v['ours']):11.1f} {float(v['bare']):11.1f} "
+              f"{float(v['ratio']):10.3f} {float(v['ours']) / base:17.2f}x  ({v['range']})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -173,7 +208,13 @@ def main() -> None:
     p.add_argument("--no_scaling", action="store_true")
     p.add_argument("--decode_images", type=int, default=256, help="generated image files for the decode figure")
     p.add_argument("--output_dir", default=tempfile.mkdtemp(prefix="accel_train_bench_"))
+    p.add_argument("--table", action="store_true", help="the table of modes: fp32/bf16 x NCHW/channels_last")
+    p.add_argument("--both_formats", action="store_true", help="NCHW and channels_last interleaved (one precision)")
     args = p.parse_args()
+    if args.table:
+        return table(args)
+    if args.both_formats:
+        return both_formats(args)
 
     device = torch.device(args.device)
     ours = Ours(args, device)
@@ -205,6 +246,30 @@ def main() -> None:
             print(f"{'scaling ' + config:22s} {rate:13.1f}   (global batch {args.batch_size}; {rate / base:.2f}x "
                   "of 1 process)")
     print(f"ratio={statistics.median(rates['ours']) / statistics.median(rates['bare']):.3f}")
+
+
+def both_formats(args) -> None:
+    """One precision, NCHW and channels_last, ours and bare: all four alternate in each round."""
+    device = torch.device(args.device)
+    sides = {}
+    for fmt, cl in (("NCHW", False), ("channels_last", True)):
+        args.channels_last = cl
+        args.output_dir = tempfile.mkdtemp(prefix=f"accel_train_bench_{fmt}_")
+        ours = Ours(args, device)
+        sides[(fmt, "ours")], sides[(fmt, "bare")] = ours, Bare(args, ours.device)
+    for _ in range(args.warmup):
+        for side in sides.values():
+            side.step()
+    rates = {k: [] for k in sides}
+    keys = list(sides)
+    for r in range(args.rounds):
+        for k in (keys if r % 2 == 0 else keys[::-1]):
+            rates[k].append(timed(sides[k].step, args.steps, args.batch_size, device))
+    for fmt in ("NCHW", "channels_last"):
+        ours, bare = rates[(fmt, "ours")], rates[(fmt, "bare")]
+        print(f"mode {args.precision} {fmt} ours={statistics.median(ours):.2f} bare={statistics.median(bare):.2f} "
+              f"ratio={statistics.median(ours) / statistics.median(bare):.3f} range={min(ours):.1f}..{max(ours):.1f}",
+              flush=True)
 
 
 if __name__ == "__main__":

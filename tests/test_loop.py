@@ -83,7 +83,7 @@ def test_two_ranks_learn_a_learnable_dataset(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("knobs,precision", [
     (["--pipeline", "cpu", "--num_workers", "2"], "no"),
-    (["--channels_last"], "bf16"),  # --compile with bf16, 1 and 2 processes: tests/test_matrix.py
+    (["--channels_last", "--force_precision"], "bf16"),  # bf16 whatever the CPU has  # --compile with bf16, 1 and 2 processes: tests/test_matrix.py
 ])
 def test_speed_knobs_train_and_export_clean_weights(tmp_path, knobs, precision):
     config = tmp_path / "cpu_precision.yaml"

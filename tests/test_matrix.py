@@ -23,10 +23,11 @@ from accel_train.model import create_model
 from conftest import CONFIGS, launch, run_cli, wait_all
 
 TINY = ["--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--epochs", "1", "--log_every", "1"]
-RUN_A = ["--compile", "--channels_last", "--ema", "--tta"]
+RUN_A = ["--compile", "--channels_last", "--ema", "--tta", "--force_precision"]  # bf16 whatever the CPU has
 RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0", "--pipeline", "cpu",
          "--num_workers", "2"]
-HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last"]
+HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last",
+         "--force_precision"]  # bf16 whatever the CPU has
 TOPOLOGY = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
 

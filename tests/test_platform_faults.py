@@ -78,25 +78,30 @@ def test_launch_default_timeout_is_trainconfigs():
     assert found and int(found.group(1)) == TrainConfig().timeout_s
 
 
-def test_trainer_refuses_hccl_timeouts_not_below_timeout_s():
-    ok = {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "204"}
-    loop.check_hccl_timeouts(300, ok)
-    loop.check_hccl_timeouts(300, {**ok, "HCCL_EXEC_TIMEOUT": "0"})
-    for env, needle in (({}, "HCCL_CONNECT_TIMEOUT (120 s, its default)"),  # 120 >= 100
-                        ({"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_EXEC_TIMEOUT": "68"}, "HCCL_CONNECT_TIMEOUT (1800 s)"),
-                        ({"HCCL_CONNECT_TIMEOUT": "120"}, "HCCL_EXEC_TIMEOUT (1836 s, its default)"),
-                        ({"HCCL_CONNECT_TIMEOUT": "soon"}, "HCCL_CONNECT_TIMEOUT='soon' is not a number")):
-        timeout = 100 if not env else 300
+def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(hw):
+    env = {}
+    loop.hccl_timeouts(300, env)  # plain `accelerate launch` on NPU: set below --timeout_s, like launch.sh
+    for timeout in (300, 1000, 7200):
+        launched, _, _ = parse(dry_run({}, ["--timeout_s", str(timeout)], bindir=hw(npus=8)))
+        assert hccl(launched) == loop.derived_hccl_timeouts(timeout)
+    assert (int(env["HCCL_CONNECT_TIMEOUT"]), int(env["HCCL_EXEC_TIMEOUT"])) == loop.derived_hccl_timeouts(300)
+    kept = {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
+    loop.hccl_timeouts(300, kept)
+    assert kept == {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
+    for timeout, env, needle in ((100, {}, "HCCL_CONNECT_TIMEOUT (120 s, its least value)"),
+                                 (300, {"HCCL_CONNECT_TIMEOUT": "1800"}, "HCCL_CONNECT_TIMEOUT (1800 s, set to 1800)"),
+                                 (300, {"HCCL_EXEC_TIMEOUT": "1836"}, "HCCL_EXEC_TIMEOUT (1836 s, set to 1836)"),
+                                 (300, {"HCCL_CONNECT_TIMEOUT": "soon"}, "HCCL_CONNECT_TIMEOUT='soon' is not a number")):
         with pytest.raises(loop.ConfigError, match=re.escape(needle)):
-            loop.check_hccl_timeouts(timeout, env)
+            loop.hccl_timeouts(timeout, env)
 
 
-def test_on_npu_the_cli_refuses_the_default_hccl_exec_timeout_in_one_line(monkeypatch, capsys, tmp_path):
+def test_on_npu_the_cli_refuses_an_hccl_exec_timeout_above_timeout_s_in_one_line(monkeypatch, capsys, tmp_path):
     from accel_train import cli
     monkeypatch.setattr(loop, "is_npu_available", lambda: True)  # an Ascend host, as torch_npu reports it
-    monkeypatch.delenv("HCCL_EXEC_TIMEOUT", raising=False)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1836")  # the user's own (HCCL's default value)
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "120")
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
         code = cli.main(["--output_dir", str(tmp_path / "out")])
     finally:

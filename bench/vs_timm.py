@@ -1,0 +1,146 @@
+"""accel_train next to timm's own train.py: same image folder, model, epochs, batch and lr, one CPU process each.
+
+    python bench/vs_timm.py /tmp/timm_train.py [--epochs 5 --batch_size 64 --lr 0.1 --size 64 --repeats 2]
+
+timm's train.py is not part of this repository: take it from timm's repository (the version matching the
+installed timm) and pass its path. Nothing is fetched at run time. The script writes a learnable synthetic
+image folder (coloured shapes on noise, <root>/train/<class>/*.png and <root>/validation/<class>/*.png),
+then runs, alternating, `python train.py` (timm) and `python -m accel_train` (ours) on it, each with its
+own defaults otherwise, and prints wall time and accuracy per epoch, the whole run's wall time, and the
+start-up cost (imports) of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = ("circle", "square", "triangle", "cross")
+
+
+def draw(kind: str, size: int, rng) -> np.ndarray:
+    """One image: a shape of a random colour, size and place on a noisy background of another colour."""
+    yy, xx = np.mgrid[:size, :size].astype(np.float32)
+    r = rng.uniform(0.18, 0.35) * size
+    cy, cx = rng.uniform(r, size - r, 2)
+    dy, dx = yy - cy, xx - cx
+    if kind == "circle":
+        mask = dy ** 2 + dx ** 2 <= r ** 2
+    elif kind == "square":
+        mask = (abs(dy) <= r * 0.85) & (abs(dx) <= r * 0.85)
+    elif kind == "triangle":
+        mask = (dy <= r * 0.8) & (dy >= -r) & (abs(dx) <= (dy + r) * 0.6)
+    else:
+        mask = ((abs(dy) <= r * 0.25) | (abs(dx) <= r * 0.25)) & (abs(dy) <= r) & (abs(dx) <= r)
+    bg, fg = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    while np.abs(bg - fg).sum() < 150:
+        fg = rng.uniform(0, 255, 3)
+    img = np.where(mask[..., None], fg, bg) + rng.normal(0, 12, (size, size, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int, seed: int = 0) -> Path:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", train_per_class), ("validation", val_per_class)):
+        for kind in CLASSES:
+            folder = root / split / kind
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(draw(kind, size, rng)).save(folder / f"{i:05d}.png")
+    return root
+
+
+def run_timed(cmd, env, cwd) -> tuple[float, list[tuple[float, str]]]:
+    """Run cmd; (wall seconds, [(seconds since start, line)] of its output)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    lines = [(time.perf_counter() - start, line.rstrip()) for line in proc.stdout]
+    if proc.wait() != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(map(str, cmd))}\n" + "\n".join(l for _, l in lines[-40:]))
+    return time.perf_counter() - start, lines
+
+
+def timm_run(args, data: Path, out: Path, env) -> dict:
+    cmd = [sys.executable, args.timm_train, "--data-dir", str(data), "--model", "resnet18", "--num-classes",
+           str(len(CLASSES)), "--img-size", str(args.size), "--epochs", str(args.epochs), "-b", str(args.batch_size),
+           "--lr", str(args.lr), "--device", "cpu", "--output", str(out), "--experiment", "timm", "--seed", "42"]
+    wall, lines = run_timed(cmd, env, out)
+    # an epoch ends when its evaluation prints its last batch ("Test: [ N/N]")
+    ends = [t for t, line in lines if (m := re.search(r"Test: \[\s*(\d+)/(\d+)\]", line)) and m[1] == m[2]]
+    with open(out / "timm" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    first = next((t for t, line in lines if "Train: 0 [" in line), None)
+    return dict(wall=wall, epoch_ends=ends, acc=[float(r["eval_top1"]) / 100 for r in rows], first_log=first)
+
+
+def ours_run(args, data: Path, out: Path, env) -> dict:
+    cmd = [sys.executable, "-m", "accel_train", "--data", "imagefolder", "--data_dir", str(data), "--model", "resnet18",
+           "--stem", "imagenet", "--image_size", str(args.size), "--epochs", str(args.epochs), "--batch_size",
+           str(args.batch_size), "--lr", str(args.lr), "--output_dir", str(out / "ours"), "--seed", "42", *args.ours]
+    wall, lines = run_timed(cmd, env, ROOT)
+    ends = [t for t, line in lines if re.search(r"epoch \d+/\d+ step \d+:", line)]
+    rows = [json.loads(line) for line in (out / "ours" / "metrics.jsonl").read_text().splitlines()]
+    chosen = [line.split("INFO ", 1)[-1] for _, line in lines if "precision " in line or "memory format" in line]
+    return dict(wall=wall, epoch_ends=ends, acc=[r["test_acc"] for r in rows], chosen=chosen)
+
+
+def import_time(modules: str, env) -> float:
+    code = f"import time; t = time.perf_counter(); import {modules}; print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                                check=True).stdout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("timm_train", help="path to timm's train.py (not committed here)")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--size", type=int, default=64, help="image size (px) of the generated folder and of training")
+    p.add_argument("--train_per_class", type=int, default=500)
+    p.add_argument("--val_per_class", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--ours", nargs=argparse.REMAINDER, default=[], help="extra accel_train flags (at the end)")
+    args = p.parse_args()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MASTER_", "WORLD_SIZE", "RANK",
+                                                                       "LOCAL_RANK", "TORCHELASTIC"))}
+    env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
+    with tempfile.TemporaryDirectory(prefix="accel_train_vs_timm_") as tmp:
+        data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class)
+        print(f"# data: {len(CLASSES)} classes x ({args.train_per_class} train + {args.val_per_class} val) PNG, "
+              f"{args.size}px; resnet18 (timm's imagenet stem in both), {args.epochs} epochs, batch {args.batch_size}, "
+              f"lr {args.lr}, one CPU process, {os.cpu_count()} cores", flush=True)
+        results = {"timm": [], "ours": []}
+        for r in range(args.repeats):
+            for name in (("timm", "ours") if r % 2 == 0 else ("ours", "timm")):
+                out = Path(tmp) / f"{name}{r}"
+                out.mkdir()
+                res = (timm_run if name == "timm" else ours_run)(args, data, out, env)
+                results[name].append(res)
+                print(f"{name} run {r + 1}: wall {res['wall']:.1f}s; epoch ends at "
+                      f"{', '.join(f'{t:.1f}' for t in res['epoch_ends'])}s; acc per epoch "
+                      f"{', '.join(f'{a:.3f}' for a in res['acc'])}", flush=True)
+                if res.get("chosen"):
+                    print("   ours chose: " + " | ".join(res["chosen"]), flush=True)
+        imports = {m: import_time(m, env) for m in ("torch", "timm", "accelerate", "accel_train.loop")}
+    walls = {k: sorted(r["wall"] for r in v) for k, v in results.items()}
+    med = {k: v[len(v) // 2] for k, v in walls.items()}
+    print(f"imports (s, each in a fresh process, cumulative): " + ", ".join(f"{k} {v:.2f}" for k, v in imports.items()))
+    print(f"wall (s) timm {walls['timm']} ours {walls['ours']}; ours/timm = {med['ours'] / med['timm']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

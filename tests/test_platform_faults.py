@@ -124,6 +124,7 @@ def test_trainer_never_names_a_process_group_backend(monkeypatch):
             seen.update(kwargs)
 
     monkeypatch.setattr(loop, "Accelerator", Capture)
+    monkeypatch.setattr(loop, "logger", type("Quiet", (), {"info": lambda self, *a, **k: None})())
     loop.make_accelerator(TrainConfig(timeout_s=123))
     init = [h for h in seen["kwargs_handlers"] if isinstance(h, loop.InitProcessGroupKwargs)]
     assert len(init) == 1 and init[0].to_kwargs() == {"timeout": timedelta(seconds=123)}

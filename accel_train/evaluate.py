@@ -18,17 +18,20 @@ import torch
 
 from .checkpoint import MODEL_CONFIG_FILE, MODEL_FILE
 from .config import ConfigError, Parser, TrainConfig
+from .preempt import AgreedChecks
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, loader, data, tta: bool = False,
              stop=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed.
-    `stop` (training): a StopRequest asked every batch; None is returned on every rank when it fires."""
+    `stop` (training): a StopRequest the ranks agree on every few seconds of batches (AgreedChecks); None is
+    returned on every rank when it fires."""
     model.eval()
     all_preds, all_labels = [], []
-    for batch in loader:
-        if stop is not None and stop.should_stop(accelerator):
+    checks = AgreedChecks(stop) if stop is not None else None
+    for i, batch in enumerate(loader):
+        if checks is not None and checks.due(i) and checks.agree(accelerator, i):
             return None
         x, y = data.inputs(batch, train=False)
         with accelerator.autocast():

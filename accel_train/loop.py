@@ -35,7 +35,7 @@ from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, check_trackers, plot_curves
 from .model import create_model, load_init_weights
-from .preempt import StopRequest
+from .preempt import AgreedChecks, StopRequest
 from .resume import (Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once,
                      same_everywhere)
 
@@ -220,17 +220,20 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def train(cfg: TrainConfig) -> dict:
-    stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step and checkpoints it
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
+    stop.announce = accelerator.is_main_process
     if stop.should_stop(accelerator):  # during start-up: nothing new to save
         raise Preempted(f"stopped by {stop.name} during start-up, before step {state.step + 1}")
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
     save = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
                    shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints)
-    # Non-finite losses are noted on the device every micro-batch and read back only where ranks
-    # meet anyway (every --log_every steps, the epoch end, a checkpoint): no host sync per step.
+    # A plain step makes no host sync and no collective (beyond DDP's gradient all-reduce). Stop requests and
+    # non-finite losses (noted on the device every micro-batch) are agreed on at the steps `checks` picks (every
+    # few seconds of work), and the watch is also read where ranks meet anyway (logging, epoch end, checkpoints).
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir)
+    checks = AgreedChecks(stop, state.step)
 
     def checkpoint(state):  # never a checkpoint of non-finite weights: the last finite one stays newest
         watch.check(accelerator, state.step, model)
@@ -272,7 +275,7 @@ def train(cfg: TrainConfig) -> dict:
                 progress.update(1)
                 if state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch:
                     break  # --max_steps, or the end of the last whole accumulation window
-                if stop.should_stop(accelerator):
+                if checks.due(state.step) and checks.agree(accelerator, state.step, watch):
                     raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
                                     f"{checkpoint(state)}; continue with --resume auto")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:

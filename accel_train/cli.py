@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 
 from . import __version__
+from .preempt import EXIT_INTERRUPTED
 from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
                      Diverged, Parser, Preempted, TrainConfig, fields, load_yaml)
 
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)
+        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest complete checkpoint "
+              "with --resume auto", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()
         code = EXIT_ERROR

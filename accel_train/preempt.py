@@ -17,20 +17,13 @@ import signal
 import sys
 import time
 
-import torch
-
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-# torchrun's agent passes the terminal's SIGINT on to the workers, which got it from the terminal too
-# (torch/distributed/elastic/agent/server/api.py: SignalException -> _shutdown(SIGINT)): a SIGINT within
-# this many seconds of the first is the same Ctrl-C; a later one is a second Ctrl-C.
-SAME_CTRL_C_S = 2.0
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
 
 
 class StopRequest:
     def __init__(self):
         self.signal: int | None = None
-        self.interrupted_at: float | None = None  # time of the first SIGINT
         self.announce = True  # this process prints the second Ctrl-C's line (the main process, once known)
         self._previous = {}
 
@@ -45,11 +38,11 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
-            now = time.monotonic()
-            if self.interrupted_at is not None and now - self.interrupted_at > SAME_CTRL_C_S:
-                stop_at_once(self.announce)
-            self.interrupted_at = self.interrupted_at or now
+        # After a Ctrl-C, any further stop signal is a second Ctrl-C: torchrun starts the ranks in sessions of
+        # their own, so they never get the terminal's SIGINT; its agent passes the first SIGINT it gets on
+        # and answers a second one with SIGTERM (torch/distributed/elastic/agent/server/api.py, run()).
+        if self.signal == signal.SIGINT:
+            stop_at_once(self.announce)
         if self.signal is None:  # named after the first signal
             self.signal = signum
 
@@ -97,6 +90,7 @@ class AgreedChecks:
     def agree(self, accelerator, step: int, watch=None) -> bool:
         """Every rank calls it at the same step: True on every rank if any rank got a stop signal; raises
         Diverged on every rank if any rank's watch saw a non-finite loss."""
+        import torch  # (this module is imported by the command line before torch is needed)
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
         mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost]], dtype=torch.float64,

@@ -339,6 +339,15 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     return row
 
 
+def compile_summary() -> str:
+    """What torch.compile compiled in this process (dynamo's counters). Training drops incomplete batches and
+    evaluation pads its last one, so there are two: training (train mode, gradients) and evaluation."""
+    from torch._dynamo.utils import counters
+    compiles, graphs = counters["frames"]["ok"], counters["stats"]["unique_graphs"]
+    return (f"torch.compile compiled {graphs} graph(s) in {compiles} compile(s) (train, eval)"
+            + ("" if compiles <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
+
+
 def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
     return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
             "metrics": metrics, "accel_train_version": __version__}
@@ -347,6 +356,8 @@ def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
 def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info: DataInfo) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
+    if cfg.compile:
+        logger.info(f"rank {accelerator.process_index}: {compile_summary()}", main_process_only=not cfg.log_all_ranks)
     out = Path(cfg.output_dir)
     last = metrics.rows[-1] if metrics.rows else {}
     summary = {"final_test_acc": last.get("test_acc"), "best_test_acc": max((r["test_acc"] for r in metrics.rows),

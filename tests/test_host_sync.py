@@ -85,3 +85,11 @@ def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):
         # checks every few seconds of work: far fewer than steps (a slow machine checks more often)
         assert 1 <= len(checks) <= steps // 3, sorted(checks)
     assert ranks[0]["checks"] == ranks[1]["checks"]  # every rank checks at the same steps
+
+
+def test_agreed_check_interval_is_about_2s_of_work_at_most_5s_and_costs_at_most_1_percent():
+    from accel_train.preempt import AgreedChecks
+    assert AgreedChecks.interval(0.01, 0.0) == 200  # 2 s of 10 ms steps
+    assert AgreedChecks.interval(0.001, 0.04) == 4000  # a 40 ms check: 100x its cost apart (4 s)
+    assert AgreedChecks.interval(0.001, 1.0) == 5000  # never more than 5 s of work between checks
+    assert AgreedChecks.interval(3.0, 0.0) == 1 and AgreedChecks.interval(30.0, 0.0) == 1  # long steps: each one

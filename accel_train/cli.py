@@ -19,9 +19,9 @@ import typing
 from pathlib import Path
 
 from . import __version__
-from .preempt import EXIT_INTERRUPTED
 from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
                      Diverged, Parser, Preempted, TrainConfig, fields, load_yaml)
+from .preempt import EXIT_INTERRUPTED
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")

@@ -223,7 +223,6 @@ def train(cfg: TrainConfig) -> dict:
     stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step and checkpoints it
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
-    stop.announce = accelerator.is_main_process
     if stop.should_stop(accelerator):  # during start-up: nothing new to save
         raise Preempted(f"stopped by {stop.name} during start-up, before step {state.step + 1}")
     metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)

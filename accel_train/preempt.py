@@ -48,6 +48,7 @@ class StopRequest:
 
     def should_stop(self, accelerator) -> bool:
         """A one-off agreed check (start-up): every rank calls it; True on every rank if any rank got a signal."""
+        self.announce = accelerator.is_main_process
         if self.signal is not None:
             accelerator.set_trigger()
         return accelerator.check_trigger()

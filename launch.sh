@@ -262,9 +262,10 @@ forward() {
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
+trap 'forward TERM' HUP  # the terminal closed: the job (in its own session) would not hear of it
 run_child() {  # run "$@" in the background, wait for it through any signal, return its status
   local status=0
-  ( trap '' USR1; exec setsid -w "$@" ) &
+  ( trap '' USR1; if command -v setsid >/dev/null; then exec setsid -w "$@"; else exec "$@"; fi ) &
   child=$!
   wait "$child" || status=$?
   while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done

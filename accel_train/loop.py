@@ -342,9 +342,9 @@ def compile_summary() -> str:
     """What torch.compile compiled in this process (dynamo's counters). Training drops incomplete batches and
     evaluation pads its last one, so there are two: training (train mode, gradients) and evaluation."""
     from torch._dynamo.utils import counters
-    compiles, graphs = counters["frames"]["ok"], counters["stats"]["unique_graphs"]
-    return (f"torch.compile compiled {graphs} graph(s) in {compiles} compile(s) (train, eval)"
-            + ("" if compiles <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]  # (DDP's graph breaks add frames)
+    return (f"torch.compile compiled {graphs} graph(s) (train, eval) from {frames} traced frame(s)"
+            + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
 
 
 def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:

@@ -86,9 +86,9 @@ def check_syncs(a) -> dict:
 def check_compile(a) -> dict:
     code = train(SMALL + ["--test_samples", "1001", "--epochs", "2", "--compile", "--output_dir", a.output_dir])
     from torch._dynamo.utils import counters
-    compiles, graphs = counters["frames"]["ok"], counters["stats"]["unique_graphs"]
-    return {"check": "compile", "ok": code == 0 and compiles == 2, "exit": code, "compiles": compiles,
-            "graphs": graphs, "expected": "2 (train, eval)"}
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+    return {"check": "compile", "ok": code == 0 and graphs == 2, "exit": code, "graphs": graphs,
+            "traced_frames": frames, "expected": "2 graphs (train, eval)"}
 
 
 def check_resume(a) -> dict:

@@ -318,14 +318,21 @@ stopped_before_start() {
 # Preemption: SIGTERM / SIGUSR1 to this script go to what it runs as SIGTERM (the trainer checkpoints and
 # exits 4). The job is started with SIGUSR1 ignored: torchrun's agent has no handler for it and would die
 # (the trainer installs its own). Children run in the background so a signal is handled at once.
+# Ctrl-C: the job runs in a session of its own (torchrun puts each rank in one too), so the terminal's SIGINT
+# reaches this script only, which passes each one on as SIGINT: torchrun's agent sends the first to the
+# ranks (they checkpoint and exit 4) and a second as SIGTERM (they stop at once, exit 130).
 child="" signalled=""
-forward() { signalled="$1"; if [[ -n "$child" ]]; then kill -TERM "$child" 2>/dev/null || true; fi; }
+forward() {
+  signalled="${signalled:-$1}"
+  if [[ -n "$child" ]]; then kill "-$([[ "$1" == INT ]] && echo INT || echo TERM)" "$child" 2>/dev/null || true; fi
+}
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
 trap 'forward INT' INT
+trap 'forward TERM' HUP  # the terminal closed: the job (in its own session) would not hear of it
 run_child() {  # run "$@" in the background, wait for it through any signal, return its status
   local status=0
-  ( trap '' USR1; exec "$@" ) &
+  ( trap '' USR1; if command -v setsid >/dev/null; then exec setsid -w "$@"; else exec "$@"; fi ) &
   child=$!
   wait "$child" || status=$?
   while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done

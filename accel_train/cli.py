@@ -22,6 +22,7 @@ from pathlib import Path
 from . import __version__
 from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
                      Diverged, Parser, Preempted, TrainConfig, fields, load_yaml)
+from .preempt import EXIT_INTERRUPTED
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -197,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)
+        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest complete checkpoint "
+              "with --resume auto", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()
         code = EXIT_ERROR

@@ -508,6 +508,13 @@ class IndexDataset(Dataset):
         return torch.as_tensor(indices, dtype=torch.long)
 
 
+def _ignore_ctrl_c(worker_id: int) -> None:
+    """DataLoader workers leave Ctrl-C to the trainer (a terminal signals them too; one that ended would fail
+    the next batch before the trainer's checkpoint)."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _identity(batch):
     return batch
 
@@ -597,7 +604,8 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         test_ds = TransformDataset(test, cpu_transforms(info), info.image_size)
         collate, workers = None, cfg.num_workers
 
-    common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate)
+    common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
+                  worker_init_fn=_ignore_ctrl_c if workers else None)
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common) \
         if train is not None else None

@@ -39,7 +39,7 @@ from .evaluate import evaluate
 from .hardware import DeviceFacts, channels_last_default, choose_precision, compile_problem, device_facts
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, Pace, check_trackers, plot_curves
 from .model import create_model, init_normalisation, load_init_weights
-from .preempt import StopRequest
+from .preempt import AgreedChecks, StopRequest
 from .resume import (Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once,
                      same_everywhere)
 
@@ -289,7 +289,7 @@ def setup(cfg: TrainConfig) -> Run:
 
 
 def train(cfg: TrainConfig) -> dict:
-    stop = StopRequest().install()  # SIGTERM / SIGUSR1: every rank stops at one step and checkpoints it
+    stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step and checkpoints it
     run = setup(cfg)
     accelerator, model, optimizer, state, ema = run.accelerator, run.model, run.optimizer, run.state, run.ema
     if stop.should_stop(accelerator):  # during start-up: nothing new to save
@@ -299,9 +299,11 @@ def train(cfg: TrainConfig) -> dict:
     save = partial(save_checkpoint, accelerator, cfg.output_dir, run=run.math, writer=run.decision.writer,
                    shared=run.decision.shared, model=model, ema=ema, keep=cfg.keep_checkpoints,
                    facts=model_config(cfg, {}, run.data.info))
-    # Non-finite losses are noted on the device every micro-batch and read back only where ranks
-    # meet anyway (every --log_every steps, the epoch end, a checkpoint): no host sync per step.
+    # A plain step makes no host sync and no collective (beyond DDP's gradient all-reduce). Stop requests and
+    # non-finite losses (noted on the device every micro-batch) are agreed on at the steps `checks` picks (every
+    # few seconds of work), and the watch is also read where ranks meet anyway (logging, epoch end, checkpoints).
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir)
+    checks = AgreedChecks(stop, state.step)
 
     def checkpoint(state):  # never a checkpoint of non-finite weights: the last finite one stays newest
         watch.check(accelerator, state.step, model)
@@ -346,7 +348,7 @@ def train(cfg: TrainConfig) -> dict:
                 pace.step_done(state.step)
                 if last:
                     break  # --max_steps, or the end of the last whole accumulation window
-                if stop.should_stop(accelerator):
+                if checks.due(state.step) and checks.agree(accelerator, state.step, watch):
                     raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
                                     f"{checkpoint(state)}; continue with --resume auto")
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
@@ -445,6 +447,15 @@ def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
     return [{"step": k, "lr": scheduler._get_lr(k - 1)[0]} for k in range(1, total_steps + 1, stride)]
 
 
+def compile_summary() -> str:
+    """What torch.compile compiled in this process (dynamo's counters). Training drops incomplete batches and
+    evaluation pads its last one, so there are two: training (train mode, gradients) and evaluation."""
+    from torch._dynamo.utils import counters
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]  # (DDP's graph breaks add frames)
+    return (f"torch.compile compiled {graphs} graph(s) (train, eval) from {frames} traced frame(s)"
+            + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
+
+
 def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
     return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
             "metrics": metrics, "accel_train_version": __version__}
@@ -453,6 +464,8 @@ def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
 def finish(accelerator, cfg, model, ema, metrics, seconds, steps_per_epoch, info: DataInfo, run: Run = None) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config."""
     accelerator.wait_for_everyone()
+    if cfg.compile:
+        logger.info(f"rank {accelerator.process_index}: {compile_summary()}", main_process_only=not cfg.log_all_ranks)
     out = Path(cfg.output_dir)
     last = metrics.rows[-1] if metrics.rows else {}
     summary = {"final_test_acc": last.get("test_acc"), "best_test_acc": max((r["test_acc"] for r in metrics.rows),

@@ -119,11 +119,16 @@ class NonFiniteWatch:
         if model is not None:
             weights_ok = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all().long()
         found = accelerator.gather(torch.stack([self.first, weights_ok]).reshape(1, 2)).reshape(-1, 2).tolist()
-        firsts = [f for f, _ in found if f > 0]
+        self.verdict([f for f, _ in found], all(ok for _, ok in found), step)
+
+    def verdict(self, firsts: list[int], weights_ok: bool, step: int) -> None:
+        """From every rank's first non-finite step (0: none) and the weights' state, gathered (the same on
+        every rank): raise Diverged, or forget the lrs up to `step`."""
+        firsts = [f for f in firsts if f > 0]
         if firsts:
             at = min(firsts)
             what = f"the training loss became non-finite at step {at} (lr {self.lrs.get(at, float('nan')):.4g})"
-        elif not all(ok for _, ok in found):
+        elif not weights_ok:
             what = f"the weights became non-finite after step {step} (lr {self.lrs.get(step, float('nan')):.4g})"
         else:
             self.lrs = {s: lr for s, lr in self.lrs.items() if s > step}

@@ -1,26 +1,57 @@
 #!/usr/bin/env bash
 # GPU check, for a lent GPU machine (its own preinstalled torch, accelerate, timm, safetensors; no
-# network; install nothing). From the repo root:  bash bench/gpu_check.sh   (under 5 minutes)
-#   1. the bench on CUDA: resnet18, cifar stem, bf16, channels_last, without and with torch.compile
-#   2. a 2-epoch random-data training run through accelerate launch (1node_gpu.yaml, 1 process)
+# network; install nothing). From the repo root:  bash bench/gpu_check.sh [--dry-run]   (under 5 minutes)
+#   bench_eager, bench_compile  the bench on CUDA: resnet18, cifar stem, bf16, channels_last, ratio ours/bare
+#   train     a 2-epoch random-data run through accelerate launch (1node_gpu.yaml, 1 process)
+#   syncs     host syncs per optimizer step (torch.cuda.set_sync_debug_mode): none outside the agreed checks
+#   compile   graphs torch.compile compiled over 2 epochs with a partial last evaluation batch: 2 (train, eval)
+#   resume    a run stopped at --max_steps and resumed equals the uninterrupted one (deterministic kernels)
+# Text goes to stdout, figures to $OUT/gpu_check/<check>.json and a summary to $OUT/gpu_check/summary.json.
+# A new check: write a function check_<name> and add <name> and its time limit to CHECKS.
 # Paste what it prints, the date and the hardware into bench/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 out="${OUT:-/tmp}/gpu_check"
-mkdir -p "$out"
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python -c 'import torch, accelerate, timm, safetensors; print("torch", torch.__version__, "accelerate", accelerate.__version__, "timm", timm.__version__, "safetensors", safetensors.__version__)'
+dry=0
+if [[ "${1:-}" == --dry-run ]]; then dry=1; fi
+CHECKS=("bench_eager 90" "bench_compile 150" "train 90" "syncs 45" "compile 120" "resume 90")  # name, time limit (s)
+
+limit=60
+run() {  # run a command within the check's time limit (or, with --dry-run, print it)
+  if ((dry)); then printf '%q ' "$@"; echo; else timeout "$limit" "$@"; fi
+}
 
 bench=(python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last --rounds 5 --steps 25
        --output_dir "$out/bench")
-echo "== bench: eager"
-timeout 150 "${bench[@]}" || echo "bench (eager) failed: exit $?"
-echo "== bench: torch.compile"
-timeout 240 "${bench[@]}" --compile || echo "bench (compile) failed: exit $?"
-echo "== training: 2 epochs of random data (50,000 images), accelerate launch, 1node_gpu.yaml"
-timeout 180 python -m accelerate.commands.launch --config_file accelerate_configs/1node_gpu.yaml --num_processes 1 \
-  -m accel_train --data random --epochs 2 --batch_size 512 --channels_last --output_dir "$out/train" 2>&1 \
-  | grep -v 'it/s]$' || echo "training failed"
-cat "$out/train/metrics.jsonl" 2>/dev/null
+check_bench_eager() { run "${bench[@]}" | tee "$out/bench_eager.txt"; }
+check_bench_compile() { run "${bench[@]}" --compile | tee "$out/bench_compile.txt"; }
+check_train() {
+  run python -m accelerate.commands.launch --config_file accelerate_configs/1node_gpu.yaml --num_processes 1 \
+    -m accel_train --data random --epochs 2 --batch_size 512 --channels_last --output_dir "$out/train" 2>&1 \
+    | grep -v 'it/s]$'
+  ((dry)) || cat "$out/train/metrics.jsonl"
+}
+cuda_check() { run python bench/cuda_checks.py "$1" --json "$out/$1.json" --output_dir "$out/$1"; }
+check_syncs() { cuda_check syncs; }
+check_compile() { cuda_check compile; }
+check_resume() { cuda_check resume; }
+
+mkdir -p "$out"
+if ((!dry)); then
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c 'import torch, accelerate, timm, safetensors; print("torch", torch.__version__, "accelerate", accelerate.__version__, "timm", timm.__version__, "safetensors", safetensors.__version__)'
+fi
+summary="{"
+for entry in "${CHECKS[@]}"; do
+  read -r name limit <<< "$entry"
+  echo "== $name (at most ${limit}s)"
+  start=$SECONDS
+  status=0
+  "check_$name" || status=$?
+  echo "-- $name: exit status $status, $((SECONDS - start))s"
+  summary+="\"$name\": {\"exit\": $status, \"seconds\": $((SECONDS - start))},"
+done
+echo "${summary%,}}" > "$out/summary.json"
+cat "$out/summary.json"

@@ -1,0 +1,88 @@
+"""Ctrl-C on a 2-rank `accelerate launch` job, as a terminal sends it: SIGINT to the launcher's process group.
+
+torchrun starts each rank in a session of its own, so only its agent gets the terminal's SIGINT; it passes
+the first one on to the ranks and answers a second one with SIGTERM. The first Ctrl-C stops every rank at
+one step with a checkpoint (exit status 4, as a preemption); a second one stops them at once (130). The
+trainer prints no traceback either way (torchrun's agent prints its own SignalException)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CONFIGS, ROOT, clean_env, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def start(tmp_path, args):
+    status = tmp_path / "status"
+    status.mkdir()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2proc_cpu.yaml"),
+           "-m", "accel_train", *map(str, args), "--log_every", "1", "--output_dir", str(tmp_path / "out")]
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env=clean_env(ACCEL_TRAIN_STATUS_DIR=str(status)))
+    return proc, status
+
+
+def steps_logged(out):
+    path = out / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def ctrl_c(proc, out, after_steps, times=1, gap=1.0):
+    try:
+        wait_for(lambda: steps_logged(out) >= after_steps, timeout=240)
+        for i in range(times):
+            time.sleep(gap if i else 0)
+            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def trainer_statuses(status):
+    return sorted(int(p.read_text()) for p in status.iterdir())
+
+
+def assert_no_trainer_traceback(text):
+    assert "KeyboardInterrupt" not in text and "accel_train/" not in text, text[-3000:]
+    # torchrun's agent prints its own SignalException traceback(s); nothing else
+    assert text.count("Traceback (most recent call last)") <= 2, text[-3000:]
+
+
+def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    proc, status = start(tmp_path, ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", "4000",
+                                    "--test_samples", "8", "--batch_size", "4", "--epochs", "1"])
+    ctrl_c(proc, out, after_steps=5)
+    text = (tmp_path / "run.log").read_text()
+    assert trainer_statuses(status) == [4, 4], text[-3000:]  # preempted, on both ranks
+    stops = re.findall(r"accel-train: preempted: stopped by SIGINT at step (\d+) \(epoch 1\); checkpoint (\S+); "
+                       r"continue with --resume auto", text)
+    assert len(stops) == 2 and len(set(stops)) == 1, text[-3000:]  # both ranks, the same step
+    step, ckpt = int(stops[0][0]), stops[0][1]
+    state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+    assert state["step"] == step and ckpt.endswith(f"step_{step:08d}")
+    assert_no_trainer_traceback(text)
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    # steps of seconds each: the second Ctrl-C comes before the ranks' next agreed check
+    proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "64",
+                                    "--epochs", "1"])
+    ctrl_c(proc, out, after_steps=1, times=2, gap=1.0)
+    text = (tmp_path / "run.log").read_text()
+    assert trainer_statuses(status) == [130, 130], text[-3000:]
+    assert text.count("accel-train: interrupted: a second Ctrl-C stopped the run at once") == 1, text[-3000:]
+    assert "preempted" not in text and not (out / "checkpoints").exists()
+    assert_no_trainer_traceback(text)

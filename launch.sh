@@ -153,6 +153,7 @@ if [[ -z "${NPROC_PER_NODE:-}${PET_NPROC_PER_NODE:-}" && -n "$nproc" ]] && is_ui
     echo "launch.sh: warning: the platform says $nproc devices, but no GPU or NPU is visible here; running $nproc CPU processes" >&2
   fi
 fi
+platform_nproc="$nproc"  # a process count the platform or NPROC_PER_NODE gave (empty: none)
 nproc="${nproc:-$found}"
 
 for pair in "nnodes=$nnodes" "node_rank=$node_rank" "nproc_per_node=$nproc" "max_restarts=$max_restarts" "rdzv_wait=$rdzv_wait"; do
@@ -171,6 +172,7 @@ if ((nnodes > 1)); then
   master_port="${master_port:-29500}"
 fi
 
+named_config="$accel_config"
 if [[ -z "$accel_config" ]]; then
   case "$device:$((nnodes > 1)):$((nproc > 1))" in
     cpu:0:0) accel_config=cpu ;;
@@ -187,6 +189,16 @@ config_file="$accel_config"
 [[ -f "$config_file" ]] || die "accelerate config '$accel_config' not found (looked for it as a path and in $CONFIG_DIR); name one of: $(cd "$CONFIG_DIR" && printf '%s ' *.yaml)"
 if grep -qE '^use_cpu: *true' "$config_file"; then device=cpu; fi
 if grep -qE '^distributed_type: *MULTI_NPU' "$config_file"; then device=npu; fi
+# A config named on one machine that states its own process count (num_machines: 1) gets that count, unless
+# the platform or NPROC_PER_NODE gave one; on GPUs/NPUs at most one process per visible device.
+if [[ -n "$named_config" && -z "$platform_nproc" ]] && ((nnodes == 1)); then
+  cfg_machines="$(sed -nE 's/^num_machines: *([0-9]+).*/\1/p' "$config_file" | head -n 1)"
+  cfg_nproc="$(sed -nE 's/^num_processes: *([0-9]+).*/\1/p' "$config_file" | head -n 1)"
+  if [[ "${cfg_machines:-1}" == 1 && -n "$cfg_nproc" ]] && ((cfg_nproc >= 1)); then
+    nproc="$cfg_nproc"
+    if [[ "$device" != cpu ]] && ((nproc > found)); then nproc="$found"; fi
+  fi
+fi
 
 # ---- environment these platforms need ---------------------------------------------------------
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")

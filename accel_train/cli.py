@@ -136,11 +136,34 @@ def is_lost_peer(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(LOST_PEER_ORIGINS.search(str(error)))
 
 
+def missing_dirs(path) -> list[Path]:
+    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
+    out, missing = Path(path).absolute(), []
+    while not out.exists() and out != out.parent:
+        missing.append(out)
+        out = out.parent
+    return missing
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
+    long as they are empty (rmdir never removes content, whoever wrote it)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
+    created = missing_dirs(cfg.output_dir)
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)
+    except ConfigError:
+        remove_if_empty(created)
+        raise
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         from accelerate import PartialState
         state = PartialState()

@@ -80,7 +80,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
     tmp = root / f".tmp-{final.name}"
     # A write that fails (a full disk, a quota) fails on some ranks only: each part is attempted, then every rank
     # learns whether any rank failed (agree: one gather, also the barrier that was here) and all stop alike.
-    attempt = _Attempt()
+    attempt = _Attempt(Path(output_dir))
     if writer:
         with attempt:
             for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
@@ -136,8 +136,8 @@ class _Attempt:
     """`with attempt:` keeps the first write failure of this rank (OSError, safetensors' error, torch.save's
     RuntimeError) instead of raising it, so that the rank still reaches the next collective."""
 
-    def __init__(self):
-        self.error: str | None = None
+    def __init__(self, where: Path):
+        self.where, self.error = where, None
 
     def __enter__(self):
         return self
@@ -150,8 +150,14 @@ class _Attempt:
         text = " ".join(str(error).split())
         if isinstance(error, OSError) and error.strerror:
             text = error.strerror
-        elif "No space left on device" in text or "StorageFull" in text:
+        if "No space left on device" in text or "StorageFull" in text:
             text = "No space left on device"
+        else:  # torch.save says only "unexpected pos ..." or "file write failed" when the disk is full
+            try:
+                full = shutil.disk_usage(self.where).free < 2**20
+            except OSError:
+                full = False
+            text = f"No space left on device: {text[:120]}" if full else text
         self.error = text[:160] or type(error).__name__
         return True
 

@@ -59,7 +59,7 @@ def test_platform_arguments_still_accepted_and_others_only_when_named():
 
 
 def test_unknown_flag_exits_2_with_one_line(capsys):
-    assert cli.main(["--batchsize", "8"]) == 2
+    assert cli.main(["--batchsize", "8", "--epochs", "0"]) == 2  # (--epochs 0: no training on older code)
     err = capsys.readouterr().err
     assert one_error_line(err).startswith("accel-train: error: unknown argument --batchsize (did you mean "
                                           "--batch_size?)") and "Traceback" not in err
@@ -81,12 +81,13 @@ def test_start_up_error_before_the_group_is_said_by_the_first_local_process(monk
     monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0)
     for local_rank, lines in (("1", 0), ("0", 1)):  # torchrun's environment, read by accelerate
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-        assert cli.main(["--epocs", "1"]) == 2
+        assert cli.main(["--epocs", "1", "--epochs", "0"]) == 2
         assert capsys.readouterr().err.count("accel-train: error: unknown argument --epocs") == lines
 
 
 def test_two_ranks_say_a_bad_flag_once(tmp_path):
-    proc = launch("2proc_cpu.yaml", ["--epocs", "1", "--output_dir", tmp_path / "out"], check=False, timeout=180)
+    proc = launch("2proc_cpu.yaml", ["--epocs", "1", "--epochs", "0", "--output_dir", tmp_path / "out"], check=False,
+                  timeout=180)
     assert proc.returncode == 1  # accelerate launch (torchrun) returns 1 for any failed rank; launch.sh gives 2
     line = one_error_line(proc.stderr)
     assert "unknown argument --epocs (did you mean --epochs?)" in line

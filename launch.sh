@@ -24,7 +24,9 @@
 #                         several machines; --no-preflight skips it)
 #   --rdzv_wait S         how long the preflight of a non-zero rank waits for rank 0 to come up
 #                         (or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
-#   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware
+#   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named config for
+#                         one machine also gives the processes (its num_processes, at most one per visible
+#                         GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
 #   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
 #                         (or ACCEL_MAX_RESTARTS=N); only a lost peer or a killed rank is relaunched:
 #                         bad input (2), an error (1) or divergence (5) never are

@@ -143,7 +143,8 @@ class _Attempt:
         return self
 
     def __exit__(self, kind, error, tb):
-        if error is None or not (isinstance(error, (OSError, RuntimeError)) or type(error).__name__ == "SafetensorError"):
+        written = isinstance(error, (OSError, RuntimeError)) or type(error).__name__ == "SafetensorError"
+        if error is None or not written:
             return False
         if self.error is not None:
             return True

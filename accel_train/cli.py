@@ -204,6 +204,8 @@ def process_group():
     return group if group.num_processes > 1 else None
 
 
+# The variables accelerate's get_cpu_distributed_information reads the local rank from (torchrun, MPI).
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
 # How long a rank that leaves a shared start-up error to its machine's first process waits before exiting:
 # torchrun stops the other ranks as soon as one exits, and the first must have printed by then.
 QUIET_EXIT_DELAY_S = 2.0
@@ -219,8 +221,8 @@ def says_shared_errors() -> bool:
     from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState
     uses for CPU ranks), without the rendezvous a PartialState would start; the others wait a moment so that
     torchrun, which stops the remaining ranks when one exits, does not stop the first before it has printed."""
-    if process_group() is not None:
-        return True
+    if process_group() is not None or not any(v in os.environ for v in LOCAL_RANK_VARS):
+        return True  # (no launcher started several processes here: skip accelerate's import)
     from accelerate.utils import get_cpu_distributed_information
     if get_cpu_distributed_information().local_rank == 0:
         return True

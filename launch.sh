@@ -28,7 +28,9 @@
 #                         several machines; --no-preflight skips it)
 #   --rdzv_wait S         how long the preflight of a non-zero rank waits for rank 0 to come up
 #                         (or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
-#   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware
+#   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named config for
+#                         one machine also gives the processes (its num_processes, at most one per visible
+#                         GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
 #   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
 #                         (or ACCEL_MAX_RESTARTS=N); only a lost peer or a killed rank is relaunched:
 #                         bad input (2), an error (1) or divergence (5) never are
@@ -178,6 +180,7 @@ if [[ -z "${NPROC_PER_NODE:-}${PET_NPROC_PER_NODE:-}" && -n "$nproc" ]] && is_ui
     echo "launch.sh: warning: the platform says $nproc devices, but no GPU or NPU is visible here; running $nproc CPU processes" >&2
   fi
 fi
+platform_nproc="$nproc"  # a process count the platform or NPROC_PER_NODE gave (empty: none)
 nproc="${nproc:-$found}"
 
 for pair in "nnodes=$nnodes" "node_rank=$node_rank" "nproc_per_node=$nproc" "max_restarts=$max_restarts" "rdzv_wait=$rdzv_wait"; do
@@ -213,6 +216,16 @@ config_file="$accel_config"
 [[ -f "$config_file" ]] || die "accelerate config '$accel_config' not found (looked for it as a path and in $CONFIG_DIR); name one of: $(cd "$CONFIG_DIR" && printf '%s ' *.yaml)"
 if grep -qE '^use_cpu: *true' "$config_file"; then device=cpu; fi
 if grep -qE '^distributed_type: *MULTI_NPU' "$config_file"; then device=npu; fi
+# A config named on one machine that states its own process count (num_machines: 1) gets that count, unless
+# the platform or NPROC_PER_NODE gave one; on GPUs/NPUs at most one process per visible device.
+if [[ -n "$named_config" && -z "$platform_nproc" ]] && ((nnodes == 1)); then
+  cfg_machines="$(sed -nE 's/^num_machines: *([0-9]+).*/\1/p' "$config_file" | head -n 1)"
+  cfg_nproc="$(sed -nE 's/^num_processes: *([0-9]+).*/\1/p' "$config_file" | head -n 1)"
+  if [[ "${cfg_machines:-1}" == 1 && -n "$cfg_nproc" ]] && ((cfg_nproc >= 1)); then
+    nproc="$cfg_nproc"
+    if [[ "$device" != cpu ]] && ((nproc > found)); then nproc="$found"; fi
+  fi
+fi
 
 # ---- environment these platforms need ---------------------------------------------------------
 # A dead peer must be found by the trainer's own collective timeout (--timeout_s) on every backend. torch_npu

@@ -19,6 +19,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -100,39 +101,50 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
     root = Path(output_dir) / CKPT_DIR
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
+    # A write that fails (a full disk, a quota) fails on some ranks only: each part is attempted, then every rank
+    # learns whether any rank failed (agree: one gather, also the barrier that was here) and all stop alike.
+    attempt = _Attempt(Path(output_dir))
     if writer:
-        for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        with attempt:
+            for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
     if not shared and model is not None:
         # Under DDP the ranks' weights are equal but their BatchNorm statistics are each rank's own until DDP
         # broadcasts rank 0's at the next forward: do that now, so every machine's copy is rank 0's state.
         for tensor in [*model.buffers(), *(ema.module.state_dict().values() if ema is not None else ())]:
             broadcast(tensor, from_process=0)
-    accelerator.wait_for_everyone()
+    agree = partial(_agree, accelerator, attempt, tmp if writer else None, final, output_dir, state.run_id)
+    agree()
     accelerator.project_configuration.save_on_each_node = not shared
-    accelerator.save_state(str(tmp))
+    with attempt:
+        accelerator.save_state(str(tmp))
+    agree()
     if not shared:  # every writer keeps every rank's RNG state
         own = tmp / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
-        states = gather_object([(own.name, own.read_bytes())])
+        with attempt:
+            own_state = (own.name, own.read_bytes())
+        states = gather_object([own_state if attempt.error is None else None])
         if writer:
-            for name, data in states:
-                (tmp / name).write_bytes(data)
+            with attempt:
+                for name, data in filter(None, states):
+                    (tmp / name).write_bytes(data)
     if writer:
-        for name in tmp.glob("*.safetensors"):  # accelerate's save_state writes them 0600 (safetensors' save_file)
-            os.chmod(name, _file_mode())
-        if ema is not None:
-            save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
-        if facts is not None:  # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
-            (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
-        for name, rows in (history or {}).items():
-            (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
-        meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
-        with open(tmp / STATE_FILE, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-    accelerator.wait_for_everyone()  # every rank's files are in tmp
+        with attempt:
+            for name in tmp.glob("*.safetensors"):  # accelerate's save_state writes them 0600 (safetensors' save_file)
+                os.chmod(name, _file_mode())
+            if ema is not None:
+                save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
+            if facts is not None:  # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
+                (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
+            for name, rows in (history or {}).items():
+                (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
+            meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
+            with open(tmp / STATE_FILE, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+    agree()  # every rank's files are in tmp
     if writer:
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
             shutil.rmtree(final)
@@ -141,6 +153,60 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+class CheckpointWriteError(ConfigError):
+    """A checkpoint could not be written (full disk, quota, permissions): one line on every rank, exit 2."""
+
+
+class _Attempt:
+    """`with attempt:` keeps the first write failure of this rank (OSError, safetensors' error, torch.save's
+    RuntimeError) instead of raising it, so that the rank still reaches the next collective."""
+
+    def __init__(self, where: Path):
+        self.where, self.error = where, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        written = isinstance(error, (OSError, RuntimeError)) or type(error).__name__ == "SafetensorError"
+        if error is None or not written:
+            return False
+        if self.error is not None:
+            return True
+        text = " ".join(str(error).split())
+        if isinstance(error, OSError) and error.strerror:
+            text = error.strerror
+        if "No space left on device" in text or "StorageFull" in text:
+            text = "No space left on device"
+        else:  # torch.save says only "unexpected pos ..." or "file write failed" when the disk is full
+            try:
+                full = shutil.disk_usage(self.where).free < 2**20
+            except OSError:
+                full = False
+            text = f"No space left on device: {text[:120]}" if full else text
+        self.error = text[:160] or type(error).__name__
+        return True
+
+
+def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output_dir, run_id: str) -> None:
+    """Every rank: gather each rank's write failure; if any, the writers remove the partial checkpoint and every
+    rank raises the same one-line error (printed by the main process)."""
+    failed = [(rank, error) for rank, error in enumerate(gather_object([attempt.error])) if error]
+    if not failed:
+        return
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()  # the partial checkpoint is gone before anyone reports
+    rank, error = failed[0]
+    newest = checkpoint_dirs(output_dir, run_id)
+    where = f"the newest complete checkpoint is {newest[-1]}" if newest else "there is no complete checkpoint yet"
+    e = CheckpointWriteError(f"cannot write checkpoint {final.name} in {final.parent} (rank {rank}: {error}); the "
+                             f"partial checkpoint was removed and {where}; free space (or pass another --output_dir) "
+                             "and continue with --resume auto")
+    e.quiet = not accelerator.is_main_process
+    raise e
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainState:

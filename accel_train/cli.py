@@ -1,19 +1,22 @@
 """Command line: `accel-train [train] [flags]`, `accel-train evaluate|predict|preflight|smoke ...`.
 
 The train parser is generated from TrainConfig's fields. Flags take `--k v` and `--k=v`; booleans
-also `--flag` alone and `--flag true|false`. Arguments a platform adds that we do not know are
-ignored with one warning. Bad input is one line on stderr and exit status 2.
+also `--flag` alone and `--flag true|false`. An unknown flag is bad input (with the nearest known flag),
+except those named in ACCEL_TRAIN_IGNORE_ARGS (a platform's own arguments). Bad input is one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import logging
 import os
 import re
 import socket
 import sys
+import time
 import traceback
 import types
 import typing
@@ -49,7 +52,9 @@ def train_parser() -> Parser:
                            "Accelerate. "
                            "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
                            "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
-               epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each has --help).",
+               epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each has --help). "
+                      f"An unknown flag is an error; to let a platform's own extra arguments through, name them "
+                      f"in the environment: {IGNORE_ARGS}=--flag1,--flag2 (or '*' for any).",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--version", action="version", version=f"accel_train {__version__}")
     p.add_argument("--config", metavar="YAML", help="start from a config.yaml written by an earlier run; "
@@ -70,16 +75,53 @@ def train_parser() -> Parser:
     return p
 
 
-def parse_train_args(argv: list[str]) -> TrainConfig:
+# The one way to let a platform's own extra arguments through: name them in this variable.
+IGNORE_ARGS = "ACCEL_TRAIN_IGNORE_ARGS"
+
+
+def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     parser = train_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.config:
         parser.set_defaults(**load_yaml(args.config))
         args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        logging.getLogger("accel_train").warning(f"ignoring unknown arguments: {' '.join(unknown)}")
+    check_unknown(parser, unknown, env.get(IGNORE_ARGS, ""))
     values = {f.name: getattr(args, f.name) for f in fields()}
     return TrainConfig(**values)
+
+
+def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: str) -> None:
+    """Arguments argparse did not know: an error naming each one with its nearest known flag, unless named in
+    ACCEL_TRAIN_IGNORE_ARGS ('--a,--b' or '--a --b'; '*' lets every unknown argument through), then ignored
+    with one warning. A value that follows an unknown flag belongs to it."""
+    allow = {a.strip().split("=", 1)[0] for a in allowed.replace(",", " ").split()}
+    groups: list[list[str]] = []
+    for token in unknown:
+        is_flag = token.startswith("-") and not re.fullmatch(r"-\d[\d.e+-]*", token)
+        if is_flag or not groups or not groups[-1][0].startswith("-"):
+            groups.append([token])
+        else:
+            groups[-1].append(token)
+    let_through, wrong = [], []
+    for group in groups:
+        name = group[0].split("=", 1)[0]
+        (let_through if "*" in allow or name in allow else wrong).append(group)
+    if let_through:
+        logging.getLogger("accel_train").warning(
+            f"ignoring arguments named in {IGNORE_ARGS}: {' '.join(t for g in let_through for t in g)}")
+    if not wrong:
+        return
+    known = sorted(o for o in parser._option_string_actions if o.startswith("--"))
+    parts = []
+    for group in wrong:
+        name = group[0].split("=", 1)[0]
+        if not name.startswith("-"):
+            parts.append(f"{name!r} (not a flag)")
+            continue
+        near = difflib.get_close_matches("--" + name.lstrip("-").replace("-", "_"), known, n=1, cutoff=0.75)
+        parts.append(name + (f" (did you mean {near[0]}?)" if near else ""))
+    raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see {parser.prog} --help (to let "
+                      f"a platform's own arguments through: {IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})")
 
 
 # A lost peer, by exception type and by where the message comes from (the transport layer of the
@@ -114,12 +156,35 @@ def note_aborts() -> None:
 _fault_notes: list = []
 
 
+def missing_dirs(path) -> list[Path]:
+    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
+    out, missing = Path(path).absolute(), []
+    while not out.exists() and out != out.parent:
+        missing.append(out)
+        out = out.parent
+    return missing
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
+    long as they are empty (rmdir never removes content, whoever wrote it)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     note_aborts()
+    created = missing_dirs(cfg.output_dir)
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
         train(cfg)
+    except ConfigError:
+        remove_if_empty(created)
+        raise
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         from accelerate import PartialState
         state = PartialState()
@@ -148,6 +213,42 @@ def lost_peer(error: Exception, cfg) -> None:
           "it) once every node is back", file=sys.stderr, flush=True)
     report_status(EXIT_LOST_PEER)
     os._exit(EXIT_LOST_PEER)
+
+
+def process_group():
+    """accelerate's PartialState when this process is one of several ranks of a process group, else None.
+    Never creates one (that is a rendezvous): only reads the state an Accelerator already set up."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or state.PartialState._shared_state == {}:
+        return None
+    group = state.PartialState()
+    return group if group.num_processes > 1 else None
+
+
+# The variables accelerate's get_cpu_distributed_information reads the local rank from (torchrun, MPI).
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+# How long a rank that leaves a shared start-up error to its machine's first process waits before exiting:
+# torchrun stops the other ranks as soon as one exits, and the first must have printed by then.
+QUIET_EXIT_DELAY_S = 2.0
+
+
+def says_shared_errors() -> bool:
+    """Whether this process prints an error it did not mark quiet.
+
+    Inside a process group (an Accelerator exists) a rank prints what it raised: errors every rank raises
+    alike are marked quiet on all but the main process where they are raised (resume.said_once,
+    on_every_rank). Before the group exists (arguments, --config, --log_with: the same argv and environment on
+    every rank of a machine, so every rank fails alike) only the machine's first process prints. It is known
+    from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState
+    uses for CPU ranks), without the rendezvous a PartialState would start; the others wait a moment so that
+    torchrun, which stops the remaining ranks when one exits, does not stop the first before it has printed."""
+    if process_group() is not None or not any(v in os.environ for v in LOCAL_RANK_VARS):
+        return True  # (no launcher started several processes here: skip accelerate's import)
+    from accelerate.utils import get_cpu_distributed_information
+    if get_cpu_distributed_information().local_rank == 0:
+        return True
+    time.sleep(QUIET_EXIT_DELAY_S)
+    return False
 
 
 def report_status(code: int) -> None:
@@ -192,11 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = COMMANDS[command](argv)
     except ConfigError as e:
-        if not e.quiet:
+        if not e.quiet and says_shared_errors():
             print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
         code = EXIT_BAD_INPUT
-    except Preempted as e:
-        print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
+    except Preempted as e:  # every rank stopped at the same step: the main process says it
+        group = process_group()
+        if group is None or group.is_main_process:
+            print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)
         print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest complete checkpoint "

@@ -326,7 +326,10 @@ def load_yaml(path) -> dict:
     except OSError as e:
         raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path} is not valid YAML ({where}{what})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must hold a mapping of option: value")
     known = {f.name for f in fields()}

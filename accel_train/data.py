@@ -53,6 +53,28 @@ class DataError(ConfigError):
     """The data on disk is missing, unreadable or not in the expected layout."""
 
 
+class UnreadableImage(DataError):
+    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path} is not a readable image ({reason}); replace or remove it")
+        self.path, self.reason = path, reason
+
+
+NAMED_BAD_IMAGES = 10  # an error names this many unreadable files, then counts the rest
+
+
+def unreadable_images(errors: list[UnreadableImage]) -> DataError:
+    """Every unreadable file found in one pass, in one message (the first NAMED_BAD_IMAGES named)."""
+    if len(errors) == 1:
+        return errors[0]
+    errors = sorted(errors, key=lambda e: str(e.path))
+    named = ", ".join(f"{e.path} ({' '.join(e.reason.replace(repr(str(e.path)), '').split())})"  # (no 2nd path)
+                      for e in errors[:NAMED_BAD_IMAGES])
+    more = f" and {len(errors) - NAMED_BAD_IMAGES} more" if len(errors) > NAMED_BAD_IMAGES else ""
+    return DataError(f"{len(errors)} files are not readable images: {named}{more}; replace or remove them")
+
+
 @dataclass(frozen=True)
 class DataInfo:
     """The facts of a data set that the model, the export, evaluate and predict share."""
@@ -255,7 +277,7 @@ def decode_image(path, size: int) -> torch.Tensor:
             array = np.asarray(img, dtype=np.uint8)
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
         first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise DataError(f"{path} is not a readable image ({first}); replace or remove it") from None
+        raise UnreadableImage(path, first) from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
@@ -265,10 +287,15 @@ def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
     out = torch.empty((len(files), 3, size, size), dtype=torch.uint8)
 
     def one(i):
-        out[i] = decode_image(files[i], size)
+        try:
+            out[i] = decode_image(files[i], size)
+        except UnreadableImage as e:
+            return e
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        list(pool.map(one, range(len(files))))
+        errors = [e for e in pool.map(one, range(len(files))) if e is not None]
+    if errors:
+        raise unreadable_images(errors)
     return out, len(files) / max(time.perf_counter() - start, 1e-9)
 
 
@@ -298,10 +325,12 @@ def check_images(files: list[Path]) -> None:
                 img.size
         except Exception as e:  # Pillow raises many kinds for a broken file
             first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-            raise DataError(f"{path} is not a readable image ({first}); replace or remove it") from None
+            return UnreadableImage(path, first)
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        list(pool.map(one, files))
+        errors = [e for e in pool.map(one, files) if e is not None]
+    if errors:
+        raise unreadable_images(errors)
 
 
 def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:

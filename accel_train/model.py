@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 import timm
@@ -29,7 +30,9 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
 def create_model(name: str, stem: str = "cifar", num_classes: int = 10, **kwargs) -> nn.Module:
     """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's."""
     if not timm.is_model(name):
-        raise ConfigError(f"unknown timm model {name!r}; pick one from timm.list_models(), e.g. resnet18")
+        near = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
+        raise ConfigError(f"unknown timm model {name!r}; " + (f"did you mean {', '.join(near)}? " if near else "")
+                          + "timm.list_models() lists them all, e.g. resnet18")
     try:
         model = timm.create_model(name, num_classes=num_classes, **kwargs)
     except (TypeError, ValueError, KeyError, AssertionError) as e:

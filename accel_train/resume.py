@@ -186,6 +186,11 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
 
     if target is None:
         if runs and not cfg.overwrite:
+            meta = _unfinished_alike(cfg, out)
+            if meta is not None:  # most often the user's own interrupted run, started again with the same command
+                raise ConfigError(f"{out}/{CKPT_DIR} holds an unfinished run with these settings (newest checkpoint: "
+                                  f"step {meta['step']}, epoch {meta['epoch'] + 1}); continue it with --resume auto "
+                                  "(or start over: --overwrite true deletes its checkpoints, or another --output_dir)")
             raise ConfigError(f"{out}/{CKPT_DIR} already holds checkpoints of another run; pass --resume auto to "
                               "continue it, another --output_dir, or --overwrite true to delete them")
         if runs and writer:
@@ -221,6 +226,21 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         accelerator.wait_for_everyone()
     meta = json.loads((local / STATE_FILE).read_text())
     return Decision(writer, shared, machines, local, meta, run_id)
+
+
+def _unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
+    """The newest checkpoint's trainer_state.json if its run has not exported its model yet and has the run math
+    of these flags (what a resume would accept), else None."""
+    found = checkpoint_dirs(out)
+    if not found or (out / MODEL_FILE).is_file():
+        return None
+    try:
+        meta = json.loads((found[-1] / STATE_FILE).read_text())
+        old = meta.get("run") or {}
+        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
+        return meta if all(old.get(k, v) == v for k, v in now.items()) and "step" in meta else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:

@@ -1,0 +1,209 @@
+"""What a new user trips over (issue 17, items 1, 3, 5, 9, 10): typos, once-per-job lines, the process count of a
+named config, a full disk, and start-up refusals that leave nothing behind and name everything at once."""
+
+import json
+import os
+import re
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+
+from accel_train import cli
+from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
+from accel_train.config import ConfigError, Preempted, load_yaml
+from accel_train.data import DataError, check_images, decode_all
+from accel_train.model import create_model
+from conftest import clean_env, launch, run_cli
+from test_imagefolder import write_image_folder
+from test_launch import dry_run, hw, parse  # noqa: F401 (hw: a fixture)
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line[line.index("accel-train: error:"):] for line in stderr.splitlines() if "accel-train: error:" in line]
+    assert len(lines) == 1, stderr[-3000:]  # (a progress bar may precede it on its line)
+    return lines[0]
+
+
+# ---- 1. an unknown flag is bad input, with the nearest known flag ------------------------------------
+
+@pytest.mark.parametrize("argv,nearest", [
+    (["--batchsize", "8"], "--batch_size"),
+    (["--epocs", "1"], "--epochs"),
+    (["--batch-size=8"], "--batch_size"),
+    (["--ouput_dir", "x"], "--output_dir"),
+])
+def test_unknown_flag_names_the_nearest_known_one(argv, nearest):
+    with pytest.raises(ConfigError, match=f"unknown argument {argv[0].split('=')[0]} \\(did you mean {nearest}\\?\\)"):
+        parse_train_args(argv, env={})
+
+
+def test_every_unknown_argument_is_named_and_a_stray_word_too():
+    with pytest.raises(ConfigError) as e:
+        parse_train_args(["stray", "--frobnicate", "3", "--epochs", "2"], env={})
+    assert "unknown arguments 'stray' (not a flag), --frobnicate;" in str(e.value) and IGNORE_ARGS in str(e.value)
+
+
+def test_platform_arguments_still_accepted_and_others_only_when_named():
+    cfg = parse_train_args(["--data_url=/in", "--train_url", "/out", "--init_method", "tcp://h:1", "--rank", "0",
+                            "--world_size", "1"], env={})
+    assert (cfg.data_dir, cfg.output_dir, cfg.rank) == ("/in", "/out", 0)
+    env = {IGNORE_ARGS: "--num_gpus, --job_name"}
+    cfg = parse_train_args(["--num_gpus=8", "--job_name", "x", "--epochs", "2"], env=env)
+    assert cfg.epochs == 2
+    with pytest.raises(ConfigError, match="--epocs \\(did you mean --epochs"):  # a typo is still one
+        parse_train_args(["--num_gpus=8", "--epocs", "2"], env=env)
+    assert parse_train_args(["--whatever", "1", "--epochs", "3"], env={IGNORE_ARGS: "*"}).epochs == 3
+    assert IGNORE_ARGS in " ".join(train_parser().format_help().split())
+
+
+def test_unknown_flag_exits_2_with_one_line(capsys):
+    assert cli.main(["--batchsize", "8", "--epochs", "0"]) == 2  # (--epochs 0: no training on older code)
+    err = capsys.readouterr().err
+    assert one_error_line(err).startswith("accel-train: error: unknown argument --batchsize (did you mean "
+                                          "--batch_size?)") and "Traceback" not in err
+
+
+# ---- 3. once per job under accelerate launch ----------------------------------------------------------
+
+def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
+    def preempted(argv):
+        raise Preempted("stopped by SIGTERM at step 3")
+    monkeypatch.setitem(cli.COMMANDS, "train", preempted)
+    for main_process, printed in ((False, ""), (True, "accel-train: preempted: stopped by SIGTERM at step 3\n")):
+        monkeypatch.setattr(cli, "process_group", lambda: types.SimpleNamespace(is_main_process=main_process))
+        assert cli.main([]) == 4
+        assert capsys.readouterr().err == printed
+
+
+def test_start_up_error_before_the_group_is_said_by_the_first_local_process(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0)
+    for local_rank, lines in (("1", 0), ("0", 1)):  # torchrun's environment, read by accelerate
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert cli.main(["--epocs", "1", "--epochs", "0"]) == 2
+        assert capsys.readouterr().err.count("accel-train: error: unknown argument --epocs") == lines
+
+
+def test_two_ranks_say_a_bad_flag_once(tmp_path):
+    proc = launch("2proc_cpu.yaml", ["--epocs", "1", "--epochs", "0", "--output_dir", tmp_path / "out"], check=False,
+                  timeout=180)
+    assert proc.returncode == 1  # accelerate launch (torchrun) returns 1 for any failed rank; launch.sh gives 2
+    line = one_error_line(proc.stderr)
+    assert "unknown argument --epocs (did you mean --epochs?)" in line
+    assert "KeyError" not in proc.stderr and "exitcode  : 2" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- 5. a named config's process count ----------------------------------------------------------------
+
+def test_named_one_machine_config_gets_its_process_count():
+    _, opts, _ = parse(dry_run({}, ["--accel_config", "2proc_cpu"]))
+    assert opts["config"] == "2proc_cpu.yaml" and opts["--num_processes"] == "2"
+    _, opts, _ = parse(dry_run({"ACCEL_CONFIG": "2proc_cpu"}))
+    assert opts["--num_processes"] == "2"
+    _, opts, _ = parse(dry_run({"NPROC_PER_NODE": "3"}, ["--accel_config", "2proc_cpu"]))
+    assert opts["--num_processes"] == "3"  # the explicit count wins
+    _, opts, _ = parse(dry_run({}, ["--accel_config", "cpu"]))
+    assert opts["--num_processes"] == "1"
+
+
+def test_named_gpu_config_is_capped_by_the_visible_gpus(hw):
+    _, opts, _ = parse(dry_run({}, ["--accel_config", "1node_gpu"], bindir=hw(gpus=4)))
+    assert opts["config"] == "1node_gpu.yaml" and opts["--num_processes"] == "4"
+
+
+# ---- 9. a full disk -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system with room for about one checkpoint of timm's test_resnet (a tmpfs, root only)."""
+    import timm
+    model_bytes = sum(t.numel() * t.element_size() for t in timm.create_model("test_resnet").state_dict().values())
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    size_kb = int(model_bytes * 2.6 / 1024)  # a checkpoint is the weights + the momentum (~2x) and small files
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"mount refused here: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_full_disk_stops_every_rank_with_one_line_and_keeps_the_newest_checkpoint(small_disk):
+    out = small_disk / "out"
+    proc = launch("2proc_cpu.yaml", ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", "64",
+                                     "--test_samples", "8", "--batch_size", "4", "--epochs", "1", "--max_steps", "4",
+                                     "--checkpoint_every", "1", "--plot", "false", "--timeout_s", "120",
+                                     "--output_dir", out], check=False, timeout=240)
+    line = one_error_line(proc.stderr)
+    assert "cannot write checkpoint step_00000002" in line and "No space left on device" in line, line
+    assert f"newest complete checkpoint is {out}/checkpoints/step_00000001" in line and "--resume auto" in line
+    # no trainer traceback: the one left is torchrun's own ChildFailedError summary (exit 1, README)
+    assert "exitcode  : 2" in proc.stderr and proc.stderr.count("Traceback (most recent call last)") == 1
+    assert "SafetensorError" not in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp-step_2
+
+
+# ---- 10. start-up refusals ----------------------------------------------------------------------------
+
+def test_refused_start_removes_the_output_dir_it_created_and_names_every_bad_image(tmp_path):
+    data = write_image_folder(tmp_path / "images")
+    bad = sorted((data / "train").rglob("*.png"))[:3]
+    for path in bad:
+        path.write_bytes(b"not an image")
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    out = existing / "new" / "run"
+    proc = run_cli(["--data", "imagefolder", "--data_dir", data, "--image_size", "16", "--batch_size", "4",
+                    "--output_dir", out])
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert "3 files are not readable images" in line and all(str(p) in line for p in bad), line
+    assert existing.is_dir() and not (existing / "new").exists()
+
+
+def test_bad_images_are_listed_up_to_a_limit(tmp_path):
+    files = []
+    for i in range(13):
+        files.append(tmp_path / f"bad_{i:02d}.png")
+        files[-1].write_bytes(b"nope")
+    for check in (check_images, lambda f: decode_all(f, 16)):
+        with pytest.raises(DataError) as e:
+            check(files)
+        text = str(e.value)
+        assert text.startswith("13 files are not readable images: ") and len(re.findall(r"bad_\d\d\.png", text)) == 10
+        assert "and 3 more; replace or remove them" in text
+
+
+def test_unknown_model_gets_the_nearest_names():
+    with pytest.raises(ConfigError, match="unknown timm model 'resnet_18'; did you mean resnet18"):
+        create_model("resnet_18")
+
+
+def test_yaml_error_gives_its_line(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("epochs: 3\nbatch_size: 4\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="is not valid YAML \\(line 3, column 5: mapping values are not allowed"):
+        load_yaml(path)
+
+
+def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "step_00000006"
+    ckpt.mkdir(parents=True)
+    meta = {"epoch": 1, "step": 6, "batch_in_epoch": 2, "run_id": "abc123",
+            "run": {"model": "resnet18", "stem": "cifar", "model_kwargs": {}, "seed": 42, "data": "random"}}
+    (ckpt / "trainer_state.json").write_text(json.dumps(meta))
+    args = ["--train_samples", "32", "--test_samples", "8", "--batch_size", "8", "--output_dir", out]
+    line = one_error_line(run_cli(args).stderr)
+    assert "holds an unfinished run with these settings (newest checkpoint: step 6, epoch 2); continue it with " \
+           "--resume auto" in line, line
+    line = one_error_line(run_cli([*args, "--seed", "7"]).stderr)  # another run's: the message as before
+    assert "already holds checkpoints of another run" in line
+    assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "step_00000006", "trainer_state.json"]

@@ -230,7 +230,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
 
 def _unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
     """The newest checkpoint's trainer_state.json if its run has not exported its model yet and has the run math
-    of these flags (what a resume would accept), else None."""
+    of these flags (what a resume would accept; an automatic value takes the checkpoint's), else None."""
     found = checkpoint_dirs(out)
     if not found or (out / MODEL_FILE).is_file():
         return None
@@ -238,7 +238,8 @@ def _unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
         meta = json.loads((found[-1] / STATE_FILE).read_text())
         old = meta.get("run") or {}
         now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
-        return meta if all(old.get(k, v) == v for k, v in now.items()) and "step" in meta else None
+        alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)  # (auto: whatever it was)
+        return meta if alike and "step" in meta else None
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 

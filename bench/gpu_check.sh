@@ -3,6 +3,7 @@
 # network; install nothing). From the repo root:  bash bench/gpu_check.sh [--dry-run]   (under 5 minutes)
 #   bench_eager, bench_compile  the bench on CUDA: resnet18, cifar stem, bf16, channels_last, ratio ours/bare
 #   train     a 2-epoch random-data run through accelerate launch (1node_gpu.yaml, 1 process)
+#   precision the precision accel_train chooses for this GPU (bf16 from compute capability 8.0, else fp16)
 #   syncs     host syncs per optimizer step (torch.cuda.set_sync_debug_mode): none outside the agreed checks
 #   compile   graphs torch.compile compiled over 2 epochs with a partial last evaluation batch: 2 (train, eval)
 #   resume    a run stopped at --max_steps and resumed equals the uninterrupted one (deterministic kernels)
@@ -15,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MINI
 out="${OUT:-/tmp}/gpu_check"
 dry=0
 if [[ "${1:-}" == --dry-run ]]; then dry=1; fi
-CHECKS=("bench_eager 90" "bench_compile 150" "train 90" "syncs 45" "compile 120" "resume 90")  # name, time limit (s)
+CHECKS=("precision 30" "bench_eager 90" "bench_compile 150" "train 90" "syncs 45" "compile 120" "resume 90")  # name, time limit (s)
 
 limit=60
 run() {  # run a command within the check's time limit (or, with --dry-run, print it)
@@ -31,6 +32,13 @@ check_train() {
     -m accel_train --data random --epochs 2 --batch_size 512 --channels_last --output_dir "$out/train" 2>&1 \
     | grep -v 'it/s]$'
   ((dry)) || cat "$out/train/metrics.jsonl"
+}
+check_precision() {  # first word: the choice; the rest: why (accel_train.hardware, as launch.sh asks it)
+  local line
+  line="$(run python -m accel_train.hardware --config_precision bf16)" || return
+  echo "$line"
+  ((dry)) || python -c 'import json, sys; print(json.dumps(dict(chosen=sys.argv[1].split()[0], reason=sys.argv[1])))' \
+    "$line" > "$out/precision.json"
 }
 cuda_check() { run python bench/cuda_checks.py "$1" --json "$out/$1.json" --output_dir "$out/$1"; }
 check_syncs() { cuda_check syncs; }

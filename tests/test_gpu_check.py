@@ -24,5 +24,6 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for check in ("syncs", "compile", "resume"):
         assert f"bench/cuda_checks.py {check} --json {tmp_path}/gpu_check/{check}.json" in proc.stdout
+    assert "python -m accel_train.hardware --config_precision bf16" in proc.stdout  # the chosen precision
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
-    assert list(summary) == ["bench_eager", "bench_compile", "train", "syncs", "compile", "resume"]
+    assert list(summary) == ["precision", "bench_eager", "bench_compile", "train", "syncs", "compile", "resume"]

@@ -208,3 +208,21 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {getattr(predicate, '__name__', predicate)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference runs shared across test files (one launch per session instead of one per test).
+# ---------------------------------------------------------------------------------------------
+
+# 256 random samples, global batch 32 on 2 ranks: 8 optimizer steps per epoch, a checkpoint every 2 steps
+REFERENCE_2RANK = ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", "16",
+                   "--log_every", "1", "--checkpoint_every", "2"]
+
+
+@pytest.fixture(scope="session")
+def reference_2rank(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run (2proc_cpu.yaml, REFERENCE_2RANK) that interrupted runs with the same flags
+    must end equal to: test_checkpoint's mid-epoch resume and test_faults' killed rank. Read it, never write."""
+    out = tmp_path_factory.mktemp("reference_2rank") / "out"
+    launch("2proc_cpu.yaml", [*REFERENCE_2RANK, "--output_dir", out])
+    return out

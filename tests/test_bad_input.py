@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from accel_train.cli import main
 from conftest import ROOT, Exploit, clean_env, run_cli, write_batch, write_cifar
 
 
@@ -58,12 +59,9 @@ CASES = {  # name: (extra args or a data corruption, message fragment)
     "labels_out_of_range": ("data", "labels must be in 0..9"),
     "code_pickle": ("data", "it was not executed"),
     "unknown_model": (["--model", "resnet_does_not_exist"], "unknown timm model"),
-    "non_numeric_lr": (["--lr", "fast"], "invalid float value: 'fast'"),
-    "negative_epochs": (["--epochs", "-3"], "--epochs must be >= 1"),
     "global_batch_too_large": (["--train_samples", "8", "--batch_size", "16"],
                                "cannot fill one batch of 16 on each of 1 processes"),
     "resume_missing": (["--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
-    "config_unknown_key": ("yaml", "unknown key(s) lr_typo"),
 }
 
 
@@ -74,19 +72,45 @@ def test_bad_input(case, tmp_path, existing_run):
             "--output_dir", existing_run]
     if spec == "data":
         args += ["--data", "cifar10", "--data_dir", corrupt(case, tmp_path / "in")]
-    elif spec == "yaml":
-        (tmp_path / "c.yaml").write_text("epochs: 2\nlr_typo: 0.1\n")
-        args += ["--config", tmp_path / "c.yaml"]
     else:
         args += spec
     before = snapshot(existing_run)
     proc = run_cli(args)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr[-2000:]  # bad input's status (launch.sh does not relaunch it)
     assert "Traceback" not in proc.stderr + proc.stdout
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and fragment in errors[0], proc.stderr
     assert snapshot(existing_run) == before
     assert not (tmp_path / "in" / "pwned").exists()
+
+
+# Bad flags refused by argument parsing (cmd_train -> parse_train_args / TrainConfig raise ConfigError before
+# anything is imported or touched): the same cli.main() path in-process, no interpreter to start.
+PARSE_CASES = {
+    "non_numeric_lr": (["--lr", "fast"], "invalid float value: 'fast'"),
+    "negative_epochs": (["--epochs", "-3"], "--epochs must be >= 1"),
+    "config_unknown_key": ("yaml", "unknown key(s) lr_typo"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARSE_CASES))
+def test_bad_flags_are_refused_by_parsing(case, tmp_path, existing_run, capsys, monkeypatch):
+    spec, fragment = PARSE_CASES[case]
+    monkeypatch.delenv("ACCEL_TRAIN_STATUS_DIR", raising=False)
+    args = ["--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "16",
+            "--output_dir", str(existing_run)]
+    if spec == "yaml":
+        (tmp_path / "c.yaml").write_text("epochs: 2\nlr_typo: 0.1\n")
+        args += ["--config", str(tmp_path / "c.yaml")]
+    else:
+        args += spec
+    before = snapshot(existing_run)
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and fragment in errors[0], err
+    assert snapshot(existing_run) == before
 
 
 def test_unwritable_output_dir(tmp_path):

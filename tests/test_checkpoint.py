@@ -1,12 +1,13 @@
 """Checkpoints and exact resume, through real `accelerate launch` runs."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, run_cli
+from conftest import REFERENCE_2RANK, launch, run_cli
 
 pytestmark = pytest.mark.slow
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
@@ -16,6 +17,10 @@ def small_run(out, *extra):
     # 256 random samples, global batch 32: 8 optimizer steps per epoch on 1 rank and on 2 ranks
     return ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--output_dir", out, "--log_every", "1",
             *extra]
+
+
+def flags(argv):
+    return dict(zip(map(str, argv[::2]), map(str, argv[1::2])))
 
 
 def state_dir(out, step):
@@ -33,10 +38,15 @@ def assert_same_weights(a, b, atol):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks):
-    batch = ["--batch_size", str(32 // ranks)]
+def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, request):
+    # the flags of conftest.REFERENCE_2RANK: on 2 ranks the uninterrupted run is the session's shared one
+    batch = ["--batch_size", str(32 // ranks), "--checkpoint_every", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
-    launch(CONFIG[ranks], small_run(full, *batch))
+    if ranks == 2:
+        full = request.getfixturevalue("reference_2rank")
+        assert flags(small_run(full, *batch)) == flags([*REFERENCE_2RANK, "--output_dir", full])
+    else:
+        launch(CONFIG[ranks], small_run(full, *batch))
     # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
     launch(CONFIG[ranks], small_run(part, *batch, "--max_steps", "11"))
     state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())
@@ -75,21 +85,31 @@ def test_checkpoints_are_complete_and_only_the_newest_k_are_kept(tmp_path):
     assert all(torch.equal(exported[k], saved[k]) for k in exported)
 
 
-def test_same_seed_same_run(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    for out in (a, b):
-        launch("cpu.yaml", small_run(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "4"))
+FOUR_STEPS = ["--batch_size", "32", "--epochs", "1", "--max_steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """One 4-step run on 1 process, read-only: the first of test_same_seed_same_run's two equal runs, and the
+    checkpoint test_resume_errors_are_one_line corrupts (in its own copy)."""
+    out = tmp_path_factory.mktemp("four_steps") / "out"
+    launch("cpu.yaml", small_run(out, *FOUR_STEPS))
+    return out
+
+
+def test_same_seed_same_run(tmp_path, four_steps):
+    a, b = four_steps, tmp_path / "b"
+    launch("cpu.yaml", small_run(b, *FOUR_STEPS))
     assert_same_weights(weights(a), weights(b), atol=0)
     c = tmp_path / "c"
     launch("cpu.yaml", small_run(c, "--batch_size", "32", "--epochs", "1", "--max_steps", "4", "--seed", "7"))
     assert not torch.equal(weights(a)["fc.weight"], weights(c)["fc.weight"])
 
 
-def test_resume_errors_are_one_line(tmp_path):
+def test_resume_errors_are_one_line(tmp_path, four_steps):
+    # a --resume path that is no checkpoint: test_bad_input.py's "resume_missing" case (exit 2, one line)
     out = tmp_path / "out"
-    proc = run_cli(small_run(out, "--resume", tmp_path / "nope"))
-    assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr and "Traceback" not in proc.stderr
-    launch("cpu.yaml", small_run(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2"))
+    shutil.copytree(four_steps, out)
     ckpt = next((out / "checkpoints").glob("step_*"))
     model_file = ckpt / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:1000])

@@ -1,14 +1,12 @@
 """Every accelerate config loads with accelerate's own loader and passes its launch validation."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-from conftest import CONFIGS, ROOT, clean_env
+from conftest import CONFIGS
 
 ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 EXPECTED = {  # name: (distributed_type, machines, total processes, mixed precision)
@@ -53,16 +51,8 @@ def test_unknown_key_is_refused(tmp_path):
         load_config_from_file(str(bad))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,procs", [("cpu.yaml", 1), ("2proc_cpu.yaml", 2)])
-def test_accelerate_test_runs_the_configured_processes(name, procs):
-    # As the README says: ACCELERATE_USE_CPU=1 accelerate test --config_file accelerate_configs/<cfg>
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "test", "--config_file",
-                           str(CONFIGS / name)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=clean_env(ACCELERATE_USE_CPU="1"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    assert "Test is a success" in out
-    indices = sorted(set(int(i) for i in re.findall(r"Process index: (\d+)", out)))
-    assert indices == list(range(procs))
-    assert set(re.findall(r"Num processes: (\d+)", out)) == {str(procs)}
+# `ACCELERATE_USE_CPU=1 accelerate test --config_file <cfg>` on cpu.yaml and 2proc_cpu.yaml: the same launch of
+# Accelerate's test script is tests/test_smoke.py::test_smoke_passes_when_every_rank_joined, which asserts
+# everything this file's launched test did (exit 0 of the script = "Test is a success", the process indices,
+# "Num processes" == the config's) and the group size on top.
+

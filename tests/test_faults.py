@@ -11,11 +11,10 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, clean_env, launch, trainer_pids, wait_all, wait_for
+from conftest import REFERENCE_2RANK, ROOT, clean_env, launch, trainer_pids, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
-RUN = ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", "16",
-       "--checkpoint_every", "2"]
+RUN = REFERENCE_2RANK  # 256 samples, 3 epochs, batch 16 x 2 ranks, a checkpoint every 2 steps
 
 
 def same_weights(a, b, atol=1e-6):
@@ -23,9 +22,9 @@ def same_weights(a, b, atol=1e-6):
     return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) <= atol
 
 
-def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    launch("2proc_cpu.yaml", RUN + ["--output_dir", ref])
+def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path, reference_2rank):
+    # the uninterrupted run is the session's shared 2-rank reference, launched with these same flags
+    ref, out = reference_2rank, tmp_path / "out"
     tag = uuid.uuid4().hex
     env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
     log = open(tmp_path / "launch.log", "w")

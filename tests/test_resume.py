@@ -10,7 +10,10 @@ from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
 from accel_train.checkpoint import checkpoint_dirs
+from accel_train.cli import parse_train_args
+from accel_train.config import ConfigError
 from accel_train.model import create_model
+from accel_train.resume import check_data, reconcile
 
 from conftest import launch, run_cli
 
@@ -62,24 +65,56 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
     init = create_model("resnet18", "cifar", norm_layer="groupnorm").state_dict()
     assert worst(ref, init) > 1e-3
 
-    # what would change the run's math is refused, in one line naming the flag
-    ckpt = ["--resume", "auto"]
-    one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "8", *GN, *ckpt), check=False),
+    # what would change the run's math is refused (reconcile / check_data, in-process below, on this real
+    # checkpoint); the refusal end-to-end once: 2 ranks, one line naming the flag, nothing in --output_dir touched
+    before = {str(p.relative_to(part)): p.read_bytes() for p in sorted(part.rglob("*")) if p.is_file()}
+    one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "8", *GN, "--resume", "auto"), check=False),
                    "--batch_size 8", "global batch 32", status=1)
-    one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--seed", "7", *ckpt)), "--seed 7")
-    one_line_error(run_cli(small(part, "--batch_size", "16", "--grad_accum", "2", *GN, *ckpt)),
-                   "--grad_accum 2 differs from the checkpoint's 1")
-    one_line_error(run_cli(small(part, "--batch_size", "32", *ckpt)), "--model_kwargs {}")
-    one_line_error(run_cli(small(part, "--batch_size", "32", *GN, "--train_samples", "224", *ckpt)),
-                   "trained on 256 training samples, this data has 224")
-    one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "16", *GN, *ckpt), check=False,
-                          launcher=("--num_processes", 3)), "cannot be split over 3 processes", "[1, 2, 4, 8, 16, 32]",
-                   status=1)
+    assert {str(p.relative_to(part)): p.read_bytes() for p in sorted(part.rglob("*")) if p.is_file()} == before
+    refusals_of_a_real_checkpoint(part)
 
 
-def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path):
-    out = tmp_path / "out"
+def refuses(meta, args, num_processes=1, train_size=None):
+    """The resume checks the loop runs on this checkpoint (reconcile, then check_data): the ConfigError's line."""
+    cfg = parse_train_args([str(a) for a in args])
+    with pytest.raises(ConfigError) as e:
+        reconcile(meta, cfg, num_processes, lambda msg: None)
+        check_data(meta, cfg.train_samples if train_size is None else train_size)
+    assert "\n" not in str(e.value)  # the message is the whole one-line error
+    return str(e.value)
+
+
+def refusals_of_a_real_checkpoint(part):
+    meta = json.loads((part / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
+    ckpt = ["--resume", "auto"]
+    line = refuses(meta, small(part, "--batch_size", "8", *GN, *ckpt), num_processes=2)
+    assert "--batch_size 8" in line and "global batch 32" in line, line
+    assert "--seed 7" in refuses(meta, small(part, "--batch_size", "32", *GN, "--seed", "7", *ckpt))
+    assert "--grad_accum 2 differs from the checkpoint's 1" in \
+        refuses(meta, small(part, "--batch_size", "16", "--grad_accum", "2", *GN, *ckpt))
+    assert "--model_kwargs {}" in refuses(meta, small(part, "--batch_size", "32", *ckpt))
+    assert "trained on 256 training samples, this data has 224" in \
+        refuses(meta, small(part, "--batch_size", "32", *GN, "--train_samples", "224", *ckpt))
+    line = refuses(meta, small(part, "--batch_size", "16", *GN, *ckpt), num_processes=3)
+    assert "cannot be split over 3 processes" in line and "[1, 2, 4, 8, 16, 32]" in line, line
+    # the same meta with the same flags passes both checks: the refusals above are caused by the flag named
+    cfg = parse_train_args([str(a) for a in small(part, "--batch_size", "16", *GN, *ckpt)])
+    reconcile(meta, cfg, 2, lambda msg: None)
+    check_data(meta, 256)
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    """One whole epoch (8 steps) on 1 process, read-only: the run test_more_epochs_on_resume_rebuild_the_schedule
+    continues (in a copy), and the other run whose checkpoint test_checkpoints_belong_to_a_run copies in."""
+    out = tmp_path_factory.mktemp("one_epoch") / "out"
     launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1"))
+    return out
+
+
+def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path, one_epoch):
+    out = tmp_path / "out"
+    shutil.copytree(one_epoch, out)
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "2", "--resume", "auto"))
     assert "--epochs 1 -> 2: the lr schedule is rebuilt for 2 epochs" in proc.stderr
     lrs = [json.loads(r)["lr"] for r in (out / "steps.jsonl").read_text().splitlines()]
@@ -95,8 +130,8 @@ def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path):
     assert lrs[8] > 0.01  # the old 1-epoch schedule had ended at min_lr 0
 
 
-def test_checkpoints_belong_to_a_run(tmp_path):
-    out, other = tmp_path / "out", tmp_path / "other"
+def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
+    out, other = tmp_path / "out", one_epoch  # other: a second run, 8 steps
     launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "6",
                              "--checkpoint_every", "2", "--keep_checkpoints", "5"))
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -105,7 +140,6 @@ def test_checkpoints_belong_to_a_run(tmp_path):
     one_line_error(run_cli(small(out, "--batch_size", "32", "--max_steps", "2")), "--resume auto", "--overwrite")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     # checkpoints of a second run copied in: --resume auto will not mix them
-    launch("cpu.yaml", small(other, "--batch_size", "32", "--epochs", "1", "--max_steps", "8"))
     shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000099")
     one_line_error(run_cli(small(out, "--batch_size", "32", "--resume", "auto")), "2 different runs")
     # rotation counts only the run's own checkpoints: the stranger is neither kept in its place nor deleted

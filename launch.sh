@@ -270,6 +270,17 @@ if ((nnodes > 1)); then
 elif [[ -n "$master_port" ]]; then
   launch_args+=(--main_process_port "$master_port")
 fi
+# The config must load with accelerate's own loader (an unknown key is an error), before anything starts
+# (and before the precision probe prints its line).
+if ((dry_run == 0)) && ! problem="$("$PYTHON" -c 'import sys
+from accelerate.commands.config.config_args import load_config_from_file
+try:
+    load_config_from_file(sys.argv[1])
+except Exception as e:
+    print(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__); sys.exit(1)' "$config_file" 2>/dev/null)"; then
+  die "accelerate config $config_file is invalid: ${problem:-it does not load}"
+fi
+
 # Precision: one the device has (accel_train/hardware.py; README: Precision and memory format per platform):
 # bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend 910A, fp32 on CPUs without bf16.
 # Our own configs get the device's best; a config the user named keeps its own where the device has it.
@@ -303,16 +314,6 @@ if ((dry_run)); then
   exit 0
 fi
 
-# The config must load with accelerate's own loader (an unknown key is an error), before anything starts.
-if ! problem="$("$PYTHON" -c 'import sys
-from accelerate.commands.config.config_args import load_config_from_file
-try:
-    load_config_from_file(sys.argv[1])
-except Exception as e:
-    print(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__); sys.exit(1)' "$config_file" 2>/dev/null)"; then
-  die "accelerate config $config_file is invalid: ${problem:-it does not load}"
-fi
-
 # Before each attempt: the rank-0 host resolves and rank 0 can listen (rank 0), or its port answers
 # within --rdzv_wait seconds (other ranks: machines may start minutes apart). It prints its own one-line cause.
 run_preflight() {
@@ -334,10 +335,16 @@ stopped_before_start() {
 # Ctrl-C: the job runs in a session of its own (torchrun puts each rank in one too), so the terminal's SIGINT
 # reaches this script only, which passes each one on as SIGINT: torchrun's agent sends the first to the
 # ranks (they checkpoint and exit 4) and a second as SIGTERM (they stop at once, exit 130).
-child="" signalled=""
+# The signal goes to the job's whole process group (as a terminal's would): with one process, accelerate's simple
+# launcher does not pass signals on to the trainer, and torchrun's agent does to its ranks.
+child="" signalled="" own_group=0
+command -v setsid >/dev/null && own_group=1
 forward() {
   signalled="${signalled:-$1}"
-  if [[ -n "$child" ]]; then kill "-$([[ "$1" == INT ]] && echo INT || echo TERM)" "$child" 2>/dev/null || true; fi
+  local sig; sig="$([[ "$1" == INT ]] && echo INT || echo TERM)"
+  if [[ -n "$child" ]]; then
+    if ((own_group)); then kill -s "$sig" -- "-$child" 2>/dev/null || true; else kill -s "$sig" "$child" 2>/dev/null || true; fi
+  fi
 }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1
@@ -345,10 +352,12 @@ trap 'forward INT' INT
 trap 'forward TERM' HUP  # the terminal closed: the job (in its own session) would not hear of it
 run_child() {  # run "$@" in the background, wait for it through any signal, return its status
   local status=0
-  ( trap '' USR1; if command -v setsid >/dev/null; then exec setsid -w "$@"; else exec "$@"; fi ) &
+  ( trap '' USR1; if ((own_group)); then exec setsid -w "$@"; else exec "$@"; fi ) &
   child=$!
   wait "$child" || status=$?
   while kill -0 "$child" 2>/dev/null; do status=0; wait "$child" || status=$?; done
+  local waited=0  # the launcher is gone; a trainer it left (a signal) may still be writing its checkpoint
+  while ((own_group && waited < 600)) && kill -0 -- "-$child" 2>/dev/null; do sleep 0.1; waited=$((waited + 1)); done
   child=""
   return "$status"
 }
@@ -372,7 +381,7 @@ trainer_status() {
     if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
   done
   if aborted "$1"; then echo 3; return; fi
-  for c in 1 4 3; do  # error, preempted, lost peer
+  for c in 1 130 4 3; do  # error, stopped at once by a second Ctrl-C, preempted, lost peer
     if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
   done
 }
@@ -396,6 +405,7 @@ while true; do
     2) echo "launch.sh: bad input (exit status 2, the cause is above); not relaunched" >&2; exit 2 ;;
     5) echo "launch.sh: the training diverged (exit status 5); not relaunched" >&2; exit 5 ;;
     1) echo "launch.sh: the trainer failed with an error (exit status 1, traceback above); not relaunched" >&2; exit 1 ;;
+    130) echo "launch.sh: stopped at once by a second Ctrl-C (exit status 130): no checkpoint of this step" >&2; exit 130 ;;
     4) if [[ -n "$signalled" || "$restart_on_preempt" != 1 ]]; then
          echo "launch.sh: preempted (exit status 4): a checkpoint of the reached step was written; continue with --resume auto" >&2
          exit 4

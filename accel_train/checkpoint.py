@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -170,7 +171,10 @@ class _Attempt:
         return self
 
     def __exit__(self, kind, error, tb):
-        written = isinstance(error, (OSError, RuntimeError)) or type(error).__name__ == "SafetensorError"
+        # a write that failed: OSError, safetensors' error, or torch.save's RuntimeError about the file (an
+        # out-of-memory or device error keeps its traceback)
+        written = isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
+            type(error) is RuntimeError and re.search(r"write|unexpected pos|No space|PytorchStreamWriter", str(error)))
         if error is None or not written:
             return False
         if self.error is not None:

@@ -120,8 +120,9 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
             continue
         near = difflib.get_close_matches("--" + name.lstrip("-").replace("-", "_"), known, n=1, cutoff=0.75)
         parts.append(name + (f" (did you mean {near[0]}?)" if near else ""))
-    raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see {parser.prog} --help (to let "
-                      f"a platform's own arguments through: {IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})")
+    hint = "" if any("did you mean" in part for part in parts) else (  # a typo: the fix is the flag, not the escape
+        f" (to let a platform's own arguments through: {IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})")
+    raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see {parser.prog} --help{hint}")
 
 
 # A lost peer, by exception type and by where the message comes from (the transport layer of the

@@ -254,18 +254,21 @@ class TrainConfig:
             return 32
         return max(8, min(MAX_AUTO_SIZE, (native or MAX_AUTO_SIZE) // 8 * 8))
 
-    def stem_for(self, image_size: int) -> str:
-        return self.stem if self.stem != "auto" else ("cifar" if image_size <= CIFAR_STEM_MAX else "imagenet")
+    def stem_for(self, image_size: int, cifar_fits: bool = True) -> str:
+        """'auto': the cifar stem for small images on a model it fits (a ResNet's conv1 + maxpool), else timm's."""
+        if self.stem != "auto":
+            return self.stem
+        return "cifar" if image_size <= CIFAR_STEM_MAX and cifar_fits else "imagenet"
 
-    def resolve(self, info, pipeline: str) -> str:
+    def resolve(self, info, pipeline: str, cifar_fits: bool = True) -> str:
         """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
         DataInfo: image size, mean/std) and the machine (the pipeline chosen) gave, so the log, config.yaml,
         model_config.json and the checkpoints all say the values the run used. Returns the log line."""
         auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline")
                 if getattr(self, name) in (None, "auto")]
         self.image_size = info.image_size
-        self.stem = self.stem_for(info.image_size)
-        self.mean, self.std = (",".join(f"{v:g}" for v in values) for values in (info.mean, info.std))
+        self.stem = self.stem_for(info.image_size, cifar_fits)
+        self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
         self.pipeline = pipeline
         if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
             self.num_workers = 0

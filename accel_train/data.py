@@ -633,8 +633,10 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         test_ds = TransformDataset(test, cpu_transforms(info), info.image_size)
         collate, workers = None, cfg.num_workers
 
+    # On an accelerator, batches are pinned so that Accelerate's copy to the device (non_blocking=True, see
+    # loop.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
     common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
-                  worker_init_fn=_ignore_ctrl_c if workers else None)
+                  worker_init_fn=_ignore_ctrl_c if workers else None, pin_memory=torch.device(device).type != "cpu")
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common) \
         if train is not None else None

@@ -68,7 +68,7 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
     run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json)."""
     from safetensors.torch import load_file
 
-    from .model import create_model
+    from .model import create_model, plain_state_dict
     root = Path(checkpoint)
     weights = root / ((EMA_FILE if (root / EMA_FILE).is_file() else "model_ema.safetensors") if ema else MODEL_FILE)
     missing = [name for name, path in ((MODEL_CONFIG_FILE, root / MODEL_CONFIG_FILE), (weights.name, weights))
@@ -80,7 +80,7 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
     model = create_model(meta["architecture"], meta["stem"], num_classes=meta["num_classes"],
                          **meta.get("model_kwargs", {}))
     try:
-        model.load_state_dict(load_file(weights))
+        model.load_state_dict(plain_state_dict(load_file(weights)))  # (a checkpoint's: written from the prepared model)
     except Exception as e:
         raise ConfigError(f"{weights} does not fit {meta['architecture']} ({str(e).splitlines()[0][:200]})") from None
     return model.eval(), meta

@@ -9,7 +9,6 @@ and the rendezvous come from the accelerate config the job was launched with.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import tempfile
@@ -38,7 +37,7 @@ from .data import Data, DataInfo, build_data, device_budget
 from .evaluate import evaluate
 from .hardware import DeviceFacts, channels_last_default, choose_precision, compile_problem, device_facts
 from .metrics import CURVES_FILE, EpochMeter, MetricsLog, NonFiniteWatch, Pace, check_trackers, plot_curves
-from .model import create_model, init_normalisation, load_init_weights
+from .model import cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights
 from .preempt import AgreedChecks, StopRequest
 from .resume import (Decision, batches_done, check_data, decide, on_every_rank, reconcile, said_once,
                      same_everywhere)
@@ -77,7 +76,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),  # (pinned batches)
         kwargs_handlers=[  # the collective timeout on every backend; no backend named (Accelerate forces hccl on
             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),  # NPU and refuses any other name)
             DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb,
@@ -201,8 +200,7 @@ def setup(cfg: TrainConfig) -> Run:
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
-        channels_last, why = channels_last_default(accelerator.device_facts.kind)
-        cfg = dataclasses.replace(cfg, channels_last=channels_last)
+        cfg.channels_last, why = channels_last_default(accelerator.device_facts.kind)  # (in place: the run's value)
         log(f"memory format {why}")
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     with said_once(accelerator):
@@ -217,7 +215,10 @@ def setup(cfg: TrainConfig) -> Run:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
             log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
     data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
-    resolved = cfg.resolve(data.info, data.pipeline)  # image size, stem, mean/std, pipeline: the run's values
+    if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
+        cfg.stem = init_stem(cfg.init_from)
+        log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
+    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model))  # image size, stem, mean/std, ...
     same_everywhere(accelerator, "the data (training / test samples, classes)",
                     (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):

@@ -52,12 +52,12 @@ def load_init_weights(model: nn.Module, path) -> str:
     not have) is a ConfigError. Returns one line saying what was loaded, re-initialised and missing."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    path = Path(path)
+    path = weights_file(path)
     if not path.is_file():
         raise ConfigError(f"--init_from {path}: no such file; pass a model.safetensors (an earlier run's export or "
-                          "timm weights on disk)")
+                          "timm weights on disk) or a folder holding one")
     try:
-        weights = load_file(path)
+        weights = plain_state_dict(load_file(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ConfigError(f"--init_from {path} is not a safetensors file ({str(e).splitlines()[0][:120]}); pass a "
                           "model.safetensors") from None
@@ -85,6 +85,40 @@ def load_init_weights(model: nn.Module, path) -> str:
     return line + (f"; missing (kept at init) {_names(missing)}" if missing else "; none missing")
 
 
+def weights_file(path) -> Path:
+    """--init_from: a safetensors file, or a folder holding model.safetensors (an output dir, a checkpoint)."""
+    path = Path(path)
+    return path / "model.safetensors" if path.is_dir() else path
+
+
+def plain_state_dict(weights: dict) -> dict:
+    """A state dict without the prefixes a prepared model adds (`module.` of DDP, `_orig_mod.` of torch.compile):
+    Accelerate's save_state writes checkpoints' model.safetensors from the prepared model."""
+    out = {}
+    for key, value in weights.items():
+        while key.startswith(("module.", "_orig_mod.")):
+            key = key.split(".", 1)[1]
+        out[key.replace("._orig_mod.", ".")] = value
+    return out
+
+
+def cifar_stem_fits(model_name: str) -> bool:
+    """Whether --stem cifar applies to a timm model: a ResNet-style single conv1 (timm's pretrained_cfg
+    first_conv; the maxpool comes with it). resnet*d / resnet10t have a deep stem (conv1.0): they keep timm's."""
+    cfg = timm.models.get_pretrained_cfg(model_name) if timm.is_model(model_name) else None
+    return bool(cfg) and cfg.first_conv == "conv1"
+
+
+def init_stem(path) -> str | None:
+    """The stem the --init_from weights were trained with (the model_config.json beside them), if known."""
+    import json
+    beside = weights_file(path).parent / "model_config.json"
+    try:
+        return json.loads(beside.read_text()).get("stem") if beside.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | None, str]:
     """The mean/std the --init_from weights were trained with (timm's convention: a pretrained model keeps its
     own normalisation): the model_config.json beside the file (an accel_train export or checkpoint), else the
@@ -93,7 +127,7 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
     import json
 
     from safetensors import safe_open
-    path = Path(path)
+    path = weights_file(path)
     beside = path.parent / "model_config.json"
     try:
         meta = json.loads(beside.read_text()) if beside.is_file() else {}

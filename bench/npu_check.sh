@@ -4,7 +4,7 @@
 # From the repo root:  bash bench/npu_check.sh [--dry-run]   (under 5 minutes)
 #   1. smoke:      launch.sh --smoke-test on 1node_npu.yaml (every rank in one HCCL group of the right size)
 #   2. train:      2 short epochs of random data on every NPU, bf16 where the chip has it
-#                  (torch.npu.is_bf16_supported()), else fp16; dropout and drop path on
+#                  (the SoC name: accel_train.hardware, as the trainer), else fp16; dropout and drop path on
 #   3. resume:     the same run stopped at a checkpoint, its random_states_*.pkl deleted, resumed:
 #                  the largest weight difference to the uninterrupted run
 #   4. throughput: images/s of the training run's last epoch (metrics.jsonl)
@@ -38,7 +38,10 @@ mkdir -p "$out"
 date -u
 ((dry)) || npu-smi info 2>/dev/null | head -n 12
 nproc="$(probe 'torch.npu.device_count()' N)"
-precision="$(probe '"bf16" if torch.npu.is_bf16_supported() else "fp16"' 'bf16|fp16')"
+# the precision the trainer itself chooses for this SoC (accel_train/hardware.py), so the run is never refused
+if ((dry)); then precision='bf16|fp16'; else
+  precision="$(timeout 120 "$PYTHON" -m accel_train.hardware --config_precision bf16 2>/dev/null)"; precision="${precision%% *}"
+fi
 versions="$(probe '"torch", torch.__version__, "torch_npu", torch_npu.__version__' 'torch ? torch_npu ?')"
 echo "$versions; $nproc NPU(s), $precision"
 

@@ -80,7 +80,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     # steps of seconds each: the second Ctrl-C comes before the ranks' next agreed check
     proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "64",
                                     "--epochs", "1"])
-    ctrl_c(proc, out, after_steps=1, times=2, gap=1.0)
+    ctrl_c(proc, out, after_steps=1, times=2, gap=0.2)  # (both before the next agreed check)
     text = (tmp_path / "run.log").read_text()
     assert trainer_statuses(status) == [130, 130], text[-3000:]
     assert text.count("accel-train: interrupted: a second Ctrl-C stopped the run at once") == 1, text[-3000:]

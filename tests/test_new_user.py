@@ -255,3 +255,34 @@ def test_fine_tuning_on_two_ranks_keeps_the_weights_normalisation_and_exports_th
     assert all(torch.equal(v, final[k]) for k, v in model.state_dict().items())
     proc = run_cli(["evaluate", "--checkpoint", ckpt, "--data_dir", data], timeout=120)
     assert proc.returncode == 0 and "test accuracy" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_auto_stem_fits_the_model_and_the_fine_tuned_weights(tmp_path):
+    from accel_train.model import cifar_stem_fits, init_stem, load_init_weights, plain_state_dict
+    # --stem auto: the cifar stem only where it applies (a ResNet's single conv1 + maxpool), else timm's own
+    assert cifar_stem_fits("resnet18") and not cifar_stem_fits("efficientnet_b0")
+    assert not cifar_stem_fits("resnet18d") and not cifar_stem_fits("vit_tiny_patch16_224")
+    cfg = TrainConfig(model="efficientnet_b0")
+    cfg.resolve(info(size=32), "device", cifar_fits=cifar_stem_fits(cfg.model))
+    assert cfg.stem == "imagenet"
+    # a checkpoint's model.safetensors is the prepared model's (DDP `module.`, compile `_orig_mod.`): it loads,
+    # and --init_from takes the folder, whose model_config.json says the stem the weights were trained with
+    model = create_model("resnet18", "cifar", num_classes=3)
+    prefixed = {f"_orig_mod.module.{k}": v for k, v in model.state_dict().items()}
+    assert plain_state_dict(prefixed).keys() == model.state_dict().keys()
+    folder = tmp_path / "step_00000004"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in prefixed.items()}, folder / "model.safetensors")
+    (folder / "model_config.json").write_text(json.dumps({"stem": "cifar", "mean": [0.5] * 3, "std": [0.25] * 3}))
+    assert init_stem(folder) == "cifar" and init_normalisation(folder, "resnet18")[:2] == ((0.5,) * 3, (0.25,) * 3)
+    fresh = create_model("resnet18", "cifar", num_classes=3)
+    assert "loaded" in load_init_weights(fresh, folder)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+def test_resolved_mean_std_round_trip_exactly():
+    cfg = TrainConfig(data="imagefolder", data_dir="x")
+    clip = DataInfo("imagefolder", ("a", "b"), (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711),
+                    32)
+    cfg.resolve(clip, "device")
+    assert cfg.normalisation() == (clip.mean, clip.std)  # config.yaml -> resume compares equal values

@@ -186,6 +186,9 @@ def cmd_train(argv: list[str]) -> int:
     except ConfigError:
         remove_if_empty(created)
         raise
+    except Preempted as e:  # said by the main process (main), by every rank with --log_all_ranks
+        e.every_rank = cfg.log_all_ranks
+        raise
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         from accelerate import PartialState
         state = PartialState()
@@ -299,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_BAD_INPUT
     except Preempted as e:  # every rank stopped at the same step: the main process says it
         group = process_group()
-        if group is None or group.is_main_process:
+        if group is None or group.is_main_process or getattr(e, "every_rank", False):  # (--log_all_ranks)
             print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)

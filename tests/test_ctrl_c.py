@@ -68,7 +68,7 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     assert trainer_statuses(status) == [4, 4], text[-3000:]  # preempted, on both ranks
     stops = re.findall(r"accel-train: preempted: stopped by SIGINT at step (\d+) \(epoch 1\); checkpoint (\S+); "
                        r"continue with --resume auto", text)
-    assert len(stops) == 2 and len(set(stops)) == 1, text[-3000:]  # both ranks, the same step
+    assert len(stops) == 1, text[-3000:]  # said once (the main process); both ranks' status is 4 (above)
     step, ckpt = int(stops[0][0]), stops[0][1]
     state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
     assert state["step"] == step and ckpt.endswith(f"step_{step:08d}")

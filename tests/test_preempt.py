@@ -58,7 +58,7 @@ def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_
     assert code == 4, text[-3000:]
     assert elapsed < 30, elapsed
     stops = re.findall(r"accel-train: preempted: stopped by \S+ at step (\d+)", text)
-    assert len(stops) == 2 and len(set(stops)) == 1, text[-3000:]  # both ranks, the same step
+    assert len(stops) == 1, text[-3000:]  # said once (the main process); the checkpoint is every rank's step
     step = int(stops[0])
     assert 5 <= step < 16
     ckpt = out / "checkpoints" / f"step_{step:08d}"

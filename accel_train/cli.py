@@ -229,8 +229,8 @@ def process_group():
     return group if group.num_processes > 1 else None
 
 
-# The variables accelerate's get_cpu_distributed_information reads the local rank from (torchrun, MPI).
-LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK")
+# Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).
+LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 # How long a rank that leaves a shared start-up error to its machine's first process waits before exiting:
 # torchrun stops the other ranks as soon as one exits, and the first must have printed by then.
 QUIET_EXIT_DELAY_S = 2.0
@@ -246,7 +246,7 @@ def says_shared_errors() -> bool:
     from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState
     uses for CPU ranks), without the rendezvous a PartialState would start; the others wait a moment so that
     torchrun, which stops the remaining ranks when one exits, does not stop the first before it has printed."""
-    if process_group() is not None or not any(v in os.environ for v in LOCAL_RANK_VARS):
+    if process_group() is not None or not any(v in os.environ for v in LAUNCHER_VARS):
         return True  # (no launcher started several processes here: skip accelerate's import)
     from accelerate.utils import get_cpu_distributed_information
     if get_cpu_distributed_information().local_rank == 0:

@@ -79,6 +79,7 @@ def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
 
 def test_start_up_error_before_the_group_is_said_by_the_first_local_process(monkeypatch, capsys):
     monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     for local_rank, lines in (("1", 0), ("0", 1)):  # torchrun's environment, read by accelerate
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         assert cli.main(["--epocs", "1", "--epochs", "0"]) == 2

@@ -374,15 +374,18 @@ fi
 # aborts a rank at the process-group timeout without a Python exception. Each rank's faulthandler notes
 # the abort in ACCEL_TRAIN_STATUS_DIR/faults/; such a rank counts as a lost peer (3), and the SIGTERM that
 # torchrun then sends the other ranks does not make their exit a preemption.
+# Most telling first: bad input, diverged, an aborted rank (a lost peer), error, a second Ctrl-C, preempted, lost
+# peer. The order of STATUS_PRIORITY in accel_train/errors.py (tests/test_errors.py checks the two agree).
+STATUS_PRIORITY="2 5 abort 1 130 4 3"
 trainer_status() {
   local codes c
   codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ' || true) "
-  for c in 2 5; do  # bad input, diverged
-    if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
-  done
-  if aborted "$1"; then echo 3; return; fi
-  for c in 1 130 4 3; do  # error, stopped at once by a second Ctrl-C, preempted, lost peer
-    if [[ "$codes" == *" $c "* ]]; then echo "$c"; return; fi
+  for c in $STATUS_PRIORITY; do
+    if [[ "$c" == abort ]]; then
+      if aborted "$1"; then echo 3; return; fi
+    elif [[ "$codes" == *" $c "* ]]; then
+      echo "$c"; return
+    fi
   done
 }
 aborted() { grep -qs '^Fatal Python error: Aborted' "$1"/faults/*; }

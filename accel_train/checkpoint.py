@@ -27,18 +27,9 @@ import torch
 from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
-from .config import ConfigError
-from .metrics import dumps, read_jsonl
-
-CKPT_DIR = "checkpoints"
-STATE_FILE = "trainer_state.json"
-EMA_FILE = "ema.safetensors"
-MODEL_FILE = "model.safetensors"
-MODEL_CONFIG_FILE = "model_config.json"
-BEST_FILE = "model_best.safetensors"  # the weights of the epoch with the highest test_acc so far
-RNG_PREFIX = "random_states_"
-HISTORY = ("metrics.jsonl", "steps.jsonl")  # the run's rows so far, carried by every checkpoint
-
+from .errors import ConfigError
+from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs, dumps,
+                    read_jsonl, step_dir)
 
 @dataclass
 class TrainState:
@@ -46,24 +37,6 @@ class TrainState:
     step: int = 0            # optimizer steps done
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
     run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
-
-
-def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
-    """Complete checkpoints (of one run, if given), oldest first."""
-    root = Path(output_dir) / CKPT_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
-    if run_id is not None:
-        found = [p for p in found if _run_of(p) == run_id]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
-def _run_of(path: Path) -> str | None:
-    try:
-        return json.loads((path / STATE_FILE).read_text()).get("run_id", "legacy")
-    except (OSError, ValueError):
-        return None
 
 
 def _state_dict_cpu(module: torch.nn.Module) -> dict:
@@ -91,8 +64,29 @@ def _file_mode() -> int:
     return 0o644
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, writer: bool, shared: bool, model=None,
-                    ema=None, history: dict | None = None, keep: int = 2, facts: dict | None = None) -> Path:
+class Checkpointer:
+    """Where (--output_dir), who (the resume decision's writers: one process per storage), how many
+    (--keep_checkpoints) and what (model, optimizer, EMA, every rank's RNG state, the run math, the model's facts
+    and the metrics rows so far). Every rank calls `save(state)` at the same step.
+
+    Never a checkpoint of non-finite weights: `watch` (metrics.NonFiniteWatch) checks them first and stops every
+    rank if any is, so the newest checkpoint is the last finite one."""
+
+    def __init__(self, accelerator, output_dir, run_math: dict, decision, model, ema, keep: int, facts: dict, watch,
+                 history):
+        self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
+        self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
+
+    def save(self, state: TrainState) -> Path:
+        self.watch.check(self.accelerator, state.step, self.model)
+        return save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
+                               self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
+                               keep=self.keep, facts=self.facts)
+
+
+def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,
+                    model=None, ema=None, history: dict | None = None, keep: int = 2,
+                    facts: dict | None = None) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
     `writer`: this process writes to its disk (the main process for a shared output dir, else each machine's
@@ -100,7 +94,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
     from its own ranks; the RNG states of every rank are gathered so each copy is whole.
     """
     root = Path(output_dir) / CKPT_DIR
-    final = root / f"step_{state.step:08d}"
+    final = step_dir(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
     # A write that fails (a full disk, a quota) fails on some ranks only: each part is attempted, then every rank
     # learns whether any rank failed (agree: one gather, also the barrier that was here) and all stop alike.
@@ -140,7 +134,8 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run: dict, write
                 (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
             for name, rows in (history or {}).items():
                 (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
-            meta = {**asdict(state), "run": run, "ema": ema is not None, "num_processes": accelerator.num_processes}
+            meta = {**asdict(state), "run": run_math, "ema": ema is not None,
+                    "num_processes": accelerator.num_processes}
             with open(tmp / STATE_FILE, "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -271,63 +266,3 @@ def load_ema(ema, path: Path, device) -> bool:
         raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model ({str(e).splitlines()[0][:160]})") \
             from None
     return True
-
-
-def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE,
-                 extra: dict | None = None, write_config: bool = True) -> Path:
-    """Plain state dict (no `module.` / `_orig_mod.` prefixes) as safetensors + model_config.json. The file's
-    metadata also carries mean/std (what --init_from reads when the file travels without its model_config.json)
-    and `extra` (the best model: its epoch, step and test_acc)."""
-    path = Path(output_dir) / filename
-    metadata = {"format": "pt", "architecture": model_config["architecture"], "mean": json.dumps(model_config["mean"]),
-                "std": json.dumps(model_config["std"]), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
-    save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
-    if write_config:
-        with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
-            json.dump(model_config, f, indent=1)
-    return path
-
-
-def best_row(rows: list[dict]) -> dict | None:
-    """The epoch row with the highest test_acc (the first of equals), or None."""
-    rows = [r for r in rows if r.get("test_acc") is not None]
-    return max(rows, key=lambda r: r["test_acc"]) if rows else None
-
-
-def exported_best(output_dir) -> dict | None:
-    """{epoch, step, test_acc} of the model_best.safetensors in output_dir, or None when there is none."""
-    from safetensors import safe_open
-    path = Path(output_dir) / BEST_FILE
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        return {k: json.loads(meta[k]) for k in ("epoch", "step", "test_acc")}
-    except Exception:  # missing, partial or not ours
-        return None
-
-
-class BestModel:
-    """Which epoch is the best so far (highest test_acc; the first of equals) and whether its weights are in
-    <output_dir>/model_best.safetensors.
-
-    The best so far comes from the metrics rows (a resumed run: the rows its checkpoint carries, so it survives
-    a resume on any machine). The file is this machine's: a file that is not the rows' best (written by epochs
-    after the checkpoint resumed from, or by another run) is deleted at start; a machine whose disk lacks the
-    best's file (a resume on another machine's disk) writes one again only when a later epoch beats the best:
-    checkpoints do not carry a second copy of the weights (see README: Outputs)."""
-
-    def __init__(self, output_dir, rows: list[dict], writer: bool):
-        self.row = best_row(rows)
-        found = exported_best(output_dir) if writer else None
-        mine = self.row is not None and found is not None and \
-            (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])
-        if writer and not mine:
-            (Path(output_dir) / BEST_FILE).unlink(missing_ok=True)
-        self.on_disk = mine
-
-    def improves(self, row: dict) -> bool:
-        return row.get("test_acc") is not None and (self.row is None or row["test_acc"] > self.row["test_acc"])
-
-    def take(self, row: dict) -> None:
-        if self.improves(row):
-            self.row, self.on_disk = row, True

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import faulthandler
 import logging
 import os
 import re
-import socket
 import sys
-import time
 import traceback
-import types
 import typing
 from pathlib import Path
 
+import yaml
+
 from . import __version__
-from .config import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_LOST_PEER, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Parser, Preempted, TrainConfig, fields, load_yaml)
-from .preempt import EXIT_INTERRUPTED
+from .config import Parser, TrainConfig, base_type, fields
+from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
+                     Diverged, Preempted, is_lost_peer, lost_peer, note_aborts, process_group, report_status,
+                     says_shared_errors)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -40,10 +39,25 @@ def str2bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def _base_type(tp):
-    """int | None -> int; bool -> bool."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
+def load_yaml(path) -> dict:
+    """Read a config.yaml written by save_yaml (or by hand); unknown keys are an error."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path} is not valid YAML ({where}{what})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of option: value")
+    known = {f.name for f in fields()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; see accel-train --help")
+    return values
 
 
 def train_parser() -> Parser:
@@ -63,7 +77,7 @@ def train_parser() -> Parser:
     hints = typing.get_type_hints(TrainConfig)
     for f in fields():
         meta = f.metadata
-        kind = _base_type(hints[f.name])
+        kind = base_type(hints[f.name])
         kwargs = dict(dest=f.name, default=f.default, help=meta["help"])
         if kind is bool:
             kwargs.update(type=str2bool, nargs="?", const=True, metavar="BOOL")
@@ -127,36 +141,6 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
 
 # A lost peer, by exception type and by where the message comes from (the transport layer of the
 # collective library), never by loose words: a DataLoader timeout or an NCCL usage error is a bug to show.
-LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError")
-LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|ncclRemoteError|ncclSystemError|remote process exited|"
-                               r"Watchdog caught collective operation timeout|HCCL.*(timeout|heartbeat)", re.I)
-
-
-def is_lost_peer(error: BaseException) -> bool:
-    names = {c.__name__ for c in type(error).__mro__}
-    if names & set(LOST_PEER_TYPES):
-        return True
-    return isinstance(error, RuntimeError) and bool(LOST_PEER_ORIGINS.search(str(error)))
-
-
-def note_aborts() -> None:
-    """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no Python exception)
-    leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which launch.sh reads as a lost peer."""
-    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
-    if not folder:
-        return
-    try:
-        Path(folder, "faults").mkdir(exist_ok=True)
-        note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
-    except OSError:
-        return
-    faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
-    _fault_notes.append(note)
-
-
-_fault_notes: list = []
-
-
 def missing_dirs(path) -> list[Path]:
     """The directories of `path` that do not exist yet, deepest first: what this run would create."""
     out, missing = Path(path).absolute(), []
@@ -203,85 +187,23 @@ def cmd_train(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def lost_peer(error: Exception, cfg) -> None:
-    """A collective failed: a peer died or stopped answering. One line, then exit without teardown
-    (destroying a process group whose peer is gone can hang)."""
-    from .checkpoint import checkpoint_dirs
-    text = " ".join(str(error).split())
-    peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text)
-    detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
-    found = checkpoint_dirs(cfg.output_dir)
-    where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
-    print(f"\naccel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
-          f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
-          "it) once every node is back", file=sys.stderr, flush=True)
-    report_status(EXIT_LOST_PEER)
-    os._exit(EXIT_LOST_PEER)
-
-
-def process_group():
-    """accelerate's PartialState when this process is one of several ranks of a process group, else None.
-    Never creates one (that is a rendezvous): only reads the state an Accelerator already set up."""
-    state = sys.modules.get("accelerate.state")
-    if state is None or state.PartialState._shared_state == {}:
-        return None
-    group = state.PartialState()
-    return group if group.num_processes > 1 else None
-
-
-# Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).
-LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-# How long a rank that leaves a shared start-up error to its machine's first process waits before exiting:
-# torchrun stops the other ranks as soon as one exits, and the first must have printed by then.
-QUIET_EXIT_DELAY_S = 2.0
-
-
-def says_shared_errors() -> bool:
-    """Whether this process prints an error it did not mark quiet.
-
-    Inside a process group (an Accelerator exists) a rank prints what it raised: errors every rank raises
-    alike are marked quiet on all but the main process where they are raised (resume.said_once,
-    on_every_rank). Before the group exists (arguments, --config, --log_with: the same argv and environment on
-    every rank of a machine, so every rank fails alike) only the machine's first process prints. It is known
-    from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState
-    uses for CPU ranks), without the rendezvous a PartialState would start; the others wait a moment so that
-    torchrun, which stops the remaining ranks when one exits, does not stop the first before it has printed."""
-    if process_group() is not None or not any(v in os.environ for v in LAUNCHER_VARS):
-        return True  # (no launcher started several processes here: skip accelerate's import)
-    from accelerate.utils import get_cpu_distributed_information
-    if get_cpu_distributed_information().local_rank == 0:
-        return True
-    time.sleep(QUIET_EXIT_DELAY_S)
-    return False
-
-
-def report_status(code: int) -> None:
-    """Tell launch.sh this process's exit status (`accelerate launch` itself returns 1 for any failure)."""
-    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
-    if folder:
-        try:
-            Path(folder, f"{socket.gethostname()}-{os.getpid()}").write_text(f"{code}\n")
-        except OSError:
-            pass
-
-
 def cmd_evaluate(argv):
-    from .evaluate import main_evaluate
+    from .commands.evaluate import main_evaluate
     return main_evaluate(argv)
 
 
 def cmd_predict(argv):
-    from .evaluate import main_predict
+    from .commands.predict import main_predict
     return main_predict(argv)
 
 
 def cmd_preflight(argv):
-    from .preflight import main_preflight
+    from .commands.preflight import main_preflight
     return main_preflight(argv)
 
 
 def cmd_smoke(argv):
-    from .smoke import main_smoke
+    from .commands.smoke import main_smoke
     return main_smoke(argv)
 
 

@@ -17,21 +17,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """Bad user input: printed as one line naming the fix, exit status 2, nothing touched.
-
-    `quiet`: every rank raised the same error; only the main process prints it."""
-
-    quiet = False
-
-
-class Preempted(Exception):
-    """SIGTERM/SIGUSR1 reached a rank: every rank stopped at one step and checkpointed it (exit 4)."""
-
-
-class Diverged(Exception):
-    """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
+from .errors import ConfigError
 
 
 # Automatic defaults (README: Train on your own images). The cifar stem keeps the full resolution into the first
@@ -40,10 +26,6 @@ class Diverged(Exception):
 CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
 MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resnet input size)
 SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
-
-
-# Exit statuses of the trainer; launch.sh acts on them (README: Exit statuses).
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
 
 
 def opt(default, help, group, **extra):
@@ -213,7 +195,7 @@ class TrainConfig:
         """The checks argparse makes for flags, made here so that --config YAML gets them too."""
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            value, kind = getattr(self, f.name), _base_type(hints[f.name])
+            value, kind = getattr(self, f.name), base_type(hints[f.name])
             if value is None and _optional(hints[f.name]):
                 continue
             if kind is bool:
@@ -298,6 +280,9 @@ class TrainConfig:
             return self.lr
         return self.lr_base * self.batch_size * num_processes * self.grad_accum / 256
 
+    def trackers(self) -> list[str]:
+        return [t.strip() for t in self.log_with.split(",")] if self.log_with else []
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -311,7 +296,7 @@ def _optional(tp) -> bool:
     return type(None) in typing.get_args(tp)
 
 
-def _base_type(tp):
+def base_type(tp):
     """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
@@ -319,24 +304,3 @@ def _base_type(tp):
 
 def fields():
     return dataclasses.fields(TrainConfig)
-
-
-def load_yaml(path) -> dict:
-    """Read a config.yaml written by save_yaml (or by hand); unknown keys are an error."""
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"cannot read --config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"--config {path} is not valid YAML ({where}{what})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"--config {path} must hold a mapping of option: value")
-    known = {f.name for f in fields()}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; see accel-train --help")
-    return values

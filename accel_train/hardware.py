@@ -135,6 +135,13 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
     return name, flags
 
 
+def has_accelerator() -> bool:
+    """A GPU (any torch accelerator) or an Ascend NPU is here; ranks on a host without one must ask for the cpu."""
+    import torch
+    from accelerate.utils import is_npu_available
+    return torch.accelerator.is_available() or is_npu_available()
+
+
 def device_kind(cpu: bool) -> str:
     if cpu:
         return "cpu"
@@ -158,7 +165,7 @@ def facts_from_env(text: str) -> DeviceFacts:
                            tuple(d["capability"]) if d.get("capability") else None,
                            frozenset(d.get("cpu_flags", ())), str(d.get("arch", platform.machine())))
     except (ValueError, KeyError, TypeError) as e:
-        from .config import ConfigError
+        from .errors import ConfigError
         raise ConfigError(f"ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least \"kind\" ({e}); "
                           "unset it or fix it") from None
 

@@ -3,18 +3,14 @@ trackers (written by the main process), the tracker check, and the training curv
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
-from .config import ConfigError, Diverged
+from .errors import ConfigError, Diverged
+from .files import METRICS_FILE, STEPS_FILE, checkpoint_dirs, dumps, read_jsonl
 
-METRICS_FILE = "metrics.jsonl"
-STEPS_FILE = "steps.jsonl"
-CURVES_FILE = "training_curves.png"
 
 
 class EpochMeter:
@@ -133,7 +129,6 @@ class NonFiniteWatch:
         else:
             self.lrs = {s: lr for s, lr in self.lrs.items() if s > step}
             return
-        from .checkpoint import checkpoint_dirs
         kept = checkpoint_dirs(self.output_dir)
         raise Diverged(f"{what}: every rank stopped, nothing exported; "
                        + (f"newest finite checkpoint: {kept[-1]}" if kept else "no checkpoint was written")
@@ -185,18 +180,6 @@ class MetricsLog:
         if self.enabled:
             with open(self.steps_path, "a") as f:
                 f.write(dumps(row) + "\n")
-
-
-def dumps(row: dict) -> str:
-    """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not JSON)."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
-                      allow_nan=False)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Model: timm.create_model + the 32x32 ("cifar") stem, and --init_from (weights from a local file)."""
+"""Model: timm.create_model + the 32x32 ("cifar") stem, --init_from (weights from a local file), and the user's
+module inside what prepare() wrapped it in."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import difflib
 from pathlib import Path
 
 import timm
+import torch
 import torch.nn as nn
 
-from .config import ConfigError
+from .errors import ConfigError
+from .files import MODEL_CONFIG_FILE, MODEL_FILE
 
 
 def apply_cifar_stem(model: nn.Module) -> nn.Module:
@@ -60,7 +63,7 @@ def load_init_weights(model: nn.Module, path) -> str:
         weights = plain_state_dict(load_file(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ConfigError(f"--init_from {path} is not a safetensors file ({str(e).splitlines()[0][:120]}); pass a "
-                          "model.safetensors") from None
+                          f"{MODEL_FILE}") from None
     own = model.state_dict()
     head = getattr(model, "pretrained_cfg", {}).get("classifier") or "fc"
     head_keys = [k for k in own if k.startswith(head + ".")]
@@ -88,7 +91,7 @@ def load_init_weights(model: nn.Module, path) -> str:
 def weights_file(path) -> Path:
     """--init_from: a safetensors file, or a folder holding model.safetensors (an output dir, a checkpoint)."""
     path = Path(path)
-    return path / "model.safetensors" if path.is_dir() else path
+    return path / MODEL_FILE if path.is_dir() else path
 
 
 def plain_state_dict(weights: dict) -> dict:
@@ -112,7 +115,7 @@ def cifar_stem_fits(model_name: str) -> bool:
 def init_stem(path) -> str | None:
     """The stem the --init_from weights were trained with (the model_config.json beside them), if known."""
     import json
-    beside = weights_file(path).parent / "model_config.json"
+    beside = weights_file(path).parent / MODEL_CONFIG_FILE
     try:
         return json.loads(beside.read_text()).get("stem") if beside.is_file() else None
     except (OSError, ValueError, AttributeError):
@@ -128,7 +131,7 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
 
     from safetensors import safe_open
     path = weights_file(path)
-    beside = path.parent / "model_config.json"
+    beside = path.parent / MODEL_CONFIG_FILE
     try:
         meta = json.loads(beside.read_text()) if beside.is_file() else {}
         if meta.get("mean") and meta.get("std"):
@@ -143,3 +146,18 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
     if cfg is not None and cfg.mean and cfg.std:
         return tuple(cfg.mean), tuple(cfg.std), f"timm's pretrained_cfg of {model_name}"
     return None, None, "no normalisation known for these weights"
+
+
+def bare_model(accelerator, model) -> torch.nn.Module:
+    """The user's module: without torch.compile's wrapper (outermost: compiled last) and without DDP's.
+
+    The compiled wrapper is taken off first: `unwrap_model` given a compiled model re-points its
+    `_orig_mod` at the unwrapped module (keep_torch_compile=True, the default), which would silently
+    take DDP out of the training model."""
+    return accelerator.unwrap_model(getattr(model, "_orig_mod", model))
+
+
+def wrappers(model) -> str:
+    """The wrapping order prepare() produced, e.g. "OptimizedModule(DDP wrapper(ResNet))"."""
+    inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+    return f"{type(model).__name__}({wrappers(inner)})" if isinstance(inner, torch.nn.Module) else type(model).__name__

@@ -17,8 +17,9 @@ import signal
 import sys
 import time
 
+from .errors import EXIT_INTERRUPTED, Preempted, report_status
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
 
 
 class StopRequest:
@@ -46,12 +47,14 @@ class StopRequest:
         if self.signal is None:  # named after the first signal
             self.signal = signum
 
-    def should_stop(self, accelerator) -> bool:
-        """A one-off agreed check (start-up): every rank calls it; True on every rank if any rank got a signal."""
+    def check_start_up(self, accelerator, step: int) -> None:
+        """A one-off agreed check at the end of start-up: every rank calls it; raises Preempted on every rank if
+        any rank got a signal (nothing new to save)."""
         self.announce = accelerator.is_main_process
         if self.signal is not None:
             accelerator.set_trigger()
-        return accelerator.check_trigger()
+        if accelerator.check_trigger():
+            raise Preempted(f"stopped by {self.name} during start-up, before step {step + 1}")
 
     @property
     def name(self) -> str:
@@ -63,7 +66,6 @@ def stop_at_once(announce: bool) -> None:
     if announce:
         print("\naccel-train: interrupted: a second Ctrl-C stopped the run at once, without a checkpoint; "
               "continue from the newest complete checkpoint with --resume auto", file=sys.stderr, flush=True)
-    from .cli import report_status
     report_status(EXIT_INTERRUPTED)
     os._exit(EXIT_INTERRUPTED)
 

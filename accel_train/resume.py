@@ -21,14 +21,15 @@ import json
 import os
 import shutil
 import uuid
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .checkpoint import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs
-from .config import ConfigError, TrainConfig
+from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, step_dir
+from .config import TrainConfig
+from .errors import ConfigError
+from .ranks import rank0s
 
 PROBE = ".accel_train-probe-"
 # flags that may differ between machines (paths of each machine's own disk, logging)
@@ -49,33 +50,7 @@ class Decision:
     resume_from: Path | None     # a complete checkpoint on this process's own disk
     meta: dict | None            # its trainer_state.json
     run_id: str
-
-
-@contextmanager
-def said_once(accelerator):
-    """Errors raised inside are raised alike on every rank (they come from gathered facts): print once."""
-    try:
-        yield
-    except ConfigError as e:
-        e.quiet = not accelerator.is_main_process
-        raise
-
-
-def on_every_rank(accelerator, check, *args, **kwargs):
-    """Run a check that can fail on some ranks only (a machine's own disk, data or directory) on every rank;
-    if it fails anywhere, every rank raises the same one-line error, instead of the others waiting in the
-    next collective until --timeout_s."""
-    try:
-        result, error = check(*args, **kwargs), None
-    except ConfigError as e:
-        result, error = None, str(e)
-    failed = [(rank, msg) for rank, msg in gather_object([(accelerator.process_index, error)]) if msg]
-    if failed:
-        rank, msg = failed[0]
-        e = ConfigError(msg if len(failed) == accelerator.num_processes else f"rank {rank}: {msg}")
-        e.quiet = not accelerator.is_main_process
-        raise e
-    return result
+    overwritten: list[Path] = field(default_factory=list)  # --overwrite: an earlier run's checkpoints, to delete
 
 
 def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
@@ -167,7 +142,7 @@ def _write_copy(files: dict[str, bytes], final: Path) -> None:
 def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     """Every rank calls this once, right after the Accelerator is built and the output dir checked."""
     rank = accelerator.process_index
-    job = broadcast_object_list([uuid.uuid4().hex[:12] if rank == 0 else None])[0]  # this job's probes only
+    job = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)  # this job's probes only
     probe = out / f"{PROBE}{job}-{rank}"
     if accelerator.is_local_main_process:
         probe.touch()
@@ -193,12 +168,8 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
                                   "(or start over: --overwrite true deletes its checkpoints, or another --output_dir)")
             raise ConfigError(f"{out}/{CKPT_DIR} already holds checkpoints of another run; pass --resume auto to "
                               "continue it, another --output_dir, or --overwrite true to delete them")
-        if runs and writer:
-            for path in checkpoint_dirs(out):
-                log(f"--overwrite: deleting {path} of an earlier run")
-                shutil.rmtree(path)
-        run_id = broadcast_object_list([uuid.uuid4().hex[:12] if rank == 0 else None])[0]
-        return Decision(writer, shared, machines, None, None, run_id)
+        run_id = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
+        return Decision(writer, shared, machines, None, None, run_id, checkpoint_dirs(out) if runs and writer else [])
 
     step, run_id = target
     if runs - {run_id}:
@@ -210,7 +181,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     at_path = [explicit and r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]
     needs = [not a and not o for a, o in zip(at_path, in_out)]
-    local = Path(cfg.resume) if at_path[rank] else out / CKPT_DIR / f"step_{step:08d}"
+    local = Path(cfg.resume) if at_path[rank] else step_dir(out, step)
     if shared:  # one storage: its writer (rank 0) writes the copy if any rank needs it there
         missing = [0] if any(needs) else []
     else:       # each machine's writer (its local main process) for its own ranks
@@ -218,10 +189,10 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     if missing:
         source = next(r for r in range(len(reports)) if at_path[r] or in_out[r])
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
-        here = Path(cfg.resume) if at_path[rank] else out / CKPT_DIR / f"step_{step:08d}"
+        here = Path(cfg.resume) if at_path[rank] else step_dir(out, step)
         files = broadcast_object_list([_read_files(here) if rank == source else None], from_process=source)[0]
         if rank in missing:
-            _write_copy(files, out / CKPT_DIR / f"step_{step:08d}")
+            _write_copy(files, step_dir(out, step))
         del files
         accelerator.wait_for_everyone()
     meta = json.loads((local / STATE_FILE).read_text())
@@ -306,17 +277,6 @@ def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
     if not old:
         return meta["batch_in_epoch"]
     return meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"] // (batch_size * num_processes)
-
-
-def same_everywhere(accelerator, what: str, value) -> None:
-    """A fact every rank must share (e.g. the size of each machine's own copy of the data): one line if not."""
-    values = gather_object([value])
-    if any(v != values[0] for v in values):
-        e = ConfigError(f"the machines disagree on {what}: rank 0 has {values[0]!r}, rank "
-                        f"{next(i for i, v in enumerate(values) if v != values[0])} has "
-                        f"{next(v for v in values if v != values[0])!r}; give every machine the same data")
-        e.quiet = not accelerator.is_main_process
-        raise e
 
 
 def check_data(meta: dict, train_size: int) -> None:

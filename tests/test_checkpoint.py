@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REFERENCE_2RANK, launch, run_cli
+from conftest import TINY, launch, run_cli
 
 pytestmark = pytest.mark.slow
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
@@ -15,12 +15,8 @@ CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
 def small_run(out, *extra):
     # 256 random samples, global batch 32: 8 optimizer steps per epoch on 1 rank and on 2 ranks
-    return ["--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--output_dir", out, "--log_every", "1",
-            *extra]
-
-
-def flags(argv):
-    return dict(zip(map(str, argv[::2]), map(str, argv[1::2])))
+    return [*TINY, "--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--output_dir", out,
+            "--log_every", "1", *extra]
 
 
 def state_dir(out, step):
@@ -38,15 +34,10 @@ def assert_same_weights(a, b, atol):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, request):
-    # the flags of conftest.REFERENCE_2RANK: on 2 ranks the uninterrupted run is the session's shared one
+def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks):
     batch = ["--batch_size", str(32 // ranks), "--checkpoint_every", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
-    if ranks == 2:
-        full = request.getfixturevalue("reference_2rank")
-        assert flags(small_run(full, *batch)) == flags([*REFERENCE_2RANK, "--output_dir", full])
-    else:
-        launch(CONFIG[ranks], small_run(full, *batch))
+    launch(CONFIG[ranks], small_run(full, *batch))
     # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
     launch(CONFIG[ranks], small_run(part, *batch, "--max_steps", "11"))
     state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())

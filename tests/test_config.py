@@ -5,7 +5,9 @@ import pytest
 import yaml
 
 from accel_train.cli import parse_train_args, train_parser
-from accel_train.config import ConfigError, TrainConfig, load_yaml
+from accel_train.cli import load_yaml
+from accel_train.config import TrainConfig
+from accel_train.errors import ConfigError
 from conftest import ROOT, run_cli
 
 

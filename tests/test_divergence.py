@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from timm.scheduler import create_scheduler_v2
 
-from accel_train.config import EXIT_DIVERGED
+from accel_train.errors import EXIT_DIVERGED
 from conftest import launch, run_cli
 
 # --lr 1e6: the loss is finite for the first steps and non-finite from step 4 on (seed 42)

@@ -165,7 +165,7 @@ def test_compile_on_npu_without_an_inductor_backend_is_one_line(monkeypatch):
 
 
 def test_asked_precision_flag_then_launcher_then_nothing():
-    from accel_train.loop import asked_precision
+    from accel_train.accelerator import asked_precision
     assert asked_precision(TrainConfig(mixed_precision="fp16"), {"ACCELERATE_MIXED_PRECISION": "bf16"}) == \
         ("fp16", "--mixed_precision fp16")
     asked, source = asked_precision(TrainConfig(), {"ACCELERATE_MIXED_PRECISION": "bf16"})

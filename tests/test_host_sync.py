@@ -11,7 +11,7 @@ without logging or checkpoint steps must then be empty unless it held an agreed 
 import json
 import re
 
-from conftest import clean_env, launch
+from conftest import TINY, clean_env, launch
 
 SITECUSTOMIZE = r'''
 import atexit, json, os, sys
@@ -68,7 +68,8 @@ def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):
     env = clean_env(ACCEL_SYNC_LOG=str(log))
     env["PYTHONPATH"] = f"{site}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(site)
     steps = 30  # 2 ranks x batch 4: 240 samples are 30 steps; no log step, no step checkpoint
-    proc = launch("2proc_cpu.yaml", ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", str(8 * steps), "--test_samples", "8", "--batch_size", "4",
+    proc = launch("2proc_cpu.yaml", [*TINY, "--train_samples", str(8 * steps), "--test_samples", "8",
+                                     "--batch_size", "4",
                                      "--epochs", "1", "--log_every", "1000", "--output_dir", tmp_path / "out"],
                   env=env, timeout=300)
     assert re.search(r"step 30\b", proc.stderr + proc.stdout)

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from accel_train.config import ConfigError, TrainConfig
+from accel_train.config import TrainConfig
+from accel_train.errors import ConfigError
 from accel_train.data import CIFAR10, DataInfo, build_data, crop_flip, crop_flip_params, cpu_transforms, decode_image
 from conftest import launch, run_cli, write_cifar
 
@@ -301,18 +302,3 @@ def test_sample_limits_on_a_folder_keep_every_class(tmp_path):
                                   test_samples=3, batch_size=2), "cpu")
     _, y = data.inputs(torch.arange(6), train=True)
     assert data.train_size == 6 and data.test_size == 3 and sorted(set(y.tolist())) == [0, 1, 2]
-
-
-def test_evaluate_and_preflight_do_not_import_the_cli():
-    """No import cycle: cli imports evaluate/preflight, never the other way round; the evaluation function
-    lives beside the evaluate command and the loop uses that one."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT, clean_env
-    code = ("import sys, accel_train.evaluate, accel_train.preflight, accel_train.loop as loop; "
-            "assert 'accel_train.cli' not in sys.modules, 'cli imported'; "
-            "assert loop.evaluate.__module__ == 'accel_train.evaluate'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=clean_env())
-    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from accel_train.config import ConfigError
+from accel_train.errors import ConfigError
 from accel_train.model import create_model
 
 

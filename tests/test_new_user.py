@@ -16,11 +16,14 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from accel_train.checkpoint import BEST_FILE, BestModel, best_row, export_model, exported_best
-from accel_train.config import ConfigError, TrainConfig
+from accel_train.files import BEST_FILE
+from accel_train.outputs import BestModel, best_row, export_model, exported_best
+from accel_train.config import TrainConfig
+from accel_train.errors import ConfigError
 from accel_train.data import DataInfo, build_data, native_size
-from accel_train.evaluate import load_exported, main_predict
-from accel_train.loop import lr_curve
+from accel_train.commands.evaluate import load_exported
+from accel_train.commands.predict import main_predict
+from accel_train.outputs import lr_curve
 from accel_train.metrics import Pace, plot_curves, slow_run_warning
 from accel_train.model import create_model, init_normalisation
 from accel_train.resume import keep_run_math, reconcile

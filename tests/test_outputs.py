@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train.cli import parse_train_args
 from accel_train.data import CIFAR10
-from accel_train.evaluate import load_exported
+from accel_train.commands.evaluate import load_exported
 from conftest import launch, run_cli, write_cifar
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,6 @@ def test_tensorboard_events_hold_the_scalars(finished):
     assert tags["epoch/test_acc"] == pytest.approx([r["test_acc"] for r in rows])
 
 
-def test_missing_tracker_is_an_error(tmp_path):
-    proc = run_cli(["--train_samples", "32", "--test_samples", "8", "--batch_size", "16", "--epochs", "1",
-                    "--output_dir", tmp_path, "--log_with", "wandb"])
-    assert proc.returncode == 2 and "tracker(s) wandb did not start" in proc.stderr
-
-
 def test_curves_png_is_a_real_image(finished):
     _, out = finished
     with Image.open(out / "training_curves.png") as img:
@@ -70,19 +64,18 @@ def test_config_yaml_reproduces_the_run(finished):
     assert cfg.data == "cifar10" and cfg.output_dir == str(out)
 
 
-def test_evaluate_with_one_and_two_ranks_agrees(finished):
+def test_evaluate_prints_the_class_table_and_the_runs_accuracy(finished):
+    # 1 and 2 ranks reproducing a run's numbers, EMA and TTA included: tests/test_matrix.py
     data, out = finished
     one = run_cli(["evaluate", "--checkpoint", out, "--data_dir", data, "--batch_size", "8"])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", out, "--data_dir", data, "--batch_size", "8"])
-    acc = [re.search(r"test accuracy ([\d.]+)% on (\d+) samples \((\d) process", p.stdout).groups()
-           for p in (one, two)]
-    assert acc[0][:2] == acc[1][:2] and acc[0][1] == "53" and (acc[0][2], acc[1][2]) == ("1", "2")
+    acc = re.search(r"test accuracy ([\d.]+)% on (\d+) samples \((\d) process", one.stdout).groups()
+    assert acc[1:] == ("53", "1")
     table = one.stdout.splitlines()[2:]
     assert [line.split()[0] for line in table] == list(CIFAR10.classes)
     assert sum(int(line.split()[1]) for line in table) == 53
     final = json.loads((out / "model_config.json").read_text())["metrics"]["final_test_acc"]
-    assert float(acc[0][0]) == pytest.approx(100 * final, abs=0.01)
+    assert float(acc[0]) == pytest.approx(100 * final, abs=0.01)
     ema = run_cli(["evaluate", "--checkpoint", out, "--data_dir", data, "--ema", "--tta"])
     assert ema.returncode == 0 and "[EMA] [flip TTA]" in ema.stdout
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 from safetensors.torch import load_file
 
-from accel_train import loop
+from accel_train import accelerator, loop
 from accel_train.config import TrainConfig
-from conftest import ROOT, clean_env, launch
+from conftest import ROOT, TINY, clean_env, launch
 from test_launch import LAUNCH, dry_run, hw, parse  # noqa: F401  (hw is a fixture)
 
 ASCEND = {"RANK_TABLE_FILE": "/user/config/jobstart_hccl.json", "RANK_ID": "0"}
@@ -80,25 +80,25 @@ def test_launch_default_timeout_is_trainconfigs():
 
 def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(hw):
     env = {}
-    loop.hccl_timeouts(300, env)  # plain `accelerate launch` on NPU: set below --timeout_s, like launch.sh
+    accelerator.hccl_timeouts(300, env)  # plain `accelerate launch` on NPU: set below --timeout_s, like launch.sh
     for timeout in (300, 1000, 7200):
         launched, _, _ = parse(dry_run({}, ["--timeout_s", str(timeout)], bindir=hw(npus=8)))
-        assert hccl(launched) == loop.derived_hccl_timeouts(timeout)
-    assert (int(env["HCCL_CONNECT_TIMEOUT"]), int(env["HCCL_EXEC_TIMEOUT"])) == loop.derived_hccl_timeouts(300)
+        assert hccl(launched) == accelerator.derived_hccl_timeouts(timeout)
+    assert (int(env["HCCL_CONNECT_TIMEOUT"]), int(env["HCCL_EXEC_TIMEOUT"])) == accelerator.derived_hccl_timeouts(300)
     kept = {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
-    loop.hccl_timeouts(300, kept)
+    accelerator.hccl_timeouts(300, kept)
     assert kept == {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
     for timeout, env, needle in ((100, {}, "HCCL_CONNECT_TIMEOUT (120 s, its least value)"),
                                  (300, {"HCCL_CONNECT_TIMEOUT": "1800"}, "HCCL_CONNECT_TIMEOUT (1800 s, set to 1800)"),
                                  (300, {"HCCL_EXEC_TIMEOUT": "1836"}, "HCCL_EXEC_TIMEOUT (1836 s, set to 1836)"),
                                  (300, {"HCCL_CONNECT_TIMEOUT": "soon"}, "HCCL_CONNECT_TIMEOUT='soon' is not a number")):
-        with pytest.raises(loop.ConfigError, match=re.escape(needle)):
-            loop.hccl_timeouts(timeout, env)
+        with pytest.raises(accelerator.ConfigError, match=re.escape(needle)):
+            accelerator.hccl_timeouts(timeout, env)
 
 
 def test_on_npu_the_cli_refuses_an_hccl_exec_timeout_above_timeout_s_in_one_line(monkeypatch, capsys, tmp_path):
     from accel_train import cli
-    monkeypatch.setattr(loop, "is_npu_available", lambda: True)  # an Ascend host, as torch_npu reports it
+    monkeypatch.setattr(accelerator, "is_npu_available", lambda: True)  # an Ascend host, as torch_npu reports it
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1836")  # the user's own (HCCL's default value)
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "120")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
@@ -123,10 +123,10 @@ def test_trainer_never_names_a_process_group_backend(monkeypatch):
         def __init__(self, **kwargs):
             seen.update(kwargs)
 
-    monkeypatch.setattr(loop, "Accelerator", Capture)
-    monkeypatch.setattr(loop, "logger", type("Quiet", (), {"info": lambda self, *a, **k: None})())
-    loop.make_accelerator(TrainConfig(timeout_s=123))
-    init = [h for h in seen["kwargs_handlers"] if isinstance(h, loop.InitProcessGroupKwargs)]
+    monkeypatch.setattr(accelerator, "Accelerator", Capture)
+    monkeypatch.setattr(accelerator, "logger", type("Quiet", (), {"info": lambda self, *a, **k: None})())
+    accelerator.make_accelerator(TrainConfig(timeout_s=123))
+    init = [h for h in seen["kwargs_handlers"] if isinstance(h, accelerator.InitProcessGroupKwargs)]
     assert len(init) == 1 and init[0].to_kwargs() == {"timeout": timedelta(seconds=123)}
 
 
@@ -177,7 +177,7 @@ def worst(a, b):
 @pytest.mark.slow
 def test_resume_without_random_state_files_is_exact_with_dropout(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    run = ["--train_samples", "128", "--test_samples", "8", "--epochs", "2", "--batch_size", "16", *DROP]
+    run = [*TINY, "--train_samples", "128", "--test_samples", "8", "--epochs", "2", "--batch_size", "16", *DROP]
     launch("2proc_cpu.yaml", run + ["--output_dir", full])
     launch("2proc_cpu.yaml", run + ["--output_dir", part, "--max_steps", "5"])
     ckpt = part / "checkpoints" / "step_00000005"
@@ -203,7 +203,7 @@ def test_draw_seed_depends_on_seed_step_micro_batch_and_rank_only():
 @pytest.mark.slow
 def test_evaluation_on_three_unequal_shards_equals_one_process(tmp_path):
     out = tmp_path / "out"
-    launch("cpu.yaml", ["--train_samples", "64", "--test_samples", "8", "--epochs", "1", "--batch_size", "16",
+    launch("cpu.yaml", [*TINY, "--train_samples", "64", "--test_samples", "8", "--epochs", "1", "--batch_size", "16",
                         "--output_dir", out])
     evaluate = ["evaluate", "--checkpoint", out, "--test_samples", "23", "--batch_size", "4"]  # 23 < 3 x 4 x 2
     one = launch("cpu.yaml", evaluate)

@@ -4,8 +4,8 @@ import subprocess
 import threading
 import time
 
-import accel_train.preflight as preflight_module
-from accel_train.preflight import preflight
+import accel_train.commands.preflight as preflight_module
+from accel_train.commands.preflight import preflight
 from conftest import ROOT, clean_env
 
 

@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 
-from accel_train.checkpoint import EMA_FILE
+from accel_train.files import EMA_FILE
 from accel_train.config import TrainConfig
 from accel_train.data import build_data
 from accel_train.evaluate import evaluate

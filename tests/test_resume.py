@@ -9,21 +9,21 @@ from safetensors.torch import load_file
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
-from accel_train.checkpoint import checkpoint_dirs
+from accel_train.files import checkpoint_dirs
 from accel_train.cli import parse_train_args
-from accel_train.config import ConfigError
+from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.resume import check_data, reconcile
 
-from conftest import launch, run_cli
+from conftest import TINY, launch, run_cli
 
 pytestmark = pytest.mark.slow
-GN = ["--model_kwargs", '{"norm_layer": "groupnorm"}']
+GN = ["--model_kwargs", '{"norm_layer": "groupnorm1"}']  # per-process batch statistics would differ
 
 
 def small(out, *extra):
     # 256 random samples, global batch 32: 8 optimizer steps per epoch
-    return ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--log_every", "1",
+    return [*TINY, "--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--log_every", "1",
             "--output_dir", out, *extra]
 
 
@@ -62,7 +62,7 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
         steps = [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()]
         assert steps == list(range(1, 17))
     # and 1e-5 means something: training moved the weights far more than that
-    init = create_model("resnet18", "cifar", norm_layer="groupnorm").state_dict()
+    init = create_model(TINY[1], "imagenet", norm_layer="groupnorm1").state_dict()
     assert worst(ref, init) > 1e-3
 
     # what would change the run's math is refused (reconcile / check_data, in-process below, on this real
@@ -172,7 +172,7 @@ def test_ema_is_restored_before_first_use(tmp_path):
     proc = launch("cpu.yaml", small(plain, *run, "--max_steps", "4", "--resume", "auto"))
     assert "has no EMA weights: the EMA starts from the resumed weights" in proc.stderr
     w4, ema = load_file(plain / "model.safetensors"), load_file(plain / "model_ema.safetensors")
-    model = create_model("resnet18", "cifar")
+    model = create_model(TINY[1], "imagenet")
     model.load_state_dict(w3)
     expected = ModelEmaV3(model, decay=0.9, use_warmup=True)
     model.load_state_dict(w4)

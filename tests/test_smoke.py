@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from accelerate.test_utils import path_in_accelerate_package
 
-from accel_train import smoke
-from accel_train.smoke import check
+from accel_train.commands import smoke
+from accel_train.commands.smoke import check
 from conftest import CONFIGS, ROOT, clean_env
 
 
@@ -25,7 +25,8 @@ def test_smoke_passes_when_every_rank_joined(config, ranks):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the launch `ACCELERATE_USE_CPU=1 accelerate test --config_file <config>` makes (accelerate's commands/test.py:
     # `accelerate-launch --config_file=<config> <its test_script.py>`; "Test is a success" means that exited 0,
-    # which check() requires too); this test replaces test_configs' run of `accelerate test` on these two configs
+    # which check() requires too); this test replaces test_accelerate_configs' run of `accelerate test` on these
+    # two configs
     assert proc.stdout.splitlines()[0] == (f"smoke: {sys.executable} -m accelerate.commands.launch --config_file "
                                            f"{CONFIGS / config} {smoke.test_script()} (ACCELERATE_USE_CPU=1)")
     assert smoke.test_script() == Path(path_in_accelerate_package("test_utils", "scripts", "test_script.py")).resolve()

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from accel_train import cli
+from accel_train import cli, errors
 from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
-from accel_train.config import ConfigError, Preempted, load_yaml
+from accel_train.cli import load_yaml
+from accel_train.errors import ConfigError, Preempted
 from accel_train.data import DataError, check_images, decode_all
 from accel_train.model import create_model
 from conftest import clean_env, launch, run_cli
@@ -78,7 +79,7 @@ def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
 
 
 def test_start_up_error_before_the_group_is_said_by_the_first_local_process(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "QUIET_EXIT_DELAY_S", 0)
+    monkeypatch.setattr(errors, "QUIET_EXIT_DELAY_S", 0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     for local_rank, lines in (("1", 0), ("0", 1)):  # torchrun's environment, read by accelerate
         monkeypatch.setenv("LOCAL_RANK", local_rank)

@@ -21,7 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import ConfigError
+from ..errors import ConfigError
+from ..hardware import has_accelerator
 
 NUM_RE = re.compile(r"^Num processes: (\d+)\s*$", re.M)
 INDEX_RE = re.compile(r"^Process index: (\d+)\s*$", re.M)
@@ -46,12 +47,6 @@ def check(output: str, returncode: int, total: int, indices: range) -> list[str]
         problems.append(f"expected process indices {indices.start}..{indices.stop - 1} here, got "
                         f"{', '.join(map(str, seen)) or 'none'}")
     return problems
-
-
-def has_accelerator() -> bool:
-    import torch
-    from accelerate.utils import is_npu_available
-    return torch.accelerator.is_available() or is_npu_available()
 
 
 def layout(argv: list[str]) -> tuple[str, int, int, int, bool]:

@@ -1,0 +1,133 @@
+"""The Accelerator of a training run, as this platform needs it: the precision the device really has, the
+trackers, the collective timeout on every backend (HCCL's own timeouts below it), and one process group.
+
+Nothing here names a device or a backend: the accelerate config the job was launched with does.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
+                              LoggerType, ProjectConfiguration, TorchDynamoPlugin, is_npu_available)
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, has_accelerator
+from .ranks import said_once
+
+logger = get_logger("accel_train")
+
+
+def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
+    """The precision asked for and where: the trainer's flag, else the launcher's config, else nothing."""
+    if cfg.mixed_precision != "auto":
+        return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
+    launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config (or its flag)
+    if launched:
+        return launched.lower(), f"the accelerate config's mixed_precision: '{launched.lower()}'"
+    return None, ""
+
+
+def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
+    if is_npu_available():
+        hccl_timeouts(cfg.timeout_s)
+    trackers = cfg.trackers()
+    unknown = [t for t in trackers if t not in LoggerType.list()]
+    if unknown:
+        raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
+                          f"{', '.join(LoggerType.list())}")
+    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
+    cpu = not has_accelerator()
+    facts = facts or device_facts(cpu=True if cpu else None)
+    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # README: Precision
+    refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision="no" if refusal else choice.precision,
+        gradient_accumulation_steps=cfg.grad_accum,
+        # --compile: Accelerate compiles in prepare(), after the DDP wrap (compile last, as it advises)
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),  # (pinned batches)
+        kwargs_handlers=[  # the collective timeout on every backend; no backend named (Accelerate forces hccl on
+            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),  # NPU and refuses any other name)
+            DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+                                          gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
+        ],
+    )
+    with said_once(accelerator):  # the same facts on every rank: one line
+        if refusal:
+            raise ConfigError(refusal)
+    check_one_group(accelerator.num_processes, cfg)
+    accelerator.device_facts = facts
+    logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
+    return accelerator
+
+
+# HCCL's own timeouts (CANN environment variables HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200, and
+# HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A); torch_npu asks for a process-group timeout above
+# both, else which timeout ends a job whose peer died is left to chance. Unset ones are set below --timeout_s,
+# as launch.sh does (hccl_timeouts there: the same rule, tests/test_platform_faults.py checks they agree).
+HCCL_TIMEOUTS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
+
+
+def derived_hccl_timeouts(timeout_s: int) -> tuple[int, int]:
+    """(connect, exec) for --timeout_s: three quarters of it, connect within 120..7200, exec a multiple of 68."""
+    budget = timeout_s * 3 // 4
+    return min(max(budget, 120), 7200), max(budget // 68 * 68, 68)
+
+
+def hccl_timeouts(timeout_s: int, env=os.environ) -> None:
+    """On NPU, before the process group exists: HCCL's timeouts below --timeout_s. Unset ones are set here (HCCL
+    reads them when it builds its communicator, in this process); ones the user set must already be below."""
+    for name, derived in zip(HCCL_TIMEOUTS, derived_hccl_timeouts(timeout_s)):
+        text = env.get(name, "").strip()
+        if text and not text.isdigit():
+            raise ConfigError(f"{name}={text!r} is not a number of seconds; unset it (it is then set from "
+                              "--timeout_s) or give an integer below --timeout_s")
+        value = int(text) if text else derived
+        if value >= timeout_s:
+            source = f"set to {text}" if text else "its least value"
+            raise ConfigError(f"--timeout_s {timeout_s} must be above {name} ({value} s, {source}): a dead peer "
+                              f"would be found by HCCL's timeout or not at all; raise --timeout_s above {value}"
+                              + (f" or set {name} below {timeout_s}" if text else ""))
+        env[name] = str(value)
+
+
+def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:
+    """Refuse silent duplicate training: N processes launched that each train alone."""
+    launched = int(env.get("WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in env else 1  # torchrun counts ranks
+    if launched > 1 and num_processes != launched:
+        raise ConfigError(f"the launcher started {launched} processes but they did not join one process group "
+                          f"(each sees {num_processes}); on a CPU host set use_cpu: true in the accelerate config "
+                          "or ACCELERATE_USE_CPU=1")
+    if (cfg.world_size or 1) > 1 and num_processes == 1:
+        raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: start the job "
+                          "with launch.sh (or accelerate launch with a multi-node config), not python directly")
+
+
+def prepare_output_dir(path) -> Path:
+    """Every rank checks it can write there before any work starts."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir") \
+            from None
+    try:
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise ConfigError(f"output directory {out} is not writable ({e.strerror}); pass a writable --output_dir") \
+            from None
+    return out
+
+
+def tracker_config(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool))}

@@ -1,0 +1,100 @@
+"""`accel-train evaluate`: a finished run's model.safetensors (or a checkpoint folder) on the evaluation split,
+with the data set's facts from its model_config.json; on several ranks under accelerate launch.
+
+    accel-train evaluate --checkpoint output_dir --data cifar10 --data_dir input_dir
+    accel-train evaluate --checkpoint output_dir --data imagefolder --data_dir my_images   # reads val/ only
+    accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \\
+        --checkpoint output_dir ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import Parser, TrainConfig
+from ..errors import ConfigError
+from ..evaluate import evaluate
+from ..files import EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+
+
+def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]:
+    """model.safetensors (or the EMA's) + model_config.json -> (eval-mode model, config). `checkpoint`: a finished
+    run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json)."""
+    from safetensors.torch import load_file
+
+    from ..model import create_model, plain_state_dict
+    root = Path(checkpoint)
+    weights = root / ((EMA_FILE if (root / EMA_FILE).is_file() else EMA_EXPORT_FILE) if ema else MODEL_FILE)
+    missing = [name for name, path in ((MODEL_CONFIG_FILE, root / MODEL_CONFIG_FILE), (weights.name, weights))
+               if not path.is_file()]
+    if missing:
+        raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
+                          "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
+    meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
+    model = create_model(meta["architecture"], meta["stem"], num_classes=meta["num_classes"],
+                         **meta.get("model_kwargs", {}))
+    try:
+        model.load_state_dict(plain_state_dict(load_file(weights)))  # (a checkpoint's: written from the prepared model)
+    except Exception as e:
+        raise ConfigError(f"{weights} does not fit {meta['architecture']} ({str(e).splitlines()[0][:200]})") from None
+    return model.eval(), meta
+
+
+def main_evaluate(argv: list[str]) -> int:
+    p = Parser(prog="accel-train evaluate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               description="Accuracy and per-class accuracy of a finished run's model on the evaluation split "
+                           "only; classes, input size and mean/std come from its model_config.json; runs on "
+                           "several ranks under accelerate launch (gather_for_metrics).")
+    defaults = TrainConfig()
+    p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
+                   "(<output_dir>/checkpoints/step_N)")
+    p.add_argument("--data", default=None, choices=("cifar10", "imagefolder", "random"),
+                   help="default: the data set the model was trained on")
+    p.add_argument("--data_dir", "--data_url", default=defaults.data_dir)
+    p.add_argument("--test_samples", type=int, default=None, help="only the first N test samples")
+    p.add_argument("--batch_size", type=int, default=256, help="per process")
+    p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu"))
+    p.add_argument("--num_workers", type=int, default=defaults.num_workers, help="DataLoader workers (cpu pipeline)")
+    p.add_argument("--tta", action="store_true", help="horizontal-flip test-time augmentation")
+    p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
+    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")
+    args = p.parse_args(argv)
+
+    from accelerate import Accelerator
+    from accelerate.logging import get_logger
+
+    from ..data import DataInfo, build_data, device_budget
+    from ..hardware import has_accelerator
+    from ..ranks import rank0s
+    model, meta = load_exported(args.checkpoint, args.ema)
+    info = DataInfo.from_model_config(meta)
+    data_name = args.data or meta.get("data", "cifar10")
+    cfg = TrainConfig(data=data_name, data_dir=args.data_dir, test_samples=args.test_samples, seed=args.seed,
+                      batch_size=args.batch_size, pipeline=args.pipeline, num_workers=args.num_workers,
+                      image_size=info.image_size if data_name != "cifar10" else None)
+    accelerator = Accelerator(cpu=not has_accelerator())
+    budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks
+    data = build_data(cfg, accelerator.device, info=info, eval_only=True, budget=budget)
+    model, test_loader = accelerator.prepare(model, data.test_loader)
+    preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)
+    log = get_logger("accel_train")
+    acc = (preds == labels).float().mean().item()
+    width = max(12, *(len(c) for c in info.classes))
+    lines = [f"{meta['architecture']} ({meta['stem']} stem) from {args.checkpoint}"
+             + (" [EMA]" if args.ema else "") + (" [flip TTA]" if args.tta else "")
+             + f": test accuracy {acc:.2%} on {labels.numel()} samples ({accelerator.num_processes} process(es))",
+             f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]
+    for c, name in enumerate(info.classes):
+        mask = labels == c
+        n = int(mask.sum())
+        accuracy = f"{(preds[mask] == c).float().mean().item():9.2%}" if n else f"{'-':>9s}"
+        lines.append(f"{name:{width}s} {n:8d} {accuracy}")
+    if accelerator.is_main_process:
+        print("\n".join(lines), flush=True)
+    log.info(f"evaluated {labels.numel()} samples; {data.describe()}", main_process_only=True)
+    accelerator.end_training()
+    return 0

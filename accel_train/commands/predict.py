@@ -1,0 +1,96 @@
+"""`accel-train predict`: top-k classes with probabilities for image files or folders, from a finished run's model
+or one of its checkpoints.
+
+    accel-train predict --checkpoint output_dir cat.png ship.jpg
+    accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..config import Parser
+from ..errors import EXIT_BAD_INPUT, ConfigError
+from .evaluate import load_exported
+
+
+def load_image(path, meta: dict) -> torch.Tensor:
+    """An image file -> normalised (3, S, S) float tensor, exactly as the model saw its data (decode_image)."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from ..data import DataError, DataInfo, decode_image
+    info = DataInfo.from_model_config(meta)
+    try:
+        x = decode_image(path, info.image_size)
+    except DataError as e:
+        raise ConfigError(f"cannot read image: {e}") from None
+    return TF.normalize(x.float() / 255, list(info.mean), list(info.std))
+
+
+def image_paths(args: list[str]) -> list[Path]:
+    """Files as given; a folder gives its image files (extensions Pillow claims, recursively, sorted)."""
+    from ..data.images import _image_extensions
+    extensions, out = _image_extensions(), []
+    for arg in map(Path, args):
+        if arg.is_dir():
+            out += sorted(f for f in arg.rglob("*") if f.is_file() and not f.name.startswith(".")
+                          and f.suffix.lower() in extensions)
+        else:
+            out.append(arg)
+    return out
+
+
+def predict_lines(model, meta: dict, paths: list[Path], top: int, batch: int = 64):
+    """Yields (path, 'class p%, ...' or None, error or None) per image, in order: a file that cannot be read is
+    named, and the others are still predicted."""
+    classes = meta["classes"]
+    for start in range(0, len(paths), batch):
+        chunk, good, errors = paths[start:start + batch], [], {}
+        for path in chunk:
+            try:
+                good.append((path, load_image(path, meta)))
+            except ConfigError as e:
+                errors[path] = str(e)
+        probs = iter(())
+        if good:
+            with torch.no_grad():
+                probs = iter(model(torch.stack([x for _, x in good])).float().softmax(1))
+        for path in chunk:
+            if path in errors:
+                yield path, None, errors[path]
+                continue
+            values, indices = next(probs).topk(min(top, len(classes)))
+            yield path, ", ".join(f"{classes[i]} {v:.1%}" for v, i in zip(values.tolist(), indices.tolist())), None
+
+
+def main_predict(argv: list[str]) -> int:
+    p = Parser(prog="accel-train predict", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               description="Top-5 classes (the names of the data set the model was trained on) with "
+                           "probabilities for each image, from a finished run's model.")
+    p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
+                   "(<output_dir>/checkpoints/step_N)")
+    p.add_argument("--ema", action="store_true", help="use model_ema.safetensors")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
+                   "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
+    args = p.parse_args(argv)
+    model, meta = load_exported(args.checkpoint, args.ema)
+    paths = image_paths(args.images)
+    if not paths:
+        raise ConfigError(f"no image files in {' '.join(args.images)}")
+    bad = []
+    for path, line, error in predict_lines(model, meta, paths, args.top):
+        if error:
+            bad.append(path)
+            print(error, file=sys.stderr, flush=True)
+        else:
+            print(f"{path}: {line}", flush=True)
+    if bad:
+        print(f"{len(bad)} of {len(paths)} images could not be read: {', '.join(map(str, bad[:10]))}"
+              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""), file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    return 0

@@ -1,0 +1,65 @@
+"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation.
+
+Augmentation is random crop with zero padding of image_size/8 pixels (4 at 32), then horizontal flip
+(`--hflip false` turns it off), then normalisation. In both pipelines its randomness is a hash of (seed,
+epoch, sample index): the same sample in the same epoch gets the same crop and flip whatever the world
+size, the batch size or a resume.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+
+from .info import CIFAR10, DataInfo
+
+
+def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """A 32-bit hash per (seed, epoch, sample index), computed on idx's device (int64, no overflow)."""
+    m = 0xFFFFFFFF
+    x = (idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31) & m
+    for _ in range(2):
+        x = x ^ (x >> 16)
+        x = (x * 0x45D9F3B) & m
+    return x ^ (x >> 16)
+
+
+def crop_flip_params(idx: torch.Tensor, epoch: int, seed: int, pad: int = 4,
+                     hflip: bool = True) -> tuple[torch.Tensor, ...]:
+    """Per-sample crop offsets (0..2*pad, top and left in the padded image) and flips (0/1)."""
+    h = sample_hash(idx, epoch, seed)
+    top = h % (2 * pad + 1)
+    left = (h >> 8) % (2 * pad + 1)
+    flip = (h >> 20) & 1 if hflip else torch.zeros_like(h)
+    return top, left, flip
+
+
+def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
+              pad: int = 4) -> torch.Tensor:
+    """Batched RandomCrop(size, padding=pad) then RandomHorizontalFlip, as one gather on the device."""
+    n, c, h, w = images.shape
+    padded = F.pad(images, (pad, pad, pad, pad))
+    ar_h = torch.arange(h, device=images.device)
+    ar_w = torch.arange(w, device=images.device)
+    rows = top[:, None] + ar_h                                                     # n, h
+    cols = left[:, None] + torch.where(flip[:, None].bool(), w - 1 - ar_w, ar_w)  # n, w
+    batch = torch.arange(n, device=images.device)[:, None, None, None]
+    chans = torch.arange(c, device=images.device)[None, :, None, None]
+    return padded[batch, chans, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+class Normalize:
+    """uint8 -> float, (x/255 - mean) / std, as one fused multiply-add."""
+
+    def __init__(self, device, mean=CIFAR10.mean, std=CIFAR10.std):
+        std_t = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.scale = 1.0 / (255.0 * std_t)
+        self.shift = -torch.tensor(mean, device=device).view(1, 3, 1, 1) / std_t
+
+    def __call__(self, images_u8: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.shift, images_u8.float(), self.scale)
+
+
+def cpu_transforms(info: DataInfo = CIFAR10) -> v2.Compose:
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(info.mean, info.std)])

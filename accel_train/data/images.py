@@ -1,0 +1,180 @@
+"""Image folders: <root>/train/<class>/*, <root>/val|validation|test/<class>/*. Scanning the splits, reading
+and decoding the files, the errors that name unreadable ones, and the training images' channel statistics."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import SIZE_SAMPLE
+from .info import DataError
+
+EVAL_DIRS = ("val", "validation", "test")  # an image folder's evaluation split, first found wins
+
+
+class UnreadableImage(DataError):
+    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images)."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path} is not a readable image ({reason}); replace or remove it")
+        self.path, self.reason = path, reason
+
+
+NAMED_BAD_IMAGES = 10  # an error names this many unreadable files, then counts the rest
+
+
+def unreadable_images(errors: list[UnreadableImage]) -> DataError:
+    """Every unreadable file found in one pass, in one message (the first NAMED_BAD_IMAGES named)."""
+    if len(errors) == 1:
+        return errors[0]
+    errors = sorted(errors, key=lambda e: str(e.path))
+    named = ", ".join(f"{e.path} ({' '.join(e.reason.replace(repr(str(e.path)), '').split())})"  # (no 2nd path)
+                      for e in errors[:NAMED_BAD_IMAGES])
+    more = f" and {len(errors) - NAMED_BAD_IMAGES} more" if len(errors) > NAMED_BAD_IMAGES else ""
+    return DataError(f"{len(errors)} files are not readable images: {named}{more}; replace or remove them")
+
+
+def _image_extensions() -> set[str]:
+    from PIL import Image
+    return {ext.lower() for ext in Image.registered_extensions()}
+
+
+def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], list[Path], list[int]]:
+    """<root>/<class>/<files> -> (class names, files, labels). Class names are the sorted folder names; with
+    `classes` given (the training split's), the folders must be among them and labels index into them.
+    Hidden files and files whose extension no Pillow plugin claims are skipped."""
+    extensions = _image_extensions()
+    found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not found:
+        raise DataError(f"{root} has no class folders; put each class's images in {root}/<class name>/")
+    if classes is None:
+        classes = tuple(found)
+    unknown = [c for c in found if c not in classes]
+    if unknown:
+        raise DataError(f"{root}: class folder(s) {', '.join(unknown)} are not in the training split "
+                        f"({', '.join(classes)}); rename or remove them")
+    files, labels = [], []
+    for name in found:
+        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and not f.name.startswith(".")
+                        and f.suffix.lower() in extensions)
+        if not images:
+            raise DataError(f"class folder {root / name} has no images; add some or remove the folder")
+        files += images
+        labels += [classes.index(name)] * len(images)
+    return classes, files, labels
+
+
+def image_folder_splits(data_dir, need_train: bool = True) -> tuple[Path, Path]:
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) pointing at the "
+                        "folder that holds train/ and val/")
+    train = root / "train"
+    if need_train and not train.is_dir():
+        raise DataError(f"{root} has no train/ folder; an image folder is {root}/train/<class>/... and "
+                        f"{root}/val/<class>/...")
+    evaluation = next((root / d for d in EVAL_DIRS if (root / d).is_dir()), None)
+    if evaluation is None:
+        raise DataError(f"{root} has no evaluation split; add {root}/val/<class>/... (or validation/ or test/)")
+    return train, evaluation
+
+
+def decode_image(path, size: int) -> torch.Tensor:
+    """An image file (any mode Pillow reads) -> 3 x size x size uint8: RGB, shorter side resized to size
+    (bilinear, antialiased), centre crop. Training, evaluate and predict all see images through this."""
+    from PIL import Image
+    try:
+        with Image.open(path) as img:
+            img.draft("RGB", (size, size))  # JPEG: decode at the smallest scale that is still >= size
+            img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA") else img.convert("RGB")
+            w, h = img.size
+            scale = size / min(w, h)
+            if (w, h) != (size, size):
+                img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+            w, h = img.size
+            left, top = (w - size) // 2, (h - size) // 2
+            img = img.crop((left, top, left + size, top + size))
+            array = np.asarray(img, dtype=np.uint8)
+    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise UnreadableImage(path, first) from None
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
+
+
+def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
+    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s)."""
+    start = time.perf_counter()
+    out = torch.empty((len(files), 3, size, size), dtype=torch.uint8)
+
+    def one(i):
+        try:
+            out[i] = decode_image(files[i], size)
+        except UnreadableImage as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        errors = [e for e in pool.map(one, range(len(files))) if e is not None]
+    if errors:
+        raise unreadable_images(errors)
+    return out, len(files) / max(time.perf_counter() - start, 1e-9)
+
+
+def native_size(files: list[Path], limit: int = SIZE_SAMPLE) -> int | None:
+    """The images' own size: the median shorter side of up to `limit` evenly spaced files (headers only, no
+    decoding; the same files on every rank). None if none is readable (the decode or check names them)."""
+    from PIL import Image
+    sides = []
+    for i in np.linspace(0, len(files) - 1, min(limit, len(files))).round().astype(int) if files else ():
+        try:
+            with Image.open(files[i]) as img:
+                sides.append(min(img.size))
+        except Exception:  # a broken file: named by check_images / decode_image, not here
+            continue
+    return int(np.median(sides)) if sides else None
+
+
+def check_images(files: list[Path]) -> None:
+    """The cpu pipeline decodes later, in workers: read every file's header now (cheap, no decoding) so that
+    a file that is not an image stops the run before it starts, named. (A file whose header is fine but
+    whose pixel data is truncated is only found, and named, when a worker decodes it.)"""
+    from PIL import Image
+
+    def one(path):
+        try:
+            with Image.open(path) as img:
+                img.size
+        except Exception as e:  # Pillow raises many kinds for a broken file
+            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            return UnreadableImage(path, first)
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        errors = [e for e in pool.map(one, files) if e is not None]
+    if errors:
+        raise unreadable_images(errors)
+
+
+def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in [0, 1] of N x 3 x H x W uint8 images."""
+    total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for chunk in images.split(256):
+        c = chunk.double()
+        total += c.sum((0, 2, 3))
+        squares += (c * c).sum((0, 2, 3))
+    n = images.numel() / 3
+    mean = total / n / 255
+    std = (squares / n / 255**2 - mean**2).clamp_min(1e-6).sqrt().clamp_min(1e-3)
+    return tuple(round(v, 4) for v in mean.tolist()), tuple(round(v, 4) for v in std.tolist())
+
+
+def subset(files: list, labels: list, n: int | None) -> tuple[list, list]:
+    """--train_samples/--test_samples on an image folder: N evenly spaced files (files are sorted by class,
+    so the first N would be the first classes only)."""
+    if n is None or n >= len(files):
+        return files, labels
+    keep = np.linspace(0, len(files) - 1, n).round().astype(int)
+    return [files[i] for i in keep], [labels[i] for i in keep]

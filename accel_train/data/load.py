@@ -1,0 +1,126 @@
+"""Loading: the data set's description, its splits, and which pipeline holds them.
+
+`--pipeline auto` (the default) takes the device pipeline when the decoded uint8 data fits
+`--device_data_mb` (default a quarter of the device's free memory), else the cpu one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..config import TrainConfig
+from ..errors import ConfigError
+from .cifar import read_cifar10
+from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
+from .info import CIFAR10, DataInfo
+from .synthetic import random_data
+
+STATS_SAMPLE = 2048  # training images decoded to estimate mean/std when the cpu pipeline decodes per sample
+
+
+@dataclass
+class Split:
+    labels: torch.Tensor
+    images: torch.Tensor | None = None  # N x 3 x S x S uint8, decoded
+    files: list[Path] | None = None     # decoded per sample by the cpu pipeline
+
+    def __len__(self):
+        return len(self.labels)
+
+
+def device_budget(cfg: TrainConfig, device) -> int:
+    """Bytes of decoded images the device pipeline may keep on `device`, as measured here. Under several
+    ranks, take rank 0's measure for every rank (broadcast it before build_data): all ranks must choose
+    the same pipeline."""
+    if cfg.device_data_mb is not None:
+        return int(cfg.device_data_mb * 2**20)
+    device = torch.device(device)
+    try:
+        if device.type == "cpu":
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        else:
+            free, _ = torch.accelerator.get_memory_info(device)
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        free = 2**64  # unknown: do not refuse
+    return free // 4
+
+
+def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None) -> tuple[str, str]:
+    """('device' or 'cpu', the reason in words)."""
+    if cfg.pipeline == "cpu":
+        return "cpu", "as asked (--pipeline cpu)"
+    budget = device_budget(cfg, device) if budget is None else budget
+    size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
+    if nbytes <= budget:
+        return "device", f"{size} fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+    if cfg.pipeline == "device":
+        raise ConfigError(f"--pipeline device: {size} do not fit the {budget / 2**20:.0f} MiB allowed on {device}; "
+                          "use --pipeline cpu (workers decode per sample) or raise --device_data_mb")
+    return "cpu", f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+
+
+def with_flags(info: DataInfo, cfg: TrainConfig) -> DataInfo:
+    mean, std = cfg.normalisation()
+    return replace(info, mean=mean or info.mean, std=std or info.std)
+
+
+def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only: bool = False,
+              budget: int | None = None):
+    """-> (DataInfo, {split: Split}, pipeline, notes). With `info` (evaluate: from model_config.json) the
+    classes, size and mean/std are the model's and nothing is recomputed; `eval_only` reads only 'test'."""
+    wanted = ("test",) if eval_only else ("train", "test")
+    if cfg.data == "imagefolder":
+        return load_image_folder(cfg, device, info, wanted, budget)
+    size = info.image_size if info else cfg.resolution()
+    if cfg.data == "random":
+        tensors = random_data(cfg.train_samples or 50_000, cfg.test_samples or 10_000, cfg.seed, size,
+                              info.num_classes if info else CIFAR10.num_classes, wanted)
+        info = info or with_flags(replace(CIFAR10, name="random", image_size=size), cfg)
+    else:
+        tensors = read_cifar10(cfg.data_dir, wanted)
+        limits = {"train": cfg.train_samples, "test": cfg.test_samples}
+        tensors = {k: (x[: limits[k]], y[: limits[k]]) for k, (x, y) in tensors.items()}
+        info = info or with_flags(CIFAR10, cfg)
+    pipeline, why = choose_pipeline(cfg, sum(x.numel() for x, _ in tensors.values()), device, budget)
+    return info, {k: Split(y, images=x) for k, (x, y) in tensors.items()}, pipeline, why
+
+
+def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None):
+    train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
+    classes = info.classes if info else None
+    found = {}
+    if "train" in wanted:
+        classes, files, labels = scan_split(train_dir, classes)
+        found["train"] = subset(files, labels, cfg.train_samples)
+    _, files, labels = scan_split(eval_dir, classes)
+    found["test"] = subset(files, labels, cfg.test_samples)
+    size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
+                                                        and "train" in found else None)
+    pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget)
+    splits, notes = {}, [why]
+    for split, (files, labels) in found.items():
+        labels = torch.tensor(labels, dtype=torch.long)
+        if pipeline == "device":
+            images, rate = decode_all(files, size)
+            notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
+            splits[split] = Split(labels, images=images)
+        else:
+            check_images(files)
+            splits[split] = Split(labels, files=files)
+    if info is None:
+        mean, std = cfg.normalisation()
+        if mean is None or std is None:
+            train = splits["train"]
+            if train.images is not None:
+                stats = channel_stats(train.images)
+            else:  # an evenly spaced sample of the training files, the same on every rank
+                step = max(1, len(train.files) // STATS_SAMPLE)
+                stats = channel_stats(decode_all(train.files[::step], size)[0])
+            mean, std = mean or stats[0], std or stats[1]
+            notes.append(f"mean {mean} std {std} from the training images")
+        info = DataInfo("imagefolder", classes, mean, std, size)
+    return info, splits, pipeline, notes

@@ -1,0 +1,137 @@
+"""What ends a run other than success, the exit status each gives (README: Exit statuses), and how it is
+reported: one line, by the process that should say it.
+
+Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`), because `accelerate launch`
+returns 1 for any failed worker. launch.sh reads those files and acts on the most telling one, in the
+order of STATUS_PRIORITY (tests/test_errors.py checks launch.sh's list is this one). A lost peer is told
+from a bug by the exception's type and origin (`is_lost_peer`), never by its words alone.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """Bad user input: printed as one line naming the fix, exit status 2, nothing touched.
+
+    `quiet`: every rank raised the same error; only the main process prints it."""
+
+    quiet = False
+
+
+class Preempted(Exception):
+    """SIGTERM/SIGUSR1 reached a rank: every rank stopped at one step and checkpointed it (exit 4)."""
+
+
+class Diverged(Exception):
+    """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
+
+
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
+
+# The job's status when ranks ended differently, most telling first: a cause that a relaunch cannot fix (bad input,
+# divergence), then a rank aborted by the NCCL watchdog (no status file; counted as a lost peer), then an error, a
+# second Ctrl-C, a preemption, a lost peer. launch.sh's trainer_status() walks the same list.
+ABORTED = "abort"
+STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+                   EXIT_LOST_PEER)
+
+
+def report_status(code: int) -> None:
+    """Tell launch.sh this process's exit status (`accelerate launch` itself returns 1 for any failure)."""
+    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
+    if folder:
+        try:
+            Path(folder, f"{socket.gethostname()}-{os.getpid()}").write_text(f"{code}\n")
+        except OSError:
+            pass
+
+
+LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError")
+LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|ncclRemoteError|ncclSystemError|remote process exited|"
+                               r"Watchdog caught collective operation timeout|HCCL.*(timeout|heartbeat)", re.I)
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    names = {c.__name__ for c in type(error).__mro__}
+    if names & set(LOST_PEER_TYPES):
+        return True
+    return isinstance(error, RuntimeError) and bool(LOST_PEER_ORIGINS.search(str(error)))
+
+
+def note_aborts() -> None:
+    """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no Python exception)
+    leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which launch.sh reads as a lost peer."""
+    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
+    if not folder:
+        return
+    try:
+        Path(folder, "faults").mkdir(exist_ok=True)
+        note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
+    except OSError:
+        return
+    faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
+    _fault_notes.append(note)
+
+
+_fault_notes: list = []
+
+
+def lost_peer(error: Exception, cfg) -> None:
+    """A collective failed: a peer died or stopped answering. One line, then exit without teardown
+    (destroying a process group whose peer is gone can hang)."""
+    from .files import checkpoint_dirs
+    text = " ".join(str(error).split())
+    peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text)
+    detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
+    found = checkpoint_dirs(cfg.output_dir)
+    where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
+    print(f"\naccel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
+          f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
+          "it) once every node is back", file=sys.stderr, flush=True)
+    report_status(EXIT_LOST_PEER)
+    os._exit(EXIT_LOST_PEER)
+
+
+def process_group():
+    """accelerate's PartialState when this process is one of several ranks of a process group, else None.
+    Never creates one (that is a rendezvous): only reads the state an Accelerator already set up."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or state.PartialState._shared_state == {}:
+        return None
+    group = state.PartialState()
+    return group if group.num_processes > 1 else None
+
+
+# Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).
+LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# How long a rank that leaves a shared start-up error to its machine's first process waits before exiting:
+# torchrun stops the other ranks as soon as one exits, and the first must have printed by then.
+QUIET_EXIT_DELAY_S = 2.0
+
+
+def says_shared_errors() -> bool:
+    """Whether this process prints an error it did not mark quiet.
+
+    Inside a process group (an Accelerator exists) a rank prints what it raised: errors every rank raises
+    alike are marked quiet on all but the main process where they are raised (resume.said_once,
+    on_every_rank). Before the group exists (arguments, --config, --log_with: the same argv and environment on
+    every rank of a machine, so every rank fails alike) only the machine's first process prints. It is known
+    from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState
+    uses for CPU ranks), without the rendezvous a PartialState would start; the others wait a moment so that
+    torchrun, which stops the remaining ranks when one exits, does not stop the first before it has printed."""
+    if process_group() is not None or not any(v in os.environ for v in LAUNCHER_VARS):
+        return True  # (no launcher started several processes here: skip accelerate's import)
+    from accelerate.utils import get_cpu_distributed_information
+    if get_cpu_distributed_information().local_rank == 0:
+        return True
+    time.sleep(QUIET_EXIT_DELAY_S)
+    return False

@@ -1,0 +1,58 @@
+"""The run's files: every name accel_train writes in --output_dir and in a checkpoint, where checkpoints
+are found, and the JSON-lines helpers. Nothing else in the package spells a file name."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+# --output_dir
+MODEL_FILE = "model.safetensors"            # the trained model (main process only)
+MODEL_CONFIG_FILE = "model_config.json"     # timm name, stem, the data's description, final metrics
+EMA_EXPORT_FILE = "model_ema.safetensors"   # --ema: the EMA weights
+BEST_FILE = "model_best.safetensors"        # the weights of the epoch with the highest test_acc so far
+CONFIG_FILE = "config.yaml"                 # every flag of the run: --config config.yaml reproduces it
+METRICS_FILE = "metrics.jsonl"              # one row per epoch
+STEPS_FILE = "steps.jsonl"                  # one row per logged step
+CURVES_FILE = "training_curves.png"
+CKPT_DIR = "checkpoints"                    # step_<global step>/ each
+# in a checkpoint, beside Accelerate's own files (model.safetensors, optimizer.bin, random_states_<rank>.pkl)
+STATE_FILE = "trainer_state.json"
+EMA_FILE = "ema.safetensors"
+RNG_PREFIX = "random_states_"
+HISTORY = (METRICS_FILE, STEPS_FILE)        # the run's rows so far, carried by every checkpoint
+
+
+def step_dir(output_dir, step: int) -> Path:
+    return Path(output_dir) / CKPT_DIR / f"step_{step:08d}"
+
+
+def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints (of one run, if given), oldest first."""
+    root = Path(output_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    if run_id is not None:
+        found = [p for p in found if _run_of(p) == run_id]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def _run_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("run_id", "legacy")
+    except (OSError, ValueError):
+        return None
+
+
+def dumps(row: dict) -> str:
+    """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not JSON)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
+                      allow_nan=False)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,164 @@
+"""What a run leaves: model.safetensors (+ model_config.json), model_ema.safetensors, model_best.safetensors,
+the curves and config.yaml, each written by the main process only; and the best epoch so far.
+
+The exports are plain state dicts (no `module.` / `_orig_mod.` prefixes): timm.create_model + load_state_dict
+takes them (README: Outputs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate.logging import get_logger
+
+from . import __version__
+from .checkpoint import _state_dict_cpu, save_safetensors
+from .config import TrainConfig
+from .data import DataInfo
+from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
+                    MODEL_FILE, STEPS_FILE)
+from .metrics import MetricsLog, plot_curves
+from .model import bare_model, wrappers
+
+if TYPE_CHECKING:
+    from .setup import Run
+
+logger = get_logger("accel_train")
+
+
+def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE,
+                 extra: dict | None = None, write_config: bool = True) -> Path:
+    """Plain state dict (no `module.` / `_orig_mod.` prefixes) as safetensors + model_config.json. The file's
+    metadata also carries mean/std (what --init_from reads when the file travels without its model_config.json)
+    and `extra` (the best model: its epoch, step and test_acc)."""
+    path = Path(output_dir) / filename
+    metadata = {"format": "pt", "architecture": model_config["architecture"], "mean": json.dumps(model_config["mean"]),
+                "std": json.dumps(model_config["std"]), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
+    if write_config:
+        with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
+            json.dump(model_config, f, indent=1)
+    return path
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The epoch row with the highest test_acc (the first of equals), or None."""
+    rows = [r for r in rows if r.get("test_acc") is not None]
+    return max(rows, key=lambda r: r["test_acc"]) if rows else None
+
+
+def exported_best(output_dir) -> dict | None:
+    """{epoch, step, test_acc} of the model_best.safetensors in output_dir, or None when there is none."""
+    from safetensors import safe_open
+    path = Path(output_dir) / BEST_FILE
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return {k: json.loads(meta[k]) for k in ("epoch", "step", "test_acc")}
+    except Exception:  # missing, partial or not ours
+        return None
+
+
+class BestModel:
+    """Which epoch is the best so far (highest test_acc; the first of equals) and whether its weights are in
+    <output_dir>/model_best.safetensors.
+
+    The best so far comes from the metrics rows (a resumed run: the rows its checkpoint carries, so it survives
+    a resume on any machine). The file is this machine's: a file that is not the rows' best (written by epochs
+    after the checkpoint resumed from, or by another run) is deleted at start; a machine whose disk lacks the
+    best's file (a resume on another machine's disk) writes one again only when a later epoch beats the best:
+    checkpoints do not carry a second copy of the weights (see README: Outputs)."""
+
+    def __init__(self, output_dir, rows: list[dict], writer: bool):
+        self.row = best_row(rows)
+        found = exported_best(output_dir) if writer else None
+        mine = self.row is not None and found is not None and \
+            (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])
+        if writer and not mine:
+            (Path(output_dir) / BEST_FILE).unlink(missing_ok=True)
+        self.on_disk = mine
+
+    def improves(self, row: dict) -> bool:
+        return row.get("test_acc") is not None and (self.row is None or row["test_acc"] > self.row["test_acc"])
+
+    def take(self, row: dict) -> None:
+        if self.improves(row):
+            self.row, self.on_disk = row, True
+
+
+def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict) -> None:
+    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
+    model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
+    metrics.append(run.accelerator, row)
+    if best.improves(row) and run.accelerator.is_main_process:
+        facts = {k: row[k] for k in ("epoch", "step", "test_acc")}
+        export_model(bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
+                     filename=BEST_FILE, extra=facts, write_config=False)
+    best.take(row)
+
+
+def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
+    """The lr each step trained with, from the schedule itself (a function of the step): step k used the lr set
+    after k - 1 steps. At most `points` points."""
+    stride = max(1, total_steps // points)
+    return [{"step": k, "lr": scheduler._get_lr(k - 1)[0]} for k in range(1, total_steps + 1, stride)]
+
+
+def compile_summary() -> str:
+    """What torch.compile compiled in this process (dynamo's counters). Training drops incomplete batches and
+    evaluation pads its last one, so there are two: training (train mode, gradients) and evaluation."""
+    from torch._dynamo.utils import counters
+    graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]  # (DDP's graph breaks add frames)
+    return (f"torch.compile compiled {graphs} graph(s) (train, eval) from {frames} traced frame(s)"
+            + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
+
+
+def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
+    return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
+            "metrics": metrics, "accel_train_version": __version__}
+
+
+def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float) -> dict:
+    """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config; then the
+    trackers are closed (accelerator.end_training)."""
+    accelerator, model, ema, info = run.accelerator, run.model, run.ema, run.data.info
+    accelerator.wait_for_everyone()
+    if cfg.compile:
+        logger.info(f"rank {accelerator.process_index}: {compile_summary()}", main_process_only=not cfg.log_all_ranks)
+    out = Path(cfg.output_dir)
+    last = metrics.rows[-1] if metrics.rows else {}
+    summary = {"final_test_acc": last.get("test_acc"), "best_test_acc": max((r["test_acc"] for r in metrics.rows),
+                                                                            default=None),
+               "epochs_run": len(metrics.rows), "step": last.get("step"), "wall_seconds": seconds,
+               "images_per_sec": last.get("images_per_sec")}
+    if ema is not None:
+        summary["final_test_acc_ema"] = last.get("test_acc_ema")
+    if best.row is not None:
+        summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
+    if accelerator.is_main_process:
+        path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
+        if ema is not None:
+            export_model(ema.module, out, model_config(cfg, summary, info), filename=EMA_EXPORT_FILE)
+        cfg.save_yaml(out / CONFIG_FILE)
+        curves = cfg.plot and bool(metrics.rows) and plot_curves(
+            metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
+            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"]))
+        logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
+                    main_process_only=False)
+        files = [MODEL_FILE, MODEL_CONFIG_FILE, METRICS_FILE, STEPS_FILE, CONFIG_FILE]
+        files += [CURVES_FILE] * bool(curves) + [EMA_EXPORT_FILE] * (ema is not None) + [f"{CKPT_DIR}/"]
+        files += [BEST_FILE] * bool(best.on_disk)
+        if best.row is not None and not best.on_disk:
+            logger.warning(f"the best epoch ({best.row['epoch']}, test acc {best.row['test_acc']:.2%}) was trained "
+                           f"before a resume and its {BEST_FILE} is not on this disk: no later epoch beat it")
+        best_at = f" (epoch {summary['best_epoch']})" if "best_epoch" in summary else ""
+        logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
+                    f"{summary['best_test_acc'] or 0:.2%}{best_at}, {summary['images_per_sec'] or 0:.0f} img/s | "
+                    f"outputs in "
+                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
+                    + f" | model {wrappers(model)}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary

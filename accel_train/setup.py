@@ -1,0 +1,207 @@
+"""Start-up, in phases: every input is checked before anything is written, the ranks agree on one resume
+decision, then the model, optimizer and loaders are built, prepared and resumed. `setup(cfg)` returns the
+`Run` the loop (loop.py) trains.
+
+Order matters for reproducibility: the seed is set before the data and the model are built (the seedable
+sampler and the model's initialisation draw from it), and --compile happens in prepare(), after the DDP wrap.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from timm.loss import LabelSmoothingCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
+
+from . import __version__
+from .accelerator import make_accelerator, prepare_output_dir, tracker_config
+from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
+from .config import TrainConfig
+from .data import Data, build_data, device_budget
+from .errors import ConfigError
+from .hardware import channels_last_default
+from .metrics import check_trackers
+from .model import (bare_model, cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights,
+                    wrappers)
+from .ranks import on_every_rank, rank0s, said_once, same_everywhere
+from .resume import Decision, batches_done, check_data, decide, reconcile
+
+logger = get_logger("accel_train")
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built and prepared; `state` is where training resumes."""
+    accelerator: Accelerator
+    data: Data
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    train_loader: object
+    test_loader: object
+    criterion: torch.nn.Module
+    ema: ModelEmaV3 | None
+    state: TrainState
+    steps_per_epoch: int
+    total_steps: int
+    decision: Decision           # who writes checkpoints, where training resumed from
+    run_math: dict               # what the run computes, recorded in every checkpoint (a resume checks it)
+    history: dict | None         # metrics rows of the checkpoint resumed from
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per rank and epoch: whole accumulation windows only (the rest is dropped)."""
+        return self.steps_per_epoch * self.accelerator.gradient_accumulation_steps
+
+    @property
+    def done(self) -> bool:
+        """Every epoch trained and evaluated, or --max_steps reached (an epoch whose steps are all done but whose
+        evaluation was interrupted is not done: it is evaluated first)."""
+        state = self.state
+        return state.epoch >= self.run_math["epochs"] or (state.step >= self.total_steps
+                                                          and state.batch_in_epoch < self.batches_per_epoch)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    accelerator = make_accelerator(cfg)
+    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
+    decision = agree_on_start(cfg, accelerator, log)
+    data, resolved = load_inputs(cfg, accelerator, decision, log)
+    model, optimizer, loaded = build_model(cfg, accelerator, data)
+    model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
+        model, optimizer, data.train_loader, data.test_loader)
+    # An epoch is a whole number of accumulation windows: a partial window at the end would take an
+    # optimizer step on fewer micro-batches at the same 1/grad_accum scale, so its micro-batches are
+    # dropped (as drop_last drops an incomplete batch).
+    steps_per_epoch = len(train_loader) // cfg.grad_accum
+    scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
+    state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
+    criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
+    total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
+    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
+              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history)
+    announce(run, cfg, resolved, loaded, log)
+    if cfg.log_with:  # after every input check: a failed start leaves no new files behind
+        accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
+        check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
+    return run
+
+
+def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
+    """The memory format, a writable --output_dir on every rank, and one resume decision (flags agree, who
+    writes, which checkpoint, copied to machines that lack it; a resume that would change the run refused)."""
+    if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
+        cfg.channels_last, why = channels_last_default(accelerator.device_facts.kind)  # (in place: the run's value)
+        log(f"memory format {why}")
+    out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
+    with said_once(accelerator):
+        decision = decide(accelerator, cfg, out, log)
+        if decision.meta:
+            reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
+    for path in decision.overwritten:
+        log(f"--overwrite: deleting {path} of an earlier run")
+        shutil.rmtree(path)
+    return decision
+
+
+def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple[Data, str]:
+    """The data (the same on every machine, enough for one batch per rank) and the defaults it resolves: image
+    size, stem, mean/std, pipeline. Returns the data and the line saying what was resolved."""
+    set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
+    budget = rank0s(device_budget(cfg, accelerator.device))  # rank 0's: one pipeline choice
+    if cfg.init_from and (cfg.mean is None or cfg.std is None):  # fine-tuning keeps the weights' normalisation
+        mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
+        if mean is not None:
+            cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
+            log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
+    if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
+        cfg.stem = init_stem(cfg.init_from)
+        log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
+    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model))  # image size, stem, mean/std, ...
+    same_everywhere(accelerator, "the data (training / test samples, classes)",
+                    (data.train_size, data.test_size, data.info.classes))
+    with said_once(accelerator):
+        if decision.meta:
+            check_data(decision.meta, data.train_size)
+        if data.train_size < cfg.batch_size * accelerator.num_processes:
+            raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each "
+                              f"of {accelerator.num_processes} processes; lower --batch_size or add data")
+        batches = data.train_size // (cfg.batch_size * accelerator.num_processes)  # per process and epoch
+        if batches < cfg.grad_accum:
+            raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
+                              f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
+    return data, resolved
+
+
+def build_model(cfg: TrainConfig, accelerator, data: Data):
+    """The timm model (--init_from's weights loaded, in the run's memory format) and its SGD optimizer."""
+    with said_once(accelerator):
+        model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
+    loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
+                                    weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
+    return model, optimizer, loaded
+
+
+def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: int):
+    """The lr is a function of the global optimizer step and the current flags, set with step_update(step):
+    no scheduler object is stepped per process, so num_processes never changes the schedule."""
+    peak = cfg.peak_lr(num_processes)
+    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                                       min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
+                                       updates_per_epoch=steps_per_epoch)
+    return scheduler
+
+
+def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, log):
+    """Where training starts (a checkpoint's step and batches into its epoch, or step 0), the metrics rows the
+    checkpoint carries, and the EMA: from the weights training continues from, then the checkpoint's if it has one."""
+    state, history = TrainState(run_id=decision.run_id), None
+    if decision.resume_from:
+        state = load_checkpoint(accelerator, decision.resume_from)
+        state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
+        history = read_history(decision.resume_from)
+    scheduler.step_update(state.step)
+    ema = ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
+    if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from, accelerator.device):
+        log(f"{decision.resume_from} has no EMA weights: the EMA starts from the resumed weights")
+    return state, history, ema
+
+
+def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> dict:
+    """What the run computes (recorded in every checkpoint as "run"): a resume that would change it is refused,
+    except the per-process batch and the process count, which elastic resume derives (resume.reconcile)."""
+    return dict(global_batch=cfg.batch_size * accelerator.num_processes * cfg.grad_accum, batch_size=cfg.batch_size,
+                num_processes=accelerator.num_processes, num_machines=decision.num_machines,
+                grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
+                model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
+                image_size=cfg.image_size, mean=list(data.info.mean), std=list(data.info.std), augment=cfg.augment,
+                hflip=cfg.hflip)
+
+
+def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log) -> None:
+    accelerator, decision, state = run.accelerator, run.decision, run.state
+    if decision.resume_from:
+        log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
+            f"{state.batch_in_epoch} batches into the epoch")
+    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {run.data.train_size} train / "
+        f"{run.data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
+        f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch "
+        f"{run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
+        f"{run.steps_per_epoch} steps/epoch, model {wrappers(run.model)}; checkpoints: "
+        + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
+    log(run.data.describe())
+    log(resolved)
+    if loaded:
+        log(loaded)

@@ -1,0 +1,54 @@
+"""Exit statuses: one list in accel_train/errors.py, the same order in launch.sh's trainer_status()."""
+
+import re
+import subprocess
+
+import pytest
+
+from accel_train import errors
+from conftest import ROOT
+
+LAUNCH = (ROOT / "launch.sh").read_text()
+
+
+def test_launch_sh_walks_the_status_priority_of_errors_py():
+    (line,) = re.findall(r'(?m)^STATUS_PRIORITY="([^"]*)"$', LAUNCH)
+    assert line.split() == [str(s) for s in errors.STATUS_PRIORITY]
+    assert len(set(errors.STATUS_PRIORITY)) == len(errors.STATUS_PRIORITY)
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_") and k != "EXIT_OK"}
+    assert codes == set(errors.STATUS_PRIORITY) - {errors.ABORTED}  # every failure status has its place
+
+
+def shell_function(name):
+    return re.search(rf"(?ms)^{name}\(\) \{{.*?^\}}$|^{name}\(\) \{{[^\n]*\}}$", LAUNCH).group(0)
+
+
+@pytest.mark.parametrize("written,aborted,expected", [
+    ([4, 4], False, "4"),          # every rank preempted
+    ([4, 2], False, "2"),          # bad input on one rank wins over the others' preemption
+    ([1, 5], False, "5"),          # diverged: not relaunched, whatever the others say
+    ([4], True, "3"),              # a rank aborted by the NCCL watchdog (no file of its own): a lost peer
+    ([2], True, "2"),              # ... unless a rank found bad input
+    ([130, 4], False, "130"),      # a second Ctrl-C beats the preemption it interrupted
+    ([3, 4], False, "4"),
+    ([], False, ""),               # killed outright: nothing written
+])
+def test_trainer_status_picks_the_most_telling_status(tmp_path, written, aborted, expected):
+    for i, code in enumerate(written):
+        (tmp_path / f"host-{i}").write_text(f"{code}\n")
+    if aborted:
+        (tmp_path / "faults").mkdir()
+        (tmp_path / "faults" / "host-9").write_text("Fatal Python error: Aborted\n\nCurrent thread ...\n")
+    script = "\n".join([re.search(r'(?m)^STATUS_PRIORITY=.*$', LAUNCH).group(0), shell_function("trainer_status"),
+                        shell_function("aborted"), f'trainer_status "{tmp_path}"'])
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == expected, (proc.stdout, proc.stderr)
+
+
+def test_report_status_writes_one_file_per_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCEL_TRAIN_STATUS_DIR", str(tmp_path))
+    errors.report_status(errors.EXIT_PREEMPTED)
+    (written,) = tmp_path.iterdir()
+    assert written.read_text() == "4\n"
+    monkeypatch.setenv("ACCEL_TRAIN_STATUS_DIR", str(tmp_path / "gone"))
+    errors.report_status(errors.EXIT_ERROR)  # a status folder that is gone is no reason to fail

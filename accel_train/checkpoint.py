@@ -69,7 +69,7 @@ class Checkpointer:
     (--keep_checkpoints) and what (model, optimizer, EMA, every rank's RNG state, the run math, the model's facts
     and the metrics rows so far). Every rank calls `save(state)` at the same step.
 
-    Never a checkpoint of non-finite weights: `watch` (metrics.NonFiniteWatch) checks them first and stops every
+    Never a checkpoint of non-finite weights: `watch` (divergence.NonFiniteWatch) checks them first and stops every
     rank if any is, so the newest checkpoint is the last finite one."""
 
     def __init__(self, accelerator, output_dir, run_math: dict, decision, model, ema, keep: int, facts: dict, watch,

@@ -21,9 +21,9 @@ from pathlib import Path
 import yaml
 
 from . import __version__
-from .config import Parser, TrainConfig, base_type, fields
+from .config import TrainConfig, base_type, fields
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Preempted, is_lost_peer, lost_peer, note_aborts, process_group, report_status,
+                     Diverged, Parser, Preempted, is_lost_peer, lost_peer, note_aborts, process_group, report_status,
                      says_shared_errors)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")

@@ -7,7 +7,6 @@ parser from these fields, so a default is written exactly once, here.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,14 +29,6 @@ SIZE_SAMPLE = 256      # image-folder files whose header is read to find the ima
 
 def opt(default, help, group, **extra):
     return field(default=default, metadata=dict(help=help, group=group, **extra))
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line (ConfigError) instead of usage + exit; every command's
-    parser (cli, evaluate, predict, preflight) is one of these."""
-
-    def error(self, message):
-        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from a bug by the exception's type and origin (`is_lost_peer`), never by its wor
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import os
 import re
@@ -32,6 +33,14 @@ class Preempted(Exception):
 
 class Diverged(Exception):
     """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line (ConfigError) instead of usage + exit; every command's
+    parser (cli, evaluate, predict, preflight) is one of these."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
 
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5

@@ -18,9 +18,10 @@ from accelerate.utils import tqdm
 
 from .checkpoint import Checkpointer
 from .config import TrainConfig
+from .divergence import NonFiniteWatch
 from .errors import Preempted
 from .evaluate import evaluate
-from .metrics import EpochMeter, MetricsLog, NonFiniteWatch, Pace
+from .metrics import EpochMeter, MetricsLog, Pace
 from .model import bare_model
 from .outputs import BestModel, finish, model_config, record_epoch
 from .preempt import AgreedChecks, StopRequest

@@ -1,5 +1,5 @@
-"""Metrics: the epoch meter and the non-finite watch (every rank), metrics.jsonl / steps.jsonl and the
-trackers (written by the main process), the tracker check, and the training curves."""
+"""Metrics: the epoch meter (every rank), metrics.jsonl / steps.jsonl and the trackers (written by the main
+process), the tracker check, and the early warning that a run will take hours."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, Diverged
-from .files import METRICS_FILE, STEPS_FILE, checkpoint_dirs, dumps, read_jsonl
-
+from .errors import ConfigError
+from .files import METRICS_FILE, STEPS_FILE, dumps, read_jsonl
+from .ranks import rank0s
 
 
 class EpochMeter:
@@ -94,47 +94,6 @@ class Pace:
         return line
 
 
-class NonFiniteWatch:
-    """Notes on the device, per micro-batch and without a host sync, the first step whose loss is not
-    finite; `check` reads that back on every rank at a point where the ranks meet anyway and raises
-    `Diverged` on all of them together."""
-
-    def __init__(self, device, output_dir):
-        self.first = torch.zeros((), device=device, dtype=torch.long)  # 0: every loss so far finite
-        self.lrs: dict[int, float] = {}  # lr of each step since the last check
-        self.output_dir = output_dir
-
-    def update(self, loss: torch.Tensor, step: int, lr: float) -> None:
-        self.lrs.setdefault(step, lr)
-        bad = ~torch.isfinite(loss.detach()) & (self.first == 0)
-        self.first = torch.where(bad, torch.full_like(self.first, step), self.first)
-
-    def check(self, accelerator, step: int, model: torch.nn.Module | None = None) -> None:
-        """A collective: every rank calls it. With a model, also checks its weights are finite."""
-        weights_ok = torch.ones((), device=self.first.device, dtype=torch.long)
-        if model is not None:
-            weights_ok = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all().long()
-        found = accelerator.gather(torch.stack([self.first, weights_ok]).reshape(1, 2)).reshape(-1, 2).tolist()
-        self.verdict([f for f, _ in found], all(ok for _, ok in found), step)
-
-    def verdict(self, firsts: list[int], weights_ok: bool, step: int) -> None:
-        """From every rank's first non-finite step (0: none) and the weights' state, gathered (the same on
-        every rank): raise Diverged, or forget the lrs up to `step`."""
-        firsts = [f for f in firsts if f > 0]
-        if firsts:
-            at = min(firsts)
-            what = f"the training loss became non-finite at step {at} (lr {self.lrs.get(at, float('nan')):.4g})"
-        elif not weights_ok:
-            what = f"the weights became non-finite after step {step} (lr {self.lrs.get(step, float('nan')):.4g})"
-        else:
-            self.lrs = {s: lr for s, lr in self.lrs.items() if s > step}
-            return
-        kept = checkpoint_dirs(self.output_dir)
-        raise Diverged(f"{what}: every rank stopped, nothing exported; "
-                       + (f"newest finite checkpoint: {kept[-1]}" if kept else "no checkpoint was written")
-                       + "; lower --lr (or set --clip_grad) and start again")
-
-
 class MetricsLog:
     """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps), plus the trackers.
 
@@ -187,59 +146,12 @@ def check_trackers(accelerator, requested: list[str]) -> None:
 
     Trackers run on the main process only, so it is checked there and its verdict sent to every rank:
     all ranks stop together with the same one-line error (or none does)."""
-    from accelerate.utils import broadcast_object_list
     missing = []
     if accelerator.is_main_process:
         active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
         missing = [name for name in requested if name.lower() not in active]
     if accelerator.num_processes > 1:
-        missing = broadcast_object_list([missing])[0]
+        missing = rank0s(missing)
     if missing:
         raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install its "
                           f"package (tensorboard: pip install 'accel_train[tensorboard]'), or drop --log_with")
-
-
-def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0,
-                lr_steps: list[dict] | None = None) -> bool:
-    """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
-
-    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly. The lr is drawn from
-    `lr_steps` (every step's lr, from the schedule: warmup and cosine decay even on a short run), else from
-    the logged points. Epoch ticks are whole numbers.
-    """
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        return False
-    epochs = [r["epoch"] for r in rows]
-    at = [s["step"] / steps_per_epoch for s in steps] if steps and steps_per_epoch else []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    if at:
-        axes[0].plot(at, [s["loss"] for s in steps], "-", alpha=0.3, label="train loss (steps)")
-    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train loss (epoch mean)")
-    axes[0].set_title("training loss")
-    axes[1].plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
-    axes[1].plot(epochs, [100 * r["test_acc"] for r in rows], "o-", label="test")
-    if any("test_acc_ema" in r for r in rows):
-        axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--", label="test (EMA)")
-    axes[1].set_title("accuracy (%)")
-    if lr_steps and steps_per_epoch:
-        axes[2].plot([s["step"] / steps_per_epoch for s in lr_steps], [s["lr"] for s in lr_steps], "-",
-                     label="lr (schedule, per step)")
-    elif at:
-        axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
-    else:
-        axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
-    axes[2].set_title("learning rate")
-    for ax in axes:
-        ax.set_xlabel("epoch")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True

@@ -19,7 +19,7 @@ from .config import TrainConfig
 from .data import DataInfo
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)
-from .metrics import MetricsLog, plot_curves
+from .metrics import MetricsLog
 from .model import bare_model, wrappers
 
 if TYPE_CHECKING:
@@ -162,3 +162,49 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0,
+                lr_steps: list[dict] | None = None) -> bool:
+    """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
+
+    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly. The lr is drawn from
+    `lr_steps` (every step's lr, from the schedule: warmup and cosine decay even on a short run), else from
+    the logged points. Epoch ticks are whole numbers.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in rows]
+    at = [s["step"] / steps_per_epoch for s in steps] if steps and steps_per_epoch else []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    if at:
+        axes[0].plot(at, [s["loss"] for s in steps], "-", alpha=0.3, label="train loss (steps)")
+    axes[0].plot(epochs, [r["train_loss"] for r in rows], "o-", label="train loss (epoch mean)")
+    axes[0].set_title("training loss")
+    axes[1].plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
+    axes[1].plot(epochs, [100 * r["test_acc"] for r in rows], "o-", label="test")
+    if any("test_acc_ema" in r for r in rows):
+        axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--", label="test (EMA)")
+    axes[1].set_title("accuracy (%)")
+    if lr_steps and steps_per_epoch:
+        axes[2].plot([s["step"] / steps_per_epoch for s in lr_steps], [s["lr"] for s in lr_steps], "-",
+                     label="lr (schedule, per step)")
+    elif at:
+        axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
+    else:
+        axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
+    axes[2].set_title("learning rate")
+    for ax in axes:
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -24,7 +24,8 @@ from accel_train.data import DataInfo, build_data, native_size
 from accel_train.commands.evaluate import load_exported
 from accel_train.commands.predict import main_predict
 from accel_train.outputs import lr_curve
-from accel_train.metrics import Pace, plot_curves, slow_run_warning
+from accel_train.metrics import Pace, slow_run_warning
+from accel_train.outputs import plot_curves
 from accel_train.model import create_model, init_normalisation
 from accel_train.resume import keep_run_math, reconcile
 from conftest import launch, run_cli

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Parser, TrainConfig
-from ..errors import ConfigError
+from ..config import TrainConfig
+from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
 from ..files import EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 

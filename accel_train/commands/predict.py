@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Parser
-from ..errors import EXIT_BAD_INPUT, ConfigError
+from ..errors import EXIT_BAD_INPUT, ConfigError, Parser
 from .evaluate import load_exported
 
 

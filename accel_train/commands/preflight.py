@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ..config import Parser
+from ..errors import Parser
 
 
 def resolve(host: str, timeout: float) -> list[str]:

@@ -180,3 +180,22 @@ def test_build_data_train_loader_shards_disjointly_and_reshuffles_per_epoch(worl
     # the test loader keeps every sample once, in order, the last batch short
     assert torch.cat([data.inputs(b, train=False)[1] for b in data.test_loader]).tolist() == \
         data.inputs(torch.arange(13), train=False)[1].tolist()
+
+
+def test_dataloader_workers_leave_stop_signals_to_the_trainer():
+    # a worker of the cpu pipeline: SIGINT/SIGTERM/SIGUSR1 ignored, so the trainer's agreed stop and checkpoint
+    # still get their next batch
+    import signal
+
+    from accel_train.data.pipeline import _leave_signals_to_the_trainer
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    before = {s: signal.getsignal(s) for s in signals}
+    try:
+        _leave_signals_to_the_trainer(0)
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in signals)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    cfg = TrainConfig(pipeline="cpu", num_workers=2, train_samples=16, test_samples=8, batch_size=4)
+    data = build_data(cfg, "cpu")
+    assert data.train_loader.worker_init_fn is _leave_signals_to_the_trainer

@@ -42,11 +42,14 @@ class IndexDataset(Dataset):
         return torch.as_tensor(indices, dtype=torch.long)
 
 
-def _ignore_ctrl_c(worker_id: int) -> None:
-    """DataLoader workers leave Ctrl-C to the trainer (a terminal signals them too; one that ended would fail
-    the next batch before the trainer's checkpoint)."""
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers leave Ctrl-C, SIGTERM and SIGUSR1 to the trainer, which stops at an agreed step and
+    checkpoints it: a terminal signals the whole foreground group, and a platform (SLURM's scancel, a container
+    stop) may signal every process; a worker that ended would fail the next batch before that checkpoint. The
+    DataLoader still ends its workers, and a worker whose trainer is gone exits by itself (its parent watchdog)."""
     import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _identity(batch):
@@ -141,7 +144,7 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
     # On an accelerator, batches are pinned so that Accelerate's copy to the device (non_blocking=True, see
     # loop.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
     common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
-                  worker_init_fn=_ignore_ctrl_c if workers else None, pin_memory=torch.device(device).type != "cpu")
+                  worker_init_fn=_leave_signals_to_the_trainer if workers else None, pin_memory=torch.device(device).type != "cpu")
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common) \
         if train is not None else None

@@ -17,10 +17,12 @@ from . import __version__
 from .checkpoint import _state_dict_cpu, save_safetensors
 from .config import TrainConfig
 from .data import DataInfo
+from .errors import ConfigError
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)
 from .metrics import MetricsLog
 from .model import bare_model, wrappers
+from .ranks import on_every_rank
 
 if TYPE_CHECKING:
     from .setup import Run
@@ -92,11 +94,28 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
     model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
     metrics.append(run.accelerator, row)
-    if best.improves(row) and run.accelerator.is_main_process:
+    if best.improves(row):
         facts = {k: row[k] for k in ("epoch", "step", "test_acc")}
-        export_model(bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
-                     filename=BEST_FILE, extra=facts, write_config=False)
+        main_process_writes(run.accelerator, lambda: export_model(
+            bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
+            filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
     best.take(row)
+
+
+def main_process_writes(accelerator, write, out):
+    """`write()` on the main process; a write that fails there (a full disk, permissions) is one line on every
+    rank (exit 2), not a traceback on one rank while the others wait. Returns write()'s value on the main
+    process, None elsewhere."""
+    def attempt():
+        if not accelerator.is_main_process:
+            return None
+        try:
+            return write()
+        except OSError as e:
+            raise ConfigError(f"cannot write the run's outputs in {out} ({e.strerror or e}); free space or fix the "
+                              "permissions, then run the same command with --resume auto: it continues from the "
+                              "newest checkpoint and writes them") from None
+    return on_every_rank(accelerator, attempt)
 
 
 def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
@@ -137,14 +156,18 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
         summary["final_test_acc_ema"] = last.get("test_acc_ema")
     if best.row is not None:
         summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
-    if accelerator.is_main_process:
+
+    def write():
         path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
         if ema is not None:
             export_model(ema.module, out, model_config(cfg, summary, info), filename=EMA_EXPORT_FILE)
         cfg.save_yaml(out / CONFIG_FILE)
-        curves = cfg.plot and bool(metrics.rows) and plot_curves(
+        return path, cfg.plot and bool(metrics.rows) and plot_curves(
             metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
             lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"]))
+    written = main_process_writes(accelerator, write, out)
+    if accelerator.is_main_process:
+        path, curves = written
         logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
                     main_process_only=False)
         files = [MODEL_FILE, MODEL_CONFIG_FILE, METRICS_FILE, STEPS_FILE, CONFIG_FILE]

@@ -16,7 +16,7 @@ from accel_train.cli import load_yaml
 from accel_train.errors import ConfigError, Preempted
 from accel_train.data import DataError, check_images, decode_all
 from accel_train.model import create_model
-from conftest import clean_env, launch, run_cli
+from conftest import TINY, clean_env, launch, run_cli
 from test_imagefolder import write_image_folder
 from test_launch import dry_run, hw, parse  # noqa: F401 (hw: a fixture)
 
@@ -150,6 +150,24 @@ def test_full_disk_stops_every_rank_with_one_line_and_keeps_the_newest_checkpoin
     assert "exitcode  : 2" in proc.stderr and proc.stderr.count("Traceback (most recent call last)") == 1
     assert "SafetensorError" not in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]  # no .tmp-step_2
+
+
+def test_an_export_that_cannot_be_written_is_one_line_and_resume_auto_writes_it(tmp_path):
+    # the main process's exports (the run's model here) get the same treatment as a checkpoint write: one line,
+    # exit 2, and the line's advice works (no step is trained again)
+    out = tmp_path / "out"
+    (out / "model.safetensors" / "in_the_way").mkdir(parents=True)  # os.replace onto it fails: an OSError
+    run = [*TINY, "--train_samples", "64", "--test_samples", "8", "--batch_size", "16", "--epochs", "2",
+           "--output_dir", out]
+    proc = run_cli(run)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = one_error_line(proc.stderr)
+    assert f"cannot write the run's outputs in {out} (Is a directory)" in line and "--resume auto" in line, line
+    (out / "model.safetensors" / "in_the_way").rmdir()
+    (out / "model.safetensors").rmdir()
+    proc = run_cli([*run, "--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and "train loss" not in proc.stderr  # nothing trained again
 
 
 # ---- 10. start-up refusals ----------------------------------------------------------------------------

@@ -22,4 +22,6 @@ def test_bench_prints_its_table_and_ratio_line(tmp_path):
     median = {line.split()[0]: float(line.split()[3]) for line in lines
               if line.startswith(("ours train step", "bare train step"))}
     assert lines[-1].startswith("ratio=")
-    assert float(lines[-1].split("=")[1]) == pytest.approx(median["ours"] / median["bare"], rel=5e-3)
+    ours, bare = median["ours"], median["bare"]
+    # the table rounds to 0.1 img/s (a loaded machine makes a few img/s): the ratio is within that rounding
+    assert float(lines[-1].split("=")[1]) == pytest.approx(ours / bare, rel=0.05 / ours + 0.05 / bare + 2e-3)

@@ -131,7 +131,7 @@ def says_shared_errors() -> bool:
     """Whether this process prints an error it did not mark quiet.
 
     Inside a process group (an Accelerator exists) a rank prints what it raised: errors every rank raises
-    alike are marked quiet on all but the main process where they are raised (resume.said_once,
+    alike are marked quiet on all but the main process where they are raised (ranks.said_once,
     on_every_rank). Before the group exists (arguments, --config, --log_with: the same argv and environment on
     every rank of a machine, so every rank fails alike) only the machine's first process prints. It is known
     from the launcher's environment as accelerate reads it (get_cpu_distributed_information, what PartialState

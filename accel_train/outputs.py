@@ -94,11 +94,11 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
     model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
     metrics.append(run.accelerator, row)
-    if best.improves(row):
-        facts = {k: row[k] for k in ("epoch", "step", "test_acc")}
-        main_process_writes(run.accelerator, lambda: export_model(
-            bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
-            filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
+    improves, facts = best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
+    # every rank takes part (a collective), whatever its own rows say: the main process's decide the export
+    main_process_writes(run.accelerator, lambda: improves and export_model(
+        bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
+        filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
     best.take(row)
 
 

@@ -4,7 +4,7 @@
     python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last [--compile]
     python bench/bench.py --table              # fp32/bf16 x NCHW/channels_last, ours/bare in each, CPU flags
 
-"ours" is the real accel_train code path: `loop.setup()` (Accelerator, device-resident data pipeline,
+"ours" is the real accel_train code path: `setup.setup()` (Accelerator, device-resident data pipeline,
 timm model + stem, timm SGD, prepare) and per step `data.inputs()` (gather + crop + flip + normalise
 on the device) and `loop.train_step()`. "bare" is written here independently: the same timm model and
 stem, batch, precision and memory format, torch.optim.SGD (nesterov) and a fixed input batch already

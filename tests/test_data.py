@@ -183,19 +183,34 @@ def test_build_data_train_loader_shards_disjointly_and_reshuffles_per_epoch(worl
 
 
 def test_dataloader_workers_leave_stop_signals_to_the_trainer():
-    # a worker of the cpu pipeline: SIGINT/SIGTERM/SIGUSR1 ignored, so the trainer's agreed stop and checkpoint
-    # still get their next batch
+    # a worker of the cpu pipeline (a real process): Ctrl-C, SIGUSR1 and torchrun's SIGTERM leave it serving the
+    # trainer's agreed stop and checkpoint; the DataLoader's own SIGTERM (a second one) still ends it
+    import multiprocessing
+    import os
     import signal
+    import time
 
     from accel_train.data.pipeline import _leave_signals_to_the_trainer
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-    before = {s: signal.getsignal(s) for s in signals}
-    try:
+
+    def worker(ready):
         _leave_signals_to_the_trainer(0)
-        assert all(signal.getsignal(s) is signal.SIG_IGN for s in signals)
+        ready.set()
+        time.sleep(60)
+
+    ready = multiprocessing.get_context("fork").Event()
+    proc = multiprocessing.get_context("fork").Process(target=worker, args=(ready,), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(30)
+        for signum in (signal.SIGINT, signal.SIGUSR1, signal.SIGTERM):
+            os.kill(proc.pid, signum)
+        proc.join(1)
+        assert proc.is_alive()
+        proc.terminate()  # what the DataLoader does to a worker that did not stop
+        proc.join(10)
+        assert not proc.is_alive() and proc.exitcode == -signal.SIGTERM
     finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+        if proc.is_alive():
+            proc.kill()
     cfg = TrainConfig(pipeline="cpu", num_workers=2, train_samples=16, test_samples=8, batch_size=4)
-    data = build_data(cfg, "cpu")
-    assert data.train_loader.worker_init_fn is _leave_signals_to_the_trainer
+    assert build_data(cfg, "cpu").train_loader.worker_init_fn is _leave_signals_to_the_trainer

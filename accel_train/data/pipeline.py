@@ -43,13 +43,19 @@ class IndexDataset(Dataset):
 
 
 def _leave_signals_to_the_trainer(worker_id: int) -> None:
-    """DataLoader workers leave Ctrl-C, SIGTERM and SIGUSR1 to the trainer, which stops at an agreed step and
-    checkpoints it: a terminal signals the whole foreground group, and a platform (SLURM's scancel, a container
-    stop) may signal every process; a worker that ended would fail the next batch before that checkpoint. The
-    DataLoader still ends its workers, and a worker whose trainer is gone exits by itself (its parent watchdog)."""
+    """DataLoader workers leave Ctrl-C, SIGUSR1 and a first SIGTERM to the trainer, which stops at an agreed step
+    and checkpoints it: a terminal signals the whole foreground group and torchrun signals each rank's whole
+    session (os.killpg), so a worker that ended would fail the batch before that checkpoint. A second SIGTERM ends
+    the worker: it is how the DataLoader (and multiprocessing at exit) end a worker that did not stop by itself."""
     import signal
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _end_at_the_second_sigterm)
+
+
+def _end_at_the_second_sigterm(signum, frame) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _identity(batch):
@@ -142,7 +148,7 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         collate, workers = None, cfg.num_workers
 
     # On an accelerator, batches are pinned so that Accelerate's copy to the device (non_blocking=True, see
-    # loop.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
+    # accelerator.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
     common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
                   worker_init_fn=_leave_signals_to_the_trainer if workers else None, pin_memory=torch.device(device).type != "cpu")
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on

@@ -178,7 +178,8 @@ def test_lr_panel_is_drawn_from_the_schedule_with_whole_epoch_ticks(tmp_path, mo
     rows = [{"epoch": e, "step": 4 * e, "train_loss": 1.0, "train_acc": 0.5, "test_acc": 0.5, "lr": lrs[4 * e - 1]}
             for e in (1, 2, 3)]
     assert plot_curves(rows, tmp_path / "c.png", [{"step": 12, "loss": 1.0, "lr": lrs[-1]}], 4, lr_steps=curve)
-    lr_axis = figures[0].axes[2]
+    # (matplotlib 3.8's backend switch also calls plt.close('all'): the figure is the one that is not a name)
+    lr_axis = next(f for f in figures if not isinstance(f, str)).axes[2]
     assert len(lr_axis.lines[0].get_xdata()) == 12  # every step, not the one logged point
     ticks = [t for t in lr_axis.get_xticks() if lr_axis.get_xlim()[0] <= t <= lr_axis.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks)

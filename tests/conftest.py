@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import pickle
 import random
@@ -11,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -87,19 +91,101 @@ def run(cmd: list, timeout: float, env: dict, cwd) -> subprocess.CompletedProces
 
 
 def launch(config: str, args: list[str], timeout: float = 300, env: dict | None = None, check: bool = True,
-           cwd=ROOT, launcher: tuple = ()) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config> [launcher args] -m accel_train <args>`."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-           *map(str, launcher), "-m", "accel_train", *map(str, args)]
-    proc = run(cmd, timeout, env or clean_env(), cwd)
+           cwd=ROOT, launcher: tuple = (), fresh: bool = False) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config> [launcher args] -m accel_train <args>`.
+
+    A one-process config (cpu.yaml) runs in this process (see in_process) unless fresh=True asks for the new
+    interpreters; every config with ranks is the real launch."""
+    if config == "cpu.yaml" and not launcher and not fresh:
+        proc = in_process(args, timeout, env, cwd, config)
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               *map(str, launcher), "-m", "accel_train", *map(str, args)]
+        proc = run(cmd, timeout, env or clean_env(), cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc
 
 
-def run_cli(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m accel_train <args>` as a plain single process."""
+def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, fresh: bool = False
+            ) -> subprocess.CompletedProcess:
+    """`python -m accel_train <args>` as a plain single process: in this process unless fresh=True."""
+    if not fresh:
+        return in_process(args, timeout, env, ROOT)
     return run([sys.executable, "-m", "accel_train", *map(str, args)], timeout, env or clean_env(), ROOT)
+
+
+# ---------------------------------------------------------------------------------------------
+# One-process runs in the test process. A new interpreter costs ~10 s here (torch, then timm ->
+# torchvision -> torch._dynamo) and `accelerate launch` another ~5 s, most of a small run. The
+# trainer's own entry point, cli.main(args), runs here instead, with what the launch would give it:
+# the launcher's environment (Accelerate's own prepare_simple_launcher_cmd_env from the config), its
+# thread count, the working directory, stdout/stderr and the INFO log captured as the process's would
+# be, a timeout; Accelerate's process state and the signal handlers are restored after. What a real
+# process adds (exit status through sys.exit, torchrun, signals from outside) is tested with fresh=True
+# and by every multi-rank launch.
+# ---------------------------------------------------------------------------------------------
+
+class InProcessTimeout(BaseException):  # not an Exception: the trainer's own handlers must not take it
+    pass
+
+
+def launcher_env(config: str, env: dict) -> dict:
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        parsed = launch_command_parser().parse_args(["--config_file", str(CONFIGS / config), "-m", "accel_train"])
+        parsed = _validate_launch_command(parsed)[0]
+        return prepare_simple_launcher_cmd_env(parsed)[1]
+
+
+def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | None = None
+               ) -> subprocess.CompletedProcess:
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accel_train.cli import main
+
+    env = env or clean_env()
+    if config:
+        env = launcher_env(config, env)
+    out, err = io.StringIO(), io.StringIO()
+    log = logging.StreamHandler(err)
+    log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))  # as cli.main's
+    root, level, threads, here = logging.getLogger(), logging.getLogger().level, torch.get_num_threads(), os.getcwd()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+
+    def expired(signum, frame):
+        raise InProcessTimeout(f"timed out after {timeout}s: accel_train {' '.join(map(str, args))}")
+
+    alarm = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
+            os.chdir(cwd)
+            root.addHandler(log)
+            root.setLevel(logging.INFO)
+            torch.set_num_threads(int(env.get("OMP_NUM_THREADS", threads)))
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's --help / --version
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except InProcessTimeout as e:
+        raise AssertionError(f"{e}\nSTDOUT:\n{out.getvalue()[-3000:]}\nSTDERR:\n{err.getvalue()[-5000:]}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        root.removeHandler(log)
+        root.setLevel(level)
+        torch.set_num_threads(threads)
+        os.chdir(here)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return subprocess.CompletedProcess(["accel_train", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

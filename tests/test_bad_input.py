@@ -116,7 +116,8 @@ def test_bad_flags_are_refused_by_parsing(case, tmp_path, existing_run, capsys, 
 def test_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    proc = run_cli(["--train_samples", "64", "--epochs", "1", "--output_dir", blocker / "out"])
+    # a real `python -m accel_train`: bad input's status through the process's exit (the other cases run in-process)
+    proc = run_cli(["--train_samples", "64", "--epochs", "1", "--output_dir", blocker / "out"], fresh=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("accel-train: error: cannot create output directory")
     assert blocker.read_text() == "not a directory"

@@ -18,6 +18,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -92,11 +93,13 @@ def run(cmd: list, timeout: float, env: dict, cwd) -> subprocess.CompletedProces
 
 def launch(config: str, args: list[str], timeout: float = 300, env: dict | None = None, check: bool = True,
            cwd=ROOT, launcher: tuple = (), fresh: bool = False) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config> [launcher args] -m accel_train <args>`.
+    """`accelerate launch --config_file <config> [launcher args] -m accel_train <args>` (config: a name in
+    accelerate_configs/ or a path).
 
-    A one-process config (cpu.yaml) runs in this process (see in_process) unless fresh=True asks for the new
-    interpreters; every config with ranks is the real launch."""
-    if config == "cpu.yaml" and not launcher and not fresh:
+    A one-process config (cpu.yaml, or a copy) runs in this process (see in_process) unless fresh=True asks for the
+    new interpreters, or --compile does (torch.compile's caches belong to the process); every config with ranks is
+    the real launch."""
+    if not (launcher or fresh or "--compile" in map(str, args)) and one_process(config):
         proc = in_process(args, timeout, env, cwd, config)
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
@@ -107,10 +110,15 @@ def launch(config: str, args: list[str], timeout: float = 300, env: dict | None 
     return proc
 
 
+def one_process(config: str) -> bool:
+    settings = yaml.safe_load((CONFIGS / config).read_text())  # (CONFIGS / an absolute path is that path)
+    return settings.get("num_processes") == 1 and settings.get("distributed_type") == "NO"
+
+
 def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, fresh: bool = False
             ) -> subprocess.CompletedProcess:
-    """`python -m accel_train <args>` as a plain single process: in this process unless fresh=True."""
-    if not fresh:
+    """`python -m accel_train <args>` as a plain single process: in this process unless fresh=True (or --compile)."""
+    if not (fresh or "--compile" in map(str, args)):
         return in_process(args, timeout, env, ROOT)
     return run([sys.executable, "-m", "accel_train", *map(str, args)], timeout, env or clean_env(), ROOT)
 
@@ -159,8 +167,10 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     def expired(signum, frame):
         raise InProcessTimeout(f"timed out after {timeout}s: accel_train {' '.join(map(str, args))}")
 
+    # pytest-timeout's own alarm (the suite's per-test bound) is set aside and given back, less the time spent
+    pending, started = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()
     alarm = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
+    signal.setitimer(signal.ITIMER_REAL, min(timeout, pending) if pending else timeout)
     try:
         with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err):
@@ -177,6 +187,8 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, alarm)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.001))
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         root.removeHandler(log)
@@ -322,3 +334,35 @@ TINY = ["--model", "test_resnet"]
 # Group norm for runs compared across process counts (BatchNorm's statistics are per process); one group, as
 # test_resnet's 16 channels do not split into timm's default 32
 TINY_GN = [*TINY, "--model_kwargs", '{"norm_layer": "groupnorm1"}']
+
+
+# The 2-rank reference several tests compare with, launched once per session (read-only: copy before resuming):
+# TINY_GN (comparable across process counts), 256 random samples, global batch 32 (8 steps an epoch), 2 epochs,
+# a checkpoint every 2 steps; "full" runs to the end, "part" is the same run stopped at step 11 (3 steps into epoch
+# 2). test_checkpoint resumes part on 2 ranks, test_resume on 1 and 4, test_equivalence compares full with 1 rank.
+def reference_args(ranks: int, out, *extra) -> list:
+    return [*TINY_GN, "--train_samples", "256", "--test_samples", "40", "--epochs", "2", "--batch_size", 32 // ranks,
+            "--log_every", "1", "--checkpoint_every", "2", "--output_dir", out, *extra]
+
+
+@pytest.fixture(scope="session")
+def two_rank_reference(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("two_rank_reference")
+    launch("2proc_cpu.yaml", reference_args(2, root / "full"))
+    launch("2proc_cpu.yaml", reference_args(2, root / "part", "--max_steps", "11"))
+    return root / "full", root / "part"
+
+
+# resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
+# kill to land mid-epoch (the ranks agree on a stop about every 2 s of work). 128 random samples, global batch 8: 16
+# steps an epoch, 2 epochs. test_preempt and test_faults interrupt runs with these flags (plus their own checkpoint
+# and log settings, which do not change the weights) and compare with one uninterrupted run through launch.sh.
+SLOW_STEPS = ["--train_samples", "128", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
+
+
+@pytest.fixture(scope="session")
+def slow_steps_reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("slow_steps_reference") / "out"
+    proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", out], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, launch, run_cli
+from conftest import TINY, launch, reference_args, run_cli
 
 pytestmark = pytest.mark.slow
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
@@ -34,27 +34,31 @@ def assert_same_weights(a, b, atol):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks):
-    batch = ["--batch_size", str(32 // ranks), "--checkpoint_every", "2"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    launch(CONFIG[ranks], small_run(full, *batch))
+def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, request):
     # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
-    launch(CONFIG[ranks], small_run(part, *batch, "--max_steps", "11"))
+    if ranks == 1:  # one process (in the test process): a pair of runs of its own
+        full, stopped = tmp_path / "full", tmp_path / "stopped"
+        launch("cpu.yaml", reference_args(1, full))
+        launch("cpu.yaml", reference_args(1, stopped, "--max_steps", "11"))
+    else:  # 2 ranks: the session's reference pair
+        full, stopped = request.getfixturevalue("two_rank_reference")
+    part = tmp_path / "part"
+    shutil.copytree(stopped, part)
     state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())
     # 3 steps into epoch 2: 3 batches on each rank (a rank's batch is 32 / ranks), saved by `ranks` processes
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (1, 11, 3)
     assert sorted(p.name for p in state_dir(part, 11).glob("random_states_*")) == \
         [f"random_states_{r}.pkl" for r in range(ranks)]
-    proc = launch(CONFIG[ranks], small_run(part, *batch, "--resume", "auto"))
+    proc = launch(CONFIG[ranks], reference_args(ranks, part, "--resume", "auto"))
     assert "resumed from" in proc.stderr + proc.stdout and "step 11, 3 batches into the epoch" in proc.stderr
     assert_same_weights(weights(full), weights(part), atol=1e-6)
     rows_full = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
     rows_part = [json.loads(r) for r in (part / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows_part] == [1, 2, 3] and rows_part[-1]["step"] == rows_full[-1]["step"] == 24
+    assert [r["epoch"] for r in rows_part] == [1, 2] and rows_part[-1]["step"] == rows_full[-1]["step"] == 16
     assert rows_part[-1]["test_acc"] == rows_full[-1]["test_acc"]
     steps_full = [json.loads(r) for r in (full / "steps.jsonl").read_text().splitlines()]
     steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in steps_part] == list(range(1, 25))
+    assert [r["step"] for r in steps_part] == list(range(1, 17))
     for a, b in zip(steps_full, steps_part):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["lr"] == b["lr"]
 

@@ -31,9 +31,9 @@ def test_compile_two_epochs_and_a_resume_compile_one_train_and_one_eval_graph(tm
     args = RUN + ["--epochs", "2", "--output_dir", out]
     stop_at = ["--max_steps", str(32 // (4 * ranks) + 1)]  # one step into epoch 2, after epoch 1's evaluation
     if ranks == 1:  # one process: no sharding pads the last evaluation batch (today's code compiles it again)
-        first = run_cli(args + stop_at, timeout=1500, fresh=True)  # dynamo's caches are per process
+        first = run_cli(args + stop_at, timeout=1500)  # (--compile: a new process, see conftest.launch)
         assert first.returncode == 0, first.stderr[-3000:]
-        resumed = run_cli(args + ["--resume", "auto"], timeout=1500, fresh=True)
+        resumed = run_cli(args + ["--resume", "auto"], timeout=1500)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     else:
         first = launch("2proc_cpu.yaml", args + stop_at, timeout=1500)

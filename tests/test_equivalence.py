@@ -14,23 +14,29 @@ from safetensors.torch import load_file
 
 from accel_train.model import create_model
 
-from conftest import TINY_GN, launch
+from conftest import TINY_GN, launch, reference_args
 
 pytestmark = pytest.mark.slow
+
+
+def steps_and_weights(out):
+    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    return steps, load_file(out / "model.safetensors")
 
 
 def run(out, config, batch, *extra, samples="192", max_steps="8"):
     launch(config, [*TINY_GN, "--train_samples", samples, "--test_samples", "40", "--epochs", "2", "--batch_size",
                     batch, "--log_every", "1", "--output_dir", out,
                     "--max_steps", max_steps, *extra])
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return steps, load_file(out / "model.safetensors")
+    return steps_and_weights(out)
 
 
-def test_two_ranks_batch_b_equal_one_rank_batch_2b(tmp_path):
-    steps1, w1 = run(tmp_path / "one", "cpu.yaml", "32")
-    steps2, w2 = run(tmp_path / "two", "2proc_cpu.yaml", "16")
-    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 9))
+def test_two_ranks_batch_b_equal_one_rank_batch_2b(tmp_path, two_rank_reference):
+    # 2 ranks x 16: the session's reference run (conftest.reference_args); 1 rank x 32 with the same flags
+    launch("cpu.yaml", reference_args(1, tmp_path / "one"))
+    steps1, w1 = steps_and_weights(tmp_path / "one")
+    steps2, w2 = steps_and_weights(two_rank_reference[0])
+    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 17))
     for a, b in zip(steps1, steps2):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)

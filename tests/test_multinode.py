@@ -51,7 +51,8 @@ def test_smoke_check_on_two_hosts(two_hosts, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 # 37 test samples: not a multiple of the 2 ranks, the evaluation must still count each sample once
-LIFE = ["--train_samples", "512", "--test_samples", "37", "--epochs", "2", "--batch_size", "16",
+# resnet18 at 4 images per rank: ~0.3 s a step, long enough for each kill to land mid-run
+LIFE = ["--train_samples", "128", "--test_samples", "37", "--epochs", "2", "--batch_size", "4",
         "--checkpoint_every", "4", "--log_every", "1", "--timeout_s", "60"]
 
 
@@ -93,7 +94,7 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
 
     tags = (uuid.uuid4().hex, uuid.uuid4().hex)
     procs, paths, outs = modelarts_job(two_hosts, tmp_path, "run", random.randint(20000, 40000),
-                                       ["--max_restarts", "3"], tags)
+                                       ["--max_restarts", "2"], tags)
 
     def kill(node, wipe, after_step):
         wait_for(lambda: (outs[node] / "checkpoints" / f"step_{after_step:08d}").is_dir(), timeout=240)
@@ -102,15 +103,15 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
         if wipe:  # the machine is replaced by one with an empty disk
             shutil.rmtree(outs[node])
 
+    # (a killed rank whose disk survives is relaunched and resumed: test_faults.py, on one machine)
     try:
-        kill(1, wipe=False, after_step=4)   # node 1's ranks die; both nodes relaunch, resume from step >= 4
-        kill(1, wipe=True, after_step=12)   # node 1 lost with its disk: it gets the checkpoint from node 0
+        kill(1, wipe=True, after_step=8)    # node 1 lost with its disk: both relaunch, it gets node 0's checkpoint
         kill(0, wipe=True, after_step=20)   # machine 0 lost with its disk: node 1's copy is the job's checkpoint
     finally:
         codes = wait_all(procs, timeout=400)
     text = [p.read_text() for p in paths]
     assert codes == [0, 0], "\n\n".join(t[-4000:] for t in text)
-    assert text[0].count("relaunching to resume") == 3 and text[1].count("relaunching to resume") == 3
+    assert text[0].count("relaunching to resume") == 2 and text[1].count("relaunching to resume") == 2
     assert "lack checkpoint step" in text[0]  # a copy was sent to a machine that lacked it
     a, b = load_file(ref[0] / "model.safetensors"), load_file(outs[0] / "model.safetensors")
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
@@ -152,8 +153,5 @@ def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
     assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
     errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
     assert len(errors) == 1 and "the machines disagree on the data" in errors[0], text[0][-2000:]
-    # --resume auto on one machine only (a replaced machine started without it): refused, naming the flag
-    codes, text = job(["--resume", "auto"], "resume")
-    assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
-    errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
-    assert len(errors) == 1 and "--resume is None on rank 0 but 'auto' on rank 1" in errors[0], text[0][-2000:]
+    # (--resume auto on one machine only, a replaced machine started without it: the same flag check,
+    # test_resume.py's test_the_flags_every_machine_must_share_...)

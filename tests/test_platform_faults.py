@@ -153,8 +153,8 @@ def test_rank_ended_by_sigabrt_is_a_lost_peer_and_is_relaunched(tmp_path):
     env = clean_env(NPROC_PER_NODE="2", ACCEL_RESTART_DELAY="1", PYTHONPATH=str(hooks),
                     ACCEL_TEST_ABORT_AFTER=str(out / "checkpoints" / "step_00000002"),
                     ACCEL_TEST_ONCE=str(tmp_path / "aborted"), ACCEL_TEST_TAG=uuid.uuid4().hex)
-    proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "1", "--train_samples", "128", "--test_samples", "8",
-                           "--epochs", "2", "--batch_size", "16", "--checkpoint_every", "2", "--output_dir", str(out)],
+    proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "1", "--train_samples", "32", "--test_samples", "8",
+                           "--epochs", "2", "--batch_size", "4", "--checkpoint_every", "2", "--output_dir", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
     text = proc.stdout + proc.stderr
     assert (tmp_path / "aborted").exists(), text[-3000:]

@@ -11,11 +11,12 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, clean_env, trainer_pids, wait_for
+from conftest import ROOT, SLOW_STEPS, clean_env, trainer_pids, wait_for
 
 pytestmark = pytest.mark.slow
-# 512 samples, global batch 32: 16 steps per epoch; no step checkpoints (--checkpoint_every 0, the default)
-RUN = ["--train_samples", "512", "--test_samples", "32", "--epochs", "2", "--batch_size", "16", "--log_every", "1"]
+# conftest.SLOW_STEPS (resnet18, 16 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
+# the default)
+RUN = [*SLOW_STEPS, "--log_every", "1"]
 
 
 def launch_sh(out, tag, log, *extra):
@@ -38,10 +39,8 @@ def steps_logged(out):
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    with open(tmp_path / "ref.log", "w") as log:
-        assert finish(launch_sh(ref, uuid.uuid4().hex, log), 300) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_path, slow_steps_reference):
+    ref, out = slow_steps_reference, tmp_path / "out"
 
     with open(tmp_path / "run.log", "w") as log:
         proc = launch_sh(out, uuid.uuid4().hex, log, "--max_restarts", "1")
@@ -103,9 +102,9 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 
 def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
-    # 6000 test samples: the evaluation takes longer than torchrun's 30 s grace would allow to wait out
+    # 1600 test samples: an evaluation of ~15 s, long enough for the signal to land in it
     out = tmp_path / "out"
-    run = ["--test_samples", "6000", "--epochs", "1"]
+    run = ["--test_samples", "1600", "--epochs", "1"]
     with open(tmp_path / "run.log", "w") as log:
         proc = launch_sh(out, uuid.uuid4().hex, log, *run)
         try:
@@ -130,5 +129,5 @@ def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
     text = (tmp_path / "resume.log").read_text()
     assert code == 0, text[-3000:]
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 16, 6000)]
+    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 16, 1600)]
     assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 17))

@@ -15,10 +15,9 @@ from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.resume import check_data, reconcile
 
-from conftest import TINY, launch, run_cli
+from conftest import TINY, launch, reference_args, run_cli
 
 pytestmark = pytest.mark.slow
-GN = ["--model_kwargs", '{"norm_layer": "groupnorm1"}']  # per-process batch statistics would differ
 
 
 def small(out, *extra):
@@ -41,20 +40,17 @@ def one_line_error(proc, *needles, status=2):
     return errors[0]
 
 
-def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    launch("2proc_cpu.yaml", small(full, "--batch_size", "16", *GN))
-    launch("2proc_cpu.yaml", small(part, "--batch_size", "16", *GN, "--max_steps", "5"))
+def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, two_rank_reference):
+    full, part = two_rank_reference  # 2 ranks x 16, stopped at step 11 (3 steps into epoch 2)
     ref = load_file(full / "model.safetensors")
     for ranks, per in ((1, 32), (4, 8)):
         out = tmp_path / f"on{ranks}"
         shutil.copytree(part, out)
         # the same command line as before (--batch_size 16): the per-process batch follows the global batch
-        proc = launch("2proc_cpu.yaml", small(out, "--batch_size", "16", *GN, "--resume", "auto"),
-                      launcher=("--num_processes", ranks))
+        proc = launch("2proc_cpu.yaml", reference_args(2, out, "--resume", "auto"), launcher=("--num_processes", ranks))
         assert f"2 -> {ranks} processes; per-process batch 16 -> {per} keeps the checkpoint's global batch 32" \
             in proc.stderr, proc.stderr[-3000:]
-        assert "step 5, " in proc.stderr and f"{5 * 32 // (per * ranks)} batches into the epoch" in proc.stderr
+        assert "step 11, " in proc.stderr and f"{3 * 32 // (per * ranks)} batches into the epoch" in proc.stderr
         # ranks the checkpoint had no RNG state for say so themselves (not an INFO line of the main process)
         assert [r for r in range(4) if f"no RNG state for rank {r} " in proc.stderr] == list(range(2, ranks))
         got = load_file(out / "model.safetensors")
@@ -67,8 +63,9 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path):
 
     # what would change the run's math is refused (reconcile / check_data, in-process below, on this real
     # checkpoint); the refusal end-to-end once: 2 ranks, one line naming the flag, nothing in --output_dir touched
+    part = shutil.copytree(part, tmp_path / "part")
     before = {str(p.relative_to(part)): p.read_bytes() for p in sorted(part.rglob("*")) if p.is_file()}
-    one_line_error(launch("2proc_cpu.yaml", small(part, "--batch_size", "8", *GN, "--resume", "auto"), check=False),
+    one_line_error(launch("2proc_cpu.yaml", reference_args(4, part, "--resume", "auto"), check=False),
                    "--batch_size 8", "global batch 32", status=1)
     assert {str(p.relative_to(part)): p.read_bytes() for p in sorted(part.rglob("*")) if p.is_file()} == before
     refusals_of_a_real_checkpoint(part)
@@ -85,22 +82,43 @@ def refuses(meta, args, num_processes=1, train_size=None):
 
 
 def refusals_of_a_real_checkpoint(part):
-    meta = json.loads((part / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
+    meta = json.loads((part / "checkpoints" / "step_00000011" / "trainer_state.json").read_text())
     ckpt = ["--resume", "auto"]
-    line = refuses(meta, small(part, "--batch_size", "8", *GN, *ckpt), num_processes=2)
+    line = refuses(meta, reference_args(4, part, *ckpt), num_processes=2)  # 2 x 8
     assert "--batch_size 8" in line and "global batch 32" in line, line
-    assert "--seed 7" in refuses(meta, small(part, "--batch_size", "32", *GN, "--seed", "7", *ckpt))
+    assert "--seed 7" in refuses(meta, reference_args(1, part, "--seed", "7", *ckpt))
     assert "--grad_accum 2 differs from the checkpoint's 1" in \
-        refuses(meta, small(part, "--batch_size", "16", "--grad_accum", "2", *GN, *ckpt))
-    assert "--model_kwargs {}" in refuses(meta, small(part, "--batch_size", "32", *ckpt))
+        refuses(meta, reference_args(2, part, "--grad_accum", "2", *ckpt))
+    assert "--model_kwargs {}" in refuses(meta, reference_args(1, part, "--model_kwargs", "{}", *ckpt))
     assert "trained on 256 training samples, this data has 224" in \
-        refuses(meta, small(part, "--batch_size", "32", *GN, "--train_samples", "224", *ckpt))
-    line = refuses(meta, small(part, "--batch_size", "16", *GN, *ckpt), num_processes=3)
+        refuses(meta, reference_args(1, part, "--train_samples", "224", *ckpt))
+    line = refuses(meta, reference_args(2, part, *ckpt), num_processes=3)
     assert "cannot be split over 3 processes" in line and "[1, 2, 4, 8, 16, 32]" in line, line
     # the same meta with the same flags passes both checks: the refusals above are caused by the flag named
-    cfg = parse_train_args([str(a) for a in small(part, "--batch_size", "16", *GN, *ckpt)])
+    cfg = parse_train_args([str(a) for a in reference_args(2, part, *ckpt)])
     reconcile(meta, cfg, 2, lambda msg: None)
     check_data(meta, 256)
+
+
+def test_the_flags_every_machine_must_share_are_named_and_per_machine_paths_are_not(tmp_path):
+    # what decide() gathers from every rank (_report) and compares (_check_flags): the start-up refusal a two-host
+    # run proves end to end for --batch_size (test_multinode.py), here for the resume mode, a replaced machine
+    # started without --resume auto
+    from types import SimpleNamespace
+
+    from accel_train.resume import _check_flags, _report
+
+    def report(rank, *args):
+        accelerator = SimpleNamespace(process_index=rank, is_local_main_process=False)
+        return _report(accelerator, parse_train_args([str(a) for a in small(tmp_path / "out", *args)]), tmp_path, "job")
+
+    with pytest.raises(ConfigError, match=r"--resume is None on rank 0 but 'auto' on rank 1"):
+        _check_flags([report(0), report(1, "--resume", "auto")])
+    with pytest.raises(ConfigError, match=r"--init_from is None on rank 0 but 'a weights file' on rank 1"):
+        _check_flags([report(0), report(1, "--init_from", tmp_path / "w.safetensors")])
+    # each machine's own data copy, output dir and checkpoint path are its own business
+    _check_flags([report(0, "--data_dir", "a", "--resume", "/m0/step_8", "--num_workers", "2"),
+                  report(1, "--data_dir", "b", "--resume", "/m1/step_8", "--num_workers", "0")])
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,9 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, t
         out = tmp_path / f"on{ranks}"
         shutil.copytree(part, out)
         # the same command line as before (--batch_size 16): the per-process batch follows the global batch
-        proc = launch("2proc_cpu.yaml", reference_args(2, out, "--resume", "auto"), launcher=("--num_processes", ranks))
+        # (1 process: cpu.yaml, in the test process; 4: the 2-process config with 4 ranks)
+        proc = launch("cpu.yaml", reference_args(2, out, "--resume", "auto")) if ranks == 1 else \
+            launch("2proc_cpu.yaml", reference_args(2, out, "--resume", "auto"), launcher=("--num_processes", ranks))
         assert f"2 -> {ranks} processes; per-process batch 16 -> {per} keeps the checkpoint's global batch 32" \
             in proc.stderr, proc.stderr[-3000:]
         assert "step 11, " in proc.stderr and f"{3 * 32 // (per * ranks)} batches into the epoch" in proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -99,7 +101,7 @@ def launch(config: str, args: list[str], timeout: float = 300, env: dict | None 
     A one-process config (cpu.yaml, or a copy) runs in this process (see in_process) unless fresh=True asks for the
     new interpreters, or --compile does (torch.compile's caches belong to the process); every config with ranks is
     the real launch."""
-    if not (launcher or fresh or "--compile" in map(str, args)) and one_process(config):
+    if not (launcher or fresh or compiles(args)) and one_process(config):
         proc = in_process(args, timeout, env, cwd, config)
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
@@ -110,6 +112,10 @@ def launch(config: str, args: list[str], timeout: float = 300, env: dict | None 
     return proc
 
 
+def compiles(args) -> bool:
+    return any(str(a) == "--compile" or str(a).startswith("--compile=") for a in args)
+
+
 def one_process(config: str) -> bool:
     settings = yaml.safe_load((CONFIGS / config).read_text())  # (CONFIGS / an absolute path is that path)
     return settings.get("num_processes") == 1 and settings.get("distributed_type") == "NO"
@@ -118,7 +124,7 @@ def one_process(config: str) -> bool:
 def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, fresh: bool = False
             ) -> subprocess.CompletedProcess:
     """`python -m accel_train <args>` as a plain single process: in this process unless fresh=True (or --compile)."""
-    if not (fresh or "--compile" in map(str, args)):
+    if not (fresh or compiles(args)):
         return in_process(args, timeout, env, ROOT)
     return run([sys.executable, "-m", "accel_train", *map(str, args)], timeout, env or clean_env(), ROOT)
 
@@ -150,6 +156,8 @@ def launcher_env(config: str, env: dict) -> dict:
 
 def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | None = None
                ) -> subprocess.CompletedProcess:
+    """config: as `accelerate launch --config_file <config>` (whose simple launcher exits 1 for any failure, as
+    here); None: as `python -m accel_train` (the trainer's own status)."""
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
@@ -163,17 +171,28 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))  # as cli.main's
     root, level, threads, here = logging.getLogger(), logging.getLogger().level, torch.get_num_threads(), os.getcwd()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    # pytest-timeout's own alarm (the suite's per-test bound) is set aside and given back, less the time spent;
+    # where it comes first, its own handler runs (its stack dump, its failure)
+    pending, started = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()
+    ours = min(timeout, pending) if pending else timeout
 
     def expired(signum, frame):
+        if pending and pending <= timeout and callable(alarm):
+            alarm(signum, frame)
         raise InProcessTimeout(f"timed out after {timeout}s: accel_train {' '.join(map(str, args))}")
 
-    # pytest-timeout's own alarm (the suite's per-test bound) is set aside and given back, less the time spent
-    pending, started = signal.getitimer(signal.ITIMER_REAL)[0], time.monotonic()
+    def warn(message, category, filename, lineno, file=None, line=None):  # where a real process prints them
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    AcceleratorState._reset_state(True)  # the trainer makes its own Accelerator, as in a new process
+    GradientState._reset_state()
     alarm = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, min(timeout, pending) if pending else timeout)
+    signal.setitimer(signal.ITIMER_REAL, ours)
     try:
         with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
+                contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = warn
             os.chdir(cwd)
             root.addHandler(log)
             root.setLevel(logging.INFO)
@@ -184,11 +203,8 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     except InProcessTimeout as e:
         raise AssertionError(f"{e}\nSTDOUT:\n{out.getvalue()[-3000:]}\nSTDERR:\n{err.getvalue()[-5000:]}") from None
-    finally:
+    finally:  # (pytest-timeout's alarm last: nothing of this clean-up may be cut short)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, alarm)
-        if pending:
-            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.001))
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         root.removeHandler(log)
@@ -197,6 +213,12 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
         os.chdir(here)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+        gc.collect()  # (a run's persistent DataLoader workers end here, not at some later test)
+        signal.signal(signal.SIGALRM, alarm)
+        if pending:
+            signal.setitimer(signal.ITIMER_REAL, max(pending - (time.monotonic() - started), 0.001))
+    if config and code != 0:
+        code = 1  # accelerate's simple launcher: CalledProcessError for any failed child
     return subprocess.CompletedProcess(["accel_train", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
@@ -337,11 +359,11 @@ TINY_GN = [*TINY, "--model_kwargs", '{"norm_layer": "groupnorm1"}']
 
 
 # The 2-rank reference several tests compare with, launched once per session (read-only: copy before resuming):
-# TINY_GN (comparable across process counts), 256 random samples, global batch 32 (8 steps an epoch), 2 epochs,
+# TINY_GN (comparable across process counts), 256 random samples, global batch 32 (8 steps an epoch), 3 epochs,
 # a checkpoint every 2 steps; "full" runs to the end, "part" is the same run stopped at step 11 (3 steps into epoch
-# 2). test_checkpoint resumes part on 2 ranks, test_resume on 1 and 4, test_equivalence compares full with 1 rank.
+# 2: a resume finishes that epoch, then runs a whole fresh one). test_checkpoint resumes part on 2 ranks, test_resume on 1 and 4, test_equivalence compares full with 1 rank.
 def reference_args(ranks: int, out, *extra) -> list:
-    return [*TINY_GN, "--train_samples", "256", "--test_samples", "40", "--epochs", "2", "--batch_size", 32 // ranks,
+    return [*TINY_GN, "--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", 32 // ranks,
             "--log_every", "1", "--checkpoint_every", "2", "--output_dir", out, *extra]
 
 
@@ -354,10 +376,11 @@ def two_rank_reference(tmp_path_factory) -> tuple[Path, Path]:
 
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
-# kill to land mid-epoch (the ranks agree on a stop about every 2 s of work). 128 random samples, global batch 8: 16
-# steps an epoch, 2 epochs. test_preempt and test_faults interrupt runs with these flags (plus their own checkpoint
-# and log settings, which do not change the weights) and compare with one uninterrupted run through launch.sh.
-SLOW_STEPS = ["--train_samples", "128", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
+# kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10 s, twice the longest gap between
+# the ranks' agreed stop checks, preempt.AgreedChecks.MAX_S), 2 epochs. test_preempt and test_faults interrupt runs
+# with these flags (plus their own checkpoint and log settings, which do not change the weights) and compare with one
+# uninterrupted run through launch.sh.
+SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
 
 
 @pytest.fixture(scope="session")

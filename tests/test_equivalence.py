@@ -36,7 +36,7 @@ def test_two_ranks_batch_b_equal_one_rank_batch_2b(tmp_path, two_rank_reference)
     launch("cpu.yaml", reference_args(1, tmp_path / "one"))
     steps1, w1 = steps_and_weights(tmp_path / "one")
     steps2, w2 = steps_and_weights(two_rank_reference[0])
-    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 17))
+    assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 25))
     for a, b in zip(steps1, steps2):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)

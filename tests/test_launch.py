@@ -334,6 +334,24 @@ def test_the_preflight_runs_before_every_attempt(tmp_path):
     assert len(calls) == 2 and proc.stderr.count("preflight: ok") == 2
 
 
+def test_bad_input_is_not_relaunched(tmp_path):
+    # a rank reports bad input (status 2 in ACCEL_TRAIN_STATUS_DIR) and `accelerate launch` exits 1, as torchrun
+    # does for any failed rank: launch.sh exits 2 without a second attempt, whatever --max_restarts says
+    bindir, log = tmp_path / "bin", tmp_path / "accelerate_calls"
+    bindir.mkdir()
+    (bindir / "accelerate").write_text(f'#!/bin/bash\necho "$*" >> {log}\necho 2 > "$ACCEL_TRAIN_STATUS_DIR/host-1"\n'
+                                       'echo "accel-train: error: data directory /x does not exist" >&2\nexit 1\n')
+    (bindir / "accelerate").chmod(0o755)
+    env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
+    env.update(PATH=f"{bindir}:{env['PATH']}", ACCEL_RESTART_DELAY="0")
+    proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "2", "--epochs", "1"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert len(log.read_text().splitlines()) == 1
+    assert "bad input (exit status 2, the cause is above); not relaunched" in proc.stderr
+    assert "relaunching" not in proc.stderr
+
+
 SHELL_SCRIPTS = ["launch.sh", "bench/gpu_check.sh", "bench/npu_check.sh", ".ci/run", ".ci/min_versions.sh"]
 
 

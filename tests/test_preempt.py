@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, SLOW_STEPS, clean_env, trainer_pids, wait_for
 
 pytestmark = pytest.mark.slow
-# conftest.SLOW_STEPS (resnet18, 16 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
+# conftest.SLOW_STEPS (resnet18, 32 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
 # the default)
 RUN = [*SLOW_STEPS, "--log_every", "1"]
 
@@ -59,7 +59,7 @@ def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_
     stops = re.findall(r"accel-train: preempted: stopped by \S+ at step (\d+)", text)
     assert len(stops) == 1, text[-3000:]  # said once (the main process); the checkpoint is every rank's step
     step = int(stops[0])
-    assert 5 <= step < 16
+    assert 5 <= step < 32
     ckpt = out / "checkpoints" / f"step_{step:08d}"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, step, step)
@@ -74,7 +74,7 @@ def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_
     assert f"step {step}, {step} batches into the epoch" in text
     a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 33))
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
 
 
 def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
@@ -98,7 +98,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert len({s[1] for s in stops}) == 1
     step = int(stops[0][1])
     assert "relaunching to resume" in text and f"step {step}, {step} batches into the epoch" in text
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 17))
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 33))
 
 
 def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
@@ -108,7 +108,7 @@ def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
     with open(tmp_path / "run.log", "w") as log:
         proc = launch_sh(out, uuid.uuid4().hex, log, *run)
         try:
-            wait_for(lambda: steps_logged(out) >= 16, timeout=240, interval=0.01)  # the epoch's last step
+            wait_for(lambda: steps_logged(out) >= 32, timeout=240, interval=0.01)  # the epoch's last step
         except AssertionError:
             finish(proc, 1)
             raise
@@ -120,8 +120,8 @@ def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
     text = (tmp_path / "run.log").read_text()
     assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
     assert "while evaluating epoch 1" in text
-    state = json.loads((out / "checkpoints" / "step_00000016" / "trainer_state.json").read_text())
-    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, 16, 16)
+    state = json.loads((out / "checkpoints" / "step_00000032" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, 32, 32)
     assert not (out / "metrics.jsonl").read_text().strip()  # the epoch's row comes with its evaluation
     # the resumed run redoes only the evaluation, then finishes
     with open(tmp_path / "resume.log", "w") as log:
@@ -129,5 +129,5 @@ def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):
     text = (tmp_path / "resume.log").read_text()
     assert code == 0, text[-3000:]
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 16, 1600)]
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 17))
+    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 32, 1600)]
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 33))

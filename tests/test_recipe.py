@@ -16,9 +16,9 @@ from accel_train.model import create_model
 from conftest import launch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def accelerator():
-    return Accelerator(cpu=True)
+    return Accelerator(cpu=True)  # (per test: an in-process run resets Accelerate's state)
 
 
 def evaluated_accuracy(accelerator, model, images, labels, tta=False):

@@ -358,21 +358,30 @@ TINY = ["--model", "test_resnet"]
 TINY_GN = [*TINY, "--model_kwargs", '{"norm_layer": "groupnorm1"}']
 
 
-# The 2-rank reference several tests compare with, launched once per session (read-only: copy before resuming):
+# The reference runs several tests compare with, launched once per session (read-only: copy before resuming):
 # TINY_GN (comparable across process counts), 256 random samples, global batch 32 (8 steps an epoch), 3 epochs,
-# a checkpoint every 2 steps; "full" runs to the end, "part" is the same run stopped at step 11 (3 steps into epoch
-# 2: a resume finishes that epoch, then runs a whole fresh one). test_checkpoint resumes part on 2 ranks, test_resume on 1 and 4, test_equivalence compares full with 1 rank.
+# a checkpoint every 2 steps; "full" runs to the end, "part" is the same run stopped at step 11 (3 steps into
+# epoch 2: a resume finishes that epoch, then runs a whole fresh one). test_checkpoint resumes part on 1 and 2
+# ranks, test_resume the 2-rank part on 1 and 4, test_equivalence compares the two full runs.
 def reference_args(ranks: int, out, *extra) -> list:
     return [*TINY_GN, "--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", 32 // ranks,
             "--log_every", "1", "--checkpoint_every", "2", "--output_dir", out, *extra]
 
 
+def reference_pair(root: Path, config: str, ranks: int) -> tuple[Path, Path]:
+    launch(config, reference_args(ranks, root / "full"))
+    launch(config, reference_args(ranks, root / "part", "--max_steps", "11"))
+    return root / "full", root / "part"
+
+
+@pytest.fixture(scope="session")
+def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
+    return reference_pair(tmp_path_factory.mktemp("one_process_reference"), "cpu.yaml", 1)
+
+
 @pytest.fixture(scope="session")
 def two_rank_reference(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("two_rank_reference")
-    launch("2proc_cpu.yaml", reference_args(2, root / "full"))
-    launch("2proc_cpu.yaml", reference_args(2, root / "part", "--max_steps", "11"))
-    return root / "full", root / "part"
+    return reference_pair(tmp_path_factory.mktemp("two_rank_reference"), "2proc_cpu.yaml", 2)
 
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a

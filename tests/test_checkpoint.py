@@ -36,12 +36,7 @@ def assert_same_weights(a, b, atol):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, request):
     # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
-    if ranks == 1:  # one process (in the test process): a pair of runs of its own
-        full, stopped = tmp_path / "full", tmp_path / "stopped"
-        launch("cpu.yaml", reference_args(1, full))
-        launch("cpu.yaml", reference_args(1, stopped, "--max_steps", "11"))
-    else:  # 2 ranks: the session's reference pair
-        full, stopped = request.getfixturevalue("two_rank_reference")
+    full, stopped = request.getfixturevalue({1: "one_process_reference", 2: "two_rank_reference"}[ranks])
     part = tmp_path / "part"
     shutil.copytree(stopped, part)
     state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())

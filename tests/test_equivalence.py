@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train.model import create_model
 
-from conftest import TINY_GN, launch, reference_args
+from conftest import TINY_GN, launch
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +31,9 @@ def run(out, config, batch, *extra, samples="192", max_steps="8"):
     return steps_and_weights(out)
 
 
-def test_two_ranks_batch_b_equal_one_rank_batch_2b(tmp_path, two_rank_reference):
-    # 2 ranks x 16: the session's reference run (conftest.reference_args); 1 rank x 32 with the same flags
-    launch("cpu.yaml", reference_args(1, tmp_path / "one"))
-    steps1, w1 = steps_and_weights(tmp_path / "one")
+def test_two_ranks_batch_b_equal_one_rank_batch_2b(one_process_reference, two_rank_reference):
+    # the session's reference runs (conftest.reference_args): 1 rank x 32 and 2 ranks x 16, the same flags
+    steps1, w1 = steps_and_weights(one_process_reference[0])
     steps2, w2 = steps_and_weights(two_rank_reference[0])
     assert [s["step"] for s in steps1] == [s["step"] for s in steps2] == list(range(1, 25))
     for a, b in zip(steps1, steps2):

@@ -269,10 +269,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def fake_accelerate(bindir, log, statuses):
-    """`accelerate` that records its arguments and exits with the next of `statuses` (one per call)."""
+def fake_accelerate(bindir, log, statuses, reported=None):
+    """`accelerate` that records its arguments and exits with the next of `statuses` (one per call); `reported`: the
+    status a rank writes to ACCEL_TRAIN_STATUS_DIR (the trainer's own, where torchrun's exit is 1 for any failure)."""
     counter = bindir / "calls"
-    script = (f"#!/bin/bash\necho \"$*\" >> {log}\nn=$(cat {counter} 2>/dev/null || echo 0)\n"
+    report = f'echo {reported} > "$ACCEL_TRAIN_STATUS_DIR/host-1"\n' if reported is not None else ""
+    script = (f"#!/bin/bash\necho \"$*\" >> {log}\n{report}n=$(cat {counter} 2>/dev/null || echo 0)\n"
               f"echo $((n + 1)) > {counter}\nstatuses=({' '.join(map(str, statuses))})\nexit ${{statuses[$n]}}\n")
     (bindir / "accelerate").write_text(script)
     (bindir / "accelerate").chmod(0o755)
@@ -339,9 +341,7 @@ def test_bad_input_is_not_relaunched(tmp_path):
     # does for any failed rank: launch.sh exits 2 without a second attempt, whatever --max_restarts says
     bindir, log = tmp_path / "bin", tmp_path / "accelerate_calls"
     bindir.mkdir()
-    (bindir / "accelerate").write_text(f'#!/bin/bash\necho "$*" >> {log}\necho 2 > "$ACCEL_TRAIN_STATUS_DIR/host-1"\n'
-                                       'echo "accel-train: error: data directory /x does not exist" >&2\nexit 1\n')
-    (bindir / "accelerate").chmod(0o755)
+    fake_accelerate(bindir, log, statuses=(1, 1, 1), reported=2)
     env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
     env.update(PATH=f"{bindir}:{env['PATH']}", ACCEL_RESTART_DELAY="0")
     proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "2", "--epochs", "1"], capture_output=True, text=True,

@@ -11,7 +11,7 @@ from accel_train import hardware
 from accel_train.config import TrainConfig
 from accel_train.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
 from conftest import ROOT, clean_env, run_cli
-from test_launch import dry_run, hw, parse  # noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)
+from test_launch import BF16_CPU, PLAIN_CPU, dry_run, hw, parse  # noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)
 
 
 def cpu(*flags, arch="x86_64"):
@@ -176,8 +176,6 @@ def test_asked_precision_flag_then_launcher_then_nothing():
 # ---- the trainer, one process without a launcher (python -m accel_train) ------------------------------
 
 TINY = ["--train_samples", "16", "--test_samples", "8", "--batch_size", "8", "--epochs", "1", "--max_steps", "1"]
-BF16_CPU = json.dumps({"kind": "cpu", "name": "mocked", "cpu_flags": ["avx512f", "avx512_bf16"], "arch": "x86_64"})
-PLAIN_CPU = json.dumps({"kind": "cpu", "name": "mocked", "cpu_flags": ["avx2"], "arch": "x86_64"})
 
 
 @pytest.mark.slow

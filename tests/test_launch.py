@@ -1,5 +1,6 @@
 """launch.sh: platform environment -> the exact `accelerate launch` command (--dry-run), and its errors."""
 
+import json
 import os
 import shlex
 import shutil
@@ -19,6 +20,13 @@ PLATFORM_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER
                  "PET_NPROC_PER_NODE", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE",
                  "ACCEL_CONFIG", "ACCEL_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
                  "ASCEND_RT_VISIBLE_DEVICES", "ACCEL_RDZV_WAIT", "PREFLIGHT_TIMEOUT", "ACCEL_PROBE_TIMEOUT", "PYTHON")
+
+
+# Device facts stated instead of probed (ACCEL_TRAIN_DEVICE_FACTS): launch.sh's precision choice on a CPU host
+# depends on the CPU's flags, so a dry run on a CPU host states them (a CPU without native bf16 unless a test says
+# otherwise) and the expected command is the same on every machine the suite runs on
+BF16_CPU = json.dumps({"kind": "cpu", "name": "mocked", "cpu_flags": ["avx512f", "avx512_bf16"], "arch": "x86_64"})
+PLAIN_CPU = json.dumps({"kind": "cpu", "name": "mocked", "cpu_flags": ["avx2"], "arch": "x86_64"})
 
 
 def fake_tool(bindir, name, output):
@@ -50,8 +58,10 @@ def dry_run(env_extra, args=(), bindir=None):
     env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS}
     if bindir is not None:
         env["PATH"] = f"{bindir}:{env['PATH']}"
-    elif shutil.which("nvidia-smi") or shutil.which("npu-smi"):
-        pytest.skip("this host has accelerators; the CPU fixtures assume none")
+    else:
+        if shutil.which("nvidia-smi") or shutil.which("npu-smi"):
+            pytest.skip("this host has accelerators; the CPU fixtures assume none")
+        env["ACCEL_TRAIN_DEVICE_FACTS"] = PLAIN_CPU  # a CPU host: its facts stated, not this machine's flags
     env.update(env_extra)
     return subprocess.run(["bash", str(LAUNCH), "--dry-run", *args], capture_output=True, text=True, env=env,
                           timeout=60)
@@ -198,7 +208,8 @@ def test_modelarts_cpu_flavour_is_one_cpu_process():
     ("0,1,2,3,4,5,6,7,8,9", 8, "1node_gpu.yaml"),  # never more than the node has
 ])
 def test_cuda_visible_devices_sets_the_processes_per_node(hw, visible, procs, config):
-    env, opts, _ = parse(dry_run({"CUDA_VISIBLE_DEVICES": visible}, bindir=hw(gpus=8)))
+    cpu_facts = {"ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU} if config == "cpu.yaml" else {}  # the GPUs hidden
+    env, opts, _ = parse(dry_run({"CUDA_VISIBLE_DEVICES": visible, **cpu_facts}, bindir=hw(gpus=8)))
     assert opts == {"config": config, "--num_machines": "1", "--num_processes": str(procs)}
     assert ("ACCELERATE_USE_CPU" in env) == (config == "cpu.yaml")
     assert env.get("CUDA_VISIBLE_DEVICES", visible) == visible  # passed on untouched (gpu_ids: all)

@@ -256,12 +256,13 @@ def read_history(path: Path) -> dict | None:
     return {name: read_jsonl(path / name) for name in HISTORY}
 
 
-def load_ema(ema, path: Path, device) -> bool:
-    """EMA weights from a checkpoint, if it has them."""
+def load_ema(ema, path: Path) -> bool:
+    """EMA weights from a checkpoint, if it has them. Read on the host; load_state_dict copies them onto the
+    EMA's own device (a CPU rank's accelerator.device is `cpu:0`, which safetensors does not take as a device)."""
     if not (path / EMA_FILE).is_file():
         return False
     try:
-        ema.module.load_state_dict(load_file(path / EMA_FILE, device=str(device)))
+        ema.module.load_state_dict(load_file(path / EMA_FILE))
     except Exception as e:
         raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model ({str(e).splitlines()[0][:160]})") \
             from None

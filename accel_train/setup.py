@@ -174,7 +174,7 @@ def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, 
         history = read_history(decision.resume_from)
     scheduler.step_update(state.step)
     ema = ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
-    if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from, accelerator.device):
+    if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from):
         log(f"{decision.resume_from} has no EMA weights: the EMA starts from the resumed weights")
     return state, history, ema
 

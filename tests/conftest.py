@@ -398,3 +398,39 @@ def slow_steps_reference(tmp_path_factory) -> Path:
     proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", out], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Two test processes (pytest-xdist, `-n 2` in pyproject.toml). Most of a test's time is interpreters starting
+# and one-threaded in-process runs, which leave a core idle; two workers fill both. Tests that share an expensive
+# fixture of ours (a session or module fixture: a reference run, a trained output) go to one worker, which builds
+# it once (xdist_group; xdist's loadgroup puts the groups first), and the multi-process tests start before the
+# fast ones, so the run does not end on one long test.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    parent: dict[str, str] = {}
+
+    def find(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        keys = [f"{d.baseid or 'conftest'}::{name}" for name, defs in (info.name2fixturedefs.items() if info else ())
+                for d in defs[-1:] if d.scope in ("module", "session") and is_ours(d.func)]
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+        shared[item] = keys
+    for item, keys in shared.items():
+        if keys:
+            item.add_marker(pytest.mark.xdist_group(find(keys[0]).replace("::", ".").replace("/", ".")))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable: file order otherwise)
+
+
+def is_ours(func) -> bool:
+    code = getattr(func, "__code__", None)
+    return code is not None and Path(code.co_filename).resolve().is_relative_to(ROOT / "tests")

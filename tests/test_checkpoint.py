@@ -34,9 +34,11 @@ def assert_same_weights(a, b, atol):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, request):
-    # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
-    full, stopped = request.getfixturevalue({1: "one_process_reference", 2: "two_rank_reference"}[ranks])
+def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, one_process_reference,
+                                                              two_rank_reference):
+    # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch (both references named, not
+    # looked up: the tests that share a fixture run in one test process, conftest.pytest_collection_modifyitems)
+    full, stopped = {1: one_process_reference, 2: two_rank_reference}[ranks]
     part = tmp_path / "part"
     shutil.copytree(stopped, part)
     state = json.loads(state_dir(part, 11).joinpath("trainer_state.json").read_text())

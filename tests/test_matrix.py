@@ -1,7 +1,9 @@
 """Every user-facing flag on 1 process, on 2 processes and (those that touch outputs, checkpoints or
 collectives) on two network hosts, combined into few tiny runs; each run checks what the flags do.
 
-run A: --compile --channels_last --ema --tta under bf16 autocast (accelerate launch --mixed_precision bf16)
+run A: --compile --channels_last --ema --tta under bf16 autocast (accelerate launch --mixed_precision bf16), over
+       2 epochs stopped one step into the second and resumed: torch.compile compiles one training and one
+       evaluation graph in each launch (11 test samples: the last evaluation batch is padded, never recompiled)
 run B: --log_with tensorboard --grad_accum 2 --clip_grad --pipeline cpu --num_workers 2
 two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under bf16
 (torch.compile is left out there: it takes minutes per rank on this machine's shared cores)
@@ -23,7 +25,8 @@ from conftest import CONFIGS, TINY, launch, run_cli, wait_all
 
 SMALL = [*TINY, "--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--epochs", "1",
          "--log_every", "1"]
-RUN_A = ["--compile", "--channels_last", "--ema", "--tta", "--force_precision"]  # bf16 whatever the CPU has
+RUN_A = ["--compile", "--channels_last", "--ema", "--tta", "--force_precision",  # bf16 whatever the CPU has
+         "--epochs", "2", "--test_samples", "11", "--log_all_ranks"]  # (the last --test_samples given wins)
 RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0", "--pipeline", "cpu",
          "--num_workers", "2"]
 HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last",
@@ -65,23 +68,28 @@ def load_clean(path: Path):
     return state
 
 
-def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, tracker: bool = False) -> dict:
-    """What every finished run must leave, whatever the flags and the topology."""
-    steps_expected = 64 // (8 * ranks) // grad_accum
+def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, tracker: bool = False,
+              epochs: int = 1, test_samples: int = 16) -> dict:
+    """What every finished run must leave, whatever the flags and the topology (the last epoch's row)."""
+    per_epoch = 64 // (8 * ranks) // grad_accum
     steps = strict_jsonl(out / "steps.jsonl")
-    assert [s["step"] for s in steps] == list(range(1, steps_expected + 1))
+    assert [s["step"] for s in steps] == list(range(1, per_epoch * epochs + 1))
     assert all(math.isfinite(s["loss"]) and s["lr"] > 0 for s in steps)
-    (row,) = strict_jsonl(out / "metrics.jsonl")
-    assert row["step"] == steps_expected and row["train_samples"] == steps_expected * 8 * ranks * grad_accum
-    assert row["test_samples"] == 16 and 0 < row["data_wait_frac"] < 1  # measured, not clamped
-    assert row["images_per_sec"] == pytest.approx(row["train_samples"] / row["epoch_seconds"], rel=1e-6)
-    assert ("test_acc_ema" in row) == ema
+    rows = strict_jsonl(out / "metrics.jsonl")
+    assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == \
+        [(e, per_epoch * e, test_samples) for e in range(1, epochs + 1)]  # the evaluation's padding not counted
+    assert rows[0]["train_samples"] == per_epoch * 8 * ranks * grad_accum  # (a resumed epoch counts what it trained)
+    for row in rows:
+        assert 0 < row["data_wait_frac"] < 1  # measured, not clamped
+        assert row["images_per_sec"] == pytest.approx(row["train_samples"] / row["epoch_seconds"], rel=1e-6)
+        assert ("test_acc_ema" in row) == ema
+    row = rows[-1]
     load_clean(out / "model.safetensors")
     meta = json.loads((out / "model_config.json").read_text())
     assert meta["metrics"]["final_test_acc"] == row["test_acc"]
     if ema:
         exported = load_clean(out / "model_ema.safetensors")
-        (ckpt,) = (out / "checkpoints").glob("step_*")
+        ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]  # the end of the run
         saved = load_file(ckpt / EMA_FILE)
         assert exported.keys() == saved.keys() and all((exported[k] == saved[k]).all() for k in saved)
         # timm's own model takes it (the cifar stem's export: tests/test_outputs.py)
@@ -98,8 +106,8 @@ def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, 
     return row
 
 
-def evaluated(stdout: str, ranks: int) -> float:
-    m = re.search(r"test accuracy ([\d.]+)% on 16 samples \((\d) process", stdout)
+def evaluated(stdout: str, ranks: int, samples: int = 16) -> float:
+    m = re.search(rf"test accuracy ([\d.]+)% on {samples} samples \((\d) process", stdout)
     assert m and int(m.group(2)) == ranks, stdout
     return float(m.group(1)) / 100
 
@@ -107,27 +115,41 @@ def evaluated(stdout: str, ranks: int) -> float:
 EVALUATE = ["evaluate", "--data", "random", "--test_samples", "16", "--batch_size", "8"]
 
 
+COMPILED = re.compile(r"rank (\d+): torch.compile compiled (\d+) graph\(s\) \(train, eval\)")
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
     config = bf16_config(tmp_path, TOPOLOGY[ranks])
     out = tmp_path / "out"
-    proc = launch(config, [*SMALL, *RUN_A, "--output_dir", out], timeout=400)
-    assert f"{ranks} process(es)" in proc.stderr and ", bf16]" in proc.stderr
-    # torch.compile wraps what prepare() made (DDP with 2 ranks), as Accelerate advises
-    # (at the start and still at the end: nothing unwrapped the training model on the way)
-    chain = "model OptimizedModule(" + ("DistributedDataParallel(ResNet))" if ranks > 1 else "ResNet)")
-    assert proc.stderr.count(chain) == 2, re.findall(r"model \S+", proc.stderr)
-    row = check_run(out, ranks=ranks, ema=True)
+    stop_at = 64 // (8 * ranks) + 1  # one step into epoch 2, after epoch 1's evaluation
+    first = launch(config, [*SMALL, *RUN_A, "--output_dir", out, "--max_steps", stop_at], timeout=900)
+    resumed = launch(config, [*SMALL, *RUN_A, "--output_dir", out, "--resume", "auto"], timeout=900)
+    assert f"step {stop_at}, 1 batches into the epoch" in resumed.stderr, resumed.stderr[-3000:]
+    for proc in (first, resumed):
+        assert f"{ranks} process(es)" in proc.stderr and ", bf16]" in proc.stderr
+        # torch.compile wraps what prepare() made (DDP with 2 ranks), as Accelerate advises
+        # (at the start and still at the end: nothing unwrapped the training model on the way)
+        chain = "OptimizedModule(" + ("DistributedDataParallel(ResNet))" if ranks > 1 else "ResNet)")
+        models = re.findall(r"\bmodel (\w+(?:\(\w+)*\)*)", proc.stderr)  # (every rank's start line, the end's)
+        assert len(models) == ranks + 1 and set(models) == {chain}, models
+        # a bounded, known set of graphs on every rank: one for training, one for evaluation (flip TTA and the
+        # padded last batch included), in the run that stopped and in the resumed one
+        compiled = {int(r): int(g) for r, g in COMPILED.findall(proc.stderr)}
+        assert compiled == dict.fromkeys(range(ranks), 2), proc.stderr[-3000:]
+    row = check_run(out, ranks=ranks, ema=True, epochs=2, test_samples=11)
     assert parse_train_args(["--config", str(out / "config.yaml")]).compile is True
     # evaluate (same topology, bf16, flip TTA as trained) reproduces the run's numbers, EMA included, within one
-    # of the 16 samples: evaluate runs eager, the run's evaluation compiled, and bf16 rounds the two kernels'
+    # of the 11 samples: evaluate runs eager, the run's evaluation compiled, and bf16 rounds the two kernels'
     # sums differently (an untrained model's near-tied logits can flip)
-    plain = launch(config, [*EVALUATE, "--checkpoint", out, "--tta"])
-    assert evaluated(plain.stdout, ranks) == pytest.approx(row["test_acc"], abs=1 / 16 + 1e-4)
-    ema = launch(config, [*EVALUATE, "--checkpoint", out, "--tta", "--ema"])
+    evaluate = [*EVALUATE, "--test_samples", "11", "--checkpoint", out, "--tta"]
+    plain = launch(config, evaluate)
+    assert evaluated(plain.stdout, ranks, 11) == pytest.approx(row["test_acc"], abs=1 / 11 + 1e-4)
+    ema = launch(config, [*evaluate, "--ema"])
     assert "[EMA] [flip TTA]" in ema.stdout
-    assert evaluated(ema.stdout, ranks) == pytest.approx(row["test_acc_ema"], abs=1 / 16 + 1e-4)
+    assert evaluated(ema.stdout, ranks, 11) == pytest.approx(row["test_acc_ema"], abs=1 / 11 + 1e-4)
 
 
 @pytest.mark.slow

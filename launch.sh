@@ -271,13 +271,10 @@ elif [[ -n "$master_port" ]]; then
   launch_args+=(--main_process_port "$master_port")
 fi
 # The config must load with accelerate's own loader (an unknown key is an error), before anything starts
-# (and before the precision probe prints its line).
-if ((dry_run == 0)) && ! problem="$("$PYTHON" -c 'import sys
-from accelerate.commands.config.config_args import load_config_from_file
-try:
-    load_config_from_file(sys.argv[1])
-except Exception as e:
-    print(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__); sys.exit(1)' "$config_file" 2>/dev/null)"; then
+# (and before the precision probe prints its line); a file that loaded before is not read again
+# (accel_train/accel_config.py).
+if ((dry_run == 0)) && ! problem="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accel_train.accel_config \
+    "$config_file" 2>/dev/null)"; then
   die "accelerate config $config_file is invalid: ${problem:-it does not load}"
 fi
 

@@ -1,0 +1,64 @@
+"""`python -m accel_train.accel_config FILE`: launch.sh's check that an accelerate config loads with accelerate's
+own loader (an unknown key, a bad `distributed_type` is an error) before anything starts; prints the one-line
+reason and exits 1 where it does not.
+
+Importing accelerate costs ~2 s of CPU (torch comes with it), on every launch.sh start and relaunch loop. A file
+that loaded is remembered by its contents and the accelerate and PyYAML versions that read it (an empty marker
+file under ~/.cache/accel_train/, or $XDG_CACHE_HOME): the same file under the same versions is not read again.
+Nothing else is cached, and a cache that cannot be written or read only means the check runs every time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+
+def marker(path: str) -> Path | None:
+    """Where a successful check of this file's contents under these versions is remembered (None: not cacheable)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes())
+        digest.update(f"\0accelerate {version('accelerate')}\0pyyaml {version('pyyaml')}".encode())
+    except (OSError, PackageNotFoundError):
+        return None
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "accel_train" / "valid_accelerate_configs" / digest.hexdigest()
+
+
+def problem(path: str) -> str | None:
+    """None where accelerate's loader takes the file, else its reason in one line."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    try:
+        load_config_from_file(path)
+    except Exception as e:
+        text = str(e).strip()
+        return text.splitlines()[-1] if text else type(e).__name__
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    (path,) = sys.argv[1:] if argv is None else argv
+    seen = marker(path)
+    try:
+        if seen is not None and seen.is_file():
+            return 0
+    except OSError:
+        seen = None
+    why = problem(path)
+    if why is not None:
+        print(why)
+        return 1
+    if seen is not None:
+        try:
+            seen.parent.mkdir(parents=True, exist_ok=True)
+            seen.touch()
+        except OSError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

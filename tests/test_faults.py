@@ -23,17 +23,32 @@ def same_weights(a, b, atol=1e-6):
     return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) <= atol
 
 
-def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path, slow_steps_reference):
-    ref, out = slow_steps_reference, tmp_path / "out"  # the uninterrupted run
+def steps_logged(out):
+    path = out / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_signalled_then_killed_rank_is_relaunched_each_time_and_resumes_to_the_same_weights(tmp_path,
+                                                                                           slow_steps_reference):
+    # One run, two interruptions of one rank, each relaunched by launch.sh and resumed: a SIGUSR1 to rank 1 only in
+    # epoch 1 (what `scancel --signal=USR1` or SLURM's --signal delivers; a preemption that did not come through
+    # launch.sh, relaunched as --restart_on_preempt asks) stops every rank at one step with a checkpoint; then a
+    # SIGKILL to rank 1 mid epoch 2 (no checkpoint of its own: the newest complete one is resumed). The run ends
+    # with the uninterrupted run's weights.
+    ref, out = slow_steps_reference, tmp_path / "out"
     tag = uuid.uuid4().hex
     env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
     log = open(tmp_path / "launch.log", "w")
-    proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--max_restarts", "1", *RUN, "--output_dir", out],
+    proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--max_restarts", "2", "--restart_on_preempt",
+                             "--log_all_ranks", *RUN, "--output_dir", out],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     try:
-        # mid epoch 2: 32 steps per epoch, checkpoints every 2 steps
+        wait_for(lambda: steps_logged(out) >= 3, timeout=240)
+        first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
+        os.kill(first[1], signal.SIGUSR1)
+        # the relaunched job, mid epoch 2 (32 steps per epoch, checkpoints every 2 steps)
         wait_for(lambda: (out / "checkpoints" / "step_00000040").is_dir(), timeout=240)
-        pids = wait_for(lambda: trainer_pids(tag).get(1) and trainer_pids(tag), timeout=30)
+        pids = wait_for(lambda: trainer_pids(tag).get(1, first[1]) != first[1] and trainer_pids(tag), timeout=30)
         os.kill(pids[1], signal.SIGKILL)
         code = proc.wait(timeout=400)
     finally:
@@ -41,9 +56,14 @@ def test_killed_rank_is_relaunched_and_resumes_to_the_same_weights(tmp_path, slo
             os.killpg(proc.pid, signal.SIGKILL)
     text = (tmp_path / "launch.log").read_text()
     assert code == 0, text[-4000:]
-    assert "relaunching to resume from the newest checkpoint" in text and "(attempt 2 of 2)" in text
-    resumed = re.search(r"resumed from .*step_(\d{8})", text)
-    assert resumed and 40 <= int(resumed.group(1)) < 64, text[-3000:]
+    stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
+    assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
+    assert len({s[1] for s in stops}) == 1
+    step = int(stops[0][1])
+    assert 3 <= step < 32 and f"step {step}, {step} batches into the epoch" in text
+    assert text.count("relaunching to resume from the newest checkpoint") == 2 and "(attempt 3 of 3)" in text
+    resumed = list(dict.fromkeys(re.findall(r"resumed from .*step_(\d{8})", text)))  # (every rank says it)
+    assert len(resumed) == 2 and int(resumed[0]) == step and 40 <= int(resumed[1]) < 64, resumed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["step"] == 64
     assert same_weights(ref, out)

@@ -1,4 +1,5 @@
-"""Preemption with real signals: SIGTERM to launch.sh (what the platform sends), SIGUSR1 to one rank only."""
+"""Preemption with real signals: SIGTERM to launch.sh (what the platform sends), mid-epoch and during the evaluation
+(SIGUSR1 to one rank only: test_faults.py)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SLOW_STEPS, clean_env, trainer_pids, wait_for
+from conftest import ROOT, SLOW_STEPS, clean_env, wait_for
 
 pytestmark = pytest.mark.slow
 # conftest.SLOW_STEPS (resnet18, 32 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
@@ -77,28 +78,8 @@ def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_
     assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
 
 
-def test_sigusr1_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    out, tag = tmp_path / "out", uuid.uuid4().hex
-    with open(tmp_path / "run.log", "w") as log:
-        # asked to: a preemption that did not come through launch.sh is relaunched and resumed
-        proc = launch_sh(out, tag, log, "--log_all_ranks", "--max_restarts", "1", "--restart_on_preempt",
-                         "--epochs", "1")
-        try:
-            wait_for(lambda: steps_logged(out) >= 3, timeout=240)
-            pids = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
-            os.kill(pids[1], signal.SIGUSR1)  # what `scancel --signal=USR1` or SLURM's --signal delivers
-        except AssertionError:
-            finish(proc, 1)
-            raise
-        code = finish(proc, 300)
-    text = (tmp_path / "run.log").read_text()
-    assert code == 0, text[-3000:]
-    stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
-    assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
-    assert len({s[1] for s in stops}) == 1
-    step = int(stops[0][1])
-    assert "relaunching to resume" in text and f"step {step}, {step} batches into the epoch" in text
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 33))
+# SIGUSR1 to one rank only (stops every rank at one step, --restart_on_preempt relaunches): test_faults.py's
+# test_signalled_then_killed_rank_..., in the same run as a killed rank
 
 
 def test_sigterm_during_the_epoch_end_evaluation_saves_the_epoch(tmp_path):

@@ -404,8 +404,8 @@ def slow_steps_reference(tmp_path_factory) -> Path:
 # Two test processes (pytest-xdist, `-n 2` in pyproject.toml). Most of a test's time is interpreters starting
 # and one-threaded in-process runs, which leave a core idle; two workers fill both. Tests that share an expensive
 # fixture of ours (a session or module fixture: a reference run, a trained output) go to one worker, which builds
-# it once (xdist_group; xdist's loadgroup puts the groups first), and the multi-process tests start before the
-# fast ones, so the run does not end on one long test.
+# it once (xdist_group; xdist's loadgroup puts the groups first), and the longest tests start first, so the run
+# does not end on one long test.
 # ---------------------------------------------------------------------------------------------
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -428,7 +428,8 @@ def pytest_collection_modifyitems(config, items):
     for item, keys in shared.items():
         if keys:
             item.add_marker(pytest.mark.xdist_group(find(keys[0]).replace("::", ".").replace("/", ".")))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable: file order otherwise)
+    # two-host jobs (the longest) first, then the other multi-process tests, then the fast ones (stable: file order)
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "two_hosts" not in item.fixturenames))
 
 
 def is_ours(func) -> bool:

@@ -17,14 +17,16 @@ from pathlib import Path
 
 
 def marker(path: str) -> Path | None:
-    """Where a successful check of this file's contents under these versions is remembered (None: not cacheable)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """Where a successful check of this file's contents under these versions is remembered (None: not cacheable).
+    The loader reads a name ending in .json as JSON, so that is part of the key too."""
+    from importlib.metadata import version
     try:
         digest = hashlib.sha256(Path(path).read_bytes())
-        digest.update(f"\0accelerate {version('accelerate')}\0pyyaml {version('pyyaml')}".encode())
-    except (OSError, PackageNotFoundError):
+        digest.update(f"\0json {path.endswith('.json')}\0accelerate {version('accelerate')}\0pyyaml "
+                      f"{version('pyyaml')}".encode())
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")  # (no home: RuntimeError/KeyError)
+    except Exception:
         return None
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "accel_train" / "valid_accelerate_configs" / digest.hexdigest()
 
 
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(why)
         return 1
-    if seen is not None:
+    if seen is not None and marker(path) == seen:  # (the file did not change while accelerate read it)
         try:
             seen.parent.mkdir(parents=True, exist_ok=True)
             seen.touch()

@@ -38,3 +38,22 @@ def test_a_cache_that_cannot_be_written_only_means_the_check_runs(tmp_path, monk
     for _ in range(2):
         assert accel_config.main([str(CONFIGS / "cpu.yaml")]) == 0
     assert len(checked) == 2
+
+
+def test_no_home_directory_only_means_the_check_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(accel_config.Path, "home", staticmethod(no_home))
+    assert accel_config.marker(str(CONFIGS / "cpu.yaml")) is None
+    assert accel_config.main([str(CONFIGS / "cpu.yaml")]) == 0
+
+
+def test_the_same_text_read_as_json_is_another_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = (CONFIGS / "cpu.yaml").read_text()
+    (tmp_path / "a.yaml").write_text(text)
+    (tmp_path / "a.json").write_text(text)
+    assert accel_config.main([str(tmp_path / "a.yaml")]) == 0
+    assert accel_config.main([str(tmp_path / "a.json")]) == 1  # YAML is not JSON: refused, though a.yaml passed

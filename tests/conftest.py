@@ -302,7 +302,9 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 def two_hosts():
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("network namespaces need root and iproute2")
-    hosts = TwoHosts(str(os.getpid() % 90 + 10))
+    # a tag of this test process's own: two xdist workers (gw0, gw1) never share namespace, veth or subnet names
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    hosts = TwoHosts(str(10 + 2 * (os.getpid() % 40) + worker % 2))
     hosts.down()
     try:
         hosts.up()
@@ -404,8 +406,9 @@ def slow_steps_reference(tmp_path_factory) -> Path:
 # Two test processes (pytest-xdist, `-n 2` in pyproject.toml). Most of a test's time is interpreters starting
 # and one-threaded in-process runs, which leave a core idle; two workers fill both. Tests that share an expensive
 # fixture of ours (a session or module fixture: a reference run, a trained output) go to one worker, which builds
-# it once (xdist_group; xdist's loadgroup puts the groups first), and the longest tests start first, so the run
-# does not end on one long test.
+# it once (xdist_group), and the long tests start before the fast ones, so the run does not end on one long test:
+# xdist's loadgroup sends the groups first (by their number of tests), then the two-host jobs (the longest), the
+# other multi-process tests and the fast ones in that order.
 # ---------------------------------------------------------------------------------------------
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -428,7 +431,7 @@ def pytest_collection_modifyitems(config, items):
     for item, keys in shared.items():
         if keys:
             item.add_marker(pytest.mark.xdist_group(find(keys[0]).replace("::", ".").replace("/", ".")))
-    # two-host jobs (the longest) first, then the other multi-process tests, then the fast ones (stable: file order)
+    # (stable: file order otherwise)
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "two_hosts" not in item.fixturenames))
 
 

@@ -66,6 +66,8 @@ def test_signalled_then_killed_rank_is_relaunched_each_time_and_resumes_to_the_s
     assert len(resumed) == 2 and int(resumed[0]) == step and 40 <= int(resumed[1]) < 64, resumed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["step"] == 64
+    # no step's row lost or repeated across the two relaunches (a resume trims the history to its checkpoint)
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
     assert same_weights(ref, out)
 
 

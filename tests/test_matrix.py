@@ -89,7 +89,9 @@ def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, 
     assert meta["metrics"]["final_test_acc"] == row["test_acc"]
     if ema:
         exported = load_clean(out / "model_ema.safetensors")
-        ckpt = sorted((out / "checkpoints").glob("step_*"))[-1]  # the end of the run
+        ckpts = sorted((out / "checkpoints").glob("step_*"))
+        assert len(ckpts) == 1 or epochs > 1, ckpts  # (one epoch: only the end of the run's)
+        ckpt = ckpts[-1]  # the end of the run
         saved = load_file(ckpt / EMA_FILE)
         assert exported.keys() == saved.keys() and all((exported[k] == saved[k]).all() for k in saved)
         # timm's own model takes it (the cifar stem's export: tests/test_outputs.py)

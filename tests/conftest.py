@@ -431,7 +431,7 @@ def pytest_collection_modifyitems(config, items):
     for item, keys in shared.items():
         if keys:
             item.add_marker(pytest.mark.xdist_group(find(keys[0]).replace("::", ".").replace("/", ".")))
-    # (stable: file order otherwise)
+    # multi-process tests before the fast ones, two-host jobs first among them (a stable sort: file order otherwise)
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None, "two_hosts" not in item.fixturenames))
 
 

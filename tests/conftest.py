@@ -336,6 +336,12 @@ def trainer_pids(tag: str) -> dict[int, int]:
     return found
 
 
+def steps_logged(out: Path) -> int:
+    """Rows in a run's steps.jsonl so far (what a signal test waits on before it signals)."""
+    path = Path(out) / "steps.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

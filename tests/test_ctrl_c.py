@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, ROOT, clean_env, wait_for
+from conftest import CONFIGS, ROOT, clean_env, steps_logged, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ def start(tmp_path, args):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                             env=clean_env(ACCEL_TRAIN_STATUS_DIR=str(status)))
     return proc, status
-
-
-def steps_logged(out):
-    path = out / "steps.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def ctrl_c(proc, out, after_steps, times=1, gap=1.0):

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SLOW_STEPS, TINY, clean_env, launch, trainer_pids, wait_all, wait_for
+from conftest import ROOT, SLOW_STEPS, TINY, clean_env, launch, steps_logged, trainer_pids, wait_all, wait_for
 
 pytestmark = pytest.mark.slow
 # conftest.SLOW_STEPS (resnet18, 32 steps of ~0.3 s an epoch, 2 epochs), a checkpoint every 2 steps
@@ -21,11 +21,6 @@ RUN = [*SLOW_STEPS, "--log_every", "1", "--checkpoint_every", "2"]
 def same_weights(a, b, atol=1e-6):
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     return max((wa[k].double() - wb[k].double()).abs().max().item() for k in wa) <= atol
-
-
-def steps_logged(out):
-    path = out / "steps.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def test_signalled_then_killed_rank_is_relaunched_each_time_and_resumes_to_the_same_weights(tmp_path,

@@ -12,7 +12,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SLOW_STEPS, clean_env, wait_for
+from conftest import ROOT, SLOW_STEPS, clean_env, steps_logged, wait_for
 
 pytestmark = pytest.mark.slow
 # conftest.SLOW_STEPS (resnet18, 32 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
@@ -33,11 +33,6 @@ def finish(proc, timeout):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def steps_logged(out):
-    path = out / "steps.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def test_sigterm_mid_epoch_checkpoints_the_reached_step_and_resume_is_exact(tmp_path, slow_steps_reference):

@@ -176,16 +176,16 @@ def worst(a, b):
 @pytest.mark.slow
 def test_resume_without_random_state_files_is_exact_with_dropout(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    run = [*TINY, "--train_samples", "128", "--test_samples", "8", "--epochs", "2", "--batch_size", "16", *DROP]
+    run = [*TINY, "--train_samples", "128", "--test_samples", "8", "--epochs", "2", "--batch_size", "16", *DROP,
+           "--checkpoint_every", "5", "--keep_checkpoints", "3"]  # 8 steps; step 5's checkpoint kept
     launch("2proc_cpu.yaml", run + ["--output_dir", full])
-    launch("2proc_cpu.yaml", run + ["--output_dir", part, "--max_steps", "5"])
-    ckpt = part / "checkpoints" / "step_00000005"
+    ckpt = full / "checkpoints" / "step_00000005"
     rng = sorted(ckpt.glob("random_states_*.pkl"))
     assert [p.name for p in rng] == ["random_states_0.pkl", "random_states_1.pkl"]
     for p in rng:
         p.unlink()
     env = clean_env(ACCELERATE_LOG_LEVEL="INFO")  # accelerate's own notices shown, were there any
-    proc = launch("2proc_cpu.yaml", run + ["--output_dir", part, "--resume", "auto"], env=env)
+    proc = launch("2proc_cpu.yaml", run + ["--output_dir", part, "--resume", ckpt], env=env)
     assert "step 5, " in proc.stderr and "Could not load random states" not in proc.stdout + proc.stderr
     assert [r for r in range(2) if f"no RNG state for rank {r} " in proc.stderr] == [0, 1]
     assert worst(load_file(full / "model.safetensors"), load_file(part / "model.safetensors")) <= 1e-6

@@ -23,7 +23,7 @@ import yaml
 from . import __version__
 from .config import TrainConfig, base_type, fields
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Parser, Preempted, is_lost_peer, leave_process_group, lost_peer, note_aborts,
+                     Diverged, Parser, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts,
                      process_group, report_status, says_shared_errors)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
@@ -235,5 +235,5 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         code = EXIT_ERROR
     report_status(code)
-    leave_process_group(code)
+    exit_rank(code)
     return code

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import re
 import socket
@@ -120,19 +121,26 @@ def process_group():
     return group if group.num_processes > 1 else None
 
 
-# The statuses at which every rank left its collectives behind together (or alone, with none in flight).
-LEAVES_GROUP = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_DIVERGED)
-
-
-def leave_process_group(code: int) -> None:
-    """Destroy the process group before the interpreter exits, as end_training does after a run that ended well.
-    Left to interpreter finalization, gloo's worker threads can outlive it and the rank dies of SIGABRT
-    ("terminate called without an active exception": 4 of 90 two-rank exits here; pytorch/pytorch#179291) instead
-    of exiting with its status. Local, no collective. Not after a lost peer (it exits at once) or a bug (work
-    still queued for a peer could keep the destructor waiting)."""
-    group = process_group()
-    if group is not None and code in LEAVES_GROUP:
-        group.destroy_process_group()
+def exit_rank(code: int) -> None:
+    """A rank of a process group ends here with its status, output flushed, without interpreter finalization.
+    Left to finalization, the group's threads (gloo's, kept alive by the DDP model's reducer whether or not the
+    group was destroyed) can be torn down mid-flight: the rank then dies of SIGABRT ("terminate called without an
+    active exception") instead of exiting with its status. CI saw it in test_full_disk; two bare gloo ranks exiting
+    after a barrier: 4 of 90 runs. A lost peer exits the same way (lost_peer). Every file the trainer writes is
+    closed by then; a finished run's trackers and group were closed by end_training. One process: a normal exit."""
+    if process_group() is None:
+        return
+    mp = sys.modules.get("multiprocessing")
+    for child in mp.active_children() if mp else ():  # DataLoader workers: what multiprocessing's own exit does
+        child.terminate()
+        child.join(1)
+    logging.shutdown()  # (flushes the handlers)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).

@@ -10,8 +10,8 @@ from a bug by the exception's type and origin (`is_lost_peer`), never by its wor
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
-import logging
 import os
 import re
 import socket
@@ -126,15 +126,13 @@ def exit_rank(code: int) -> None:
     Left to finalization, the group's threads (gloo's, kept alive by the DDP model's reducer whether or not the
     group was destroyed) can be torn down mid-flight: the rank then dies of SIGABRT ("terminate called without an
     active exception") instead of exiting with its status. CI saw it in test_full_disk; two bare gloo ranks exiting
-    after a barrier: 4 of 90 runs. A lost peer exits the same way (lost_peer). Every file the trainer writes is
-    closed by then; a finished run's trackers and group were closed by end_training. One process: a normal exit."""
+    after a barrier: 4 of 90 runs. (A lost peer _exits at once: lost_peer.) Every file the trainer writes is
+    closed by then. One process: a normal exit."""
     if process_group() is None:
         return
-    mp = sys.modules.get("multiprocessing")
-    for child in mp.active_children() if mp else ():  # DataLoader workers: what multiprocessing's own exit does
-        child.terminate()
-        child.join(1)
-    logging.shutdown()  # (flushes the handlers)
+    # What Python's exit does before it tears the interpreter down: the atexit handlers (trackers' own shutdown,
+    # multiprocessing's, which ends the DataLoader workers, logging's flush). The teardown after them is the race.
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -64,8 +64,8 @@ def test_report_status_writes_one_file_per_process(tmp_path, monkeypatch):
 @pytest.mark.parametrize("in_group", [True, False])
 def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatch, capsys, raised, code, in_group):
     # Left to interpreter finalization, gloo's threads could be torn down mid-flight: SIGABRT instead of the exit
-    # status (CI saw test_full_disk's rank end so). main() reports the status, runs the atexit handlers and _exits; one process
-    # (no group) returns the status as before.
+    # status (CI saw test_full_disk's rank end so). main() reports the status, runs the atexit handlers and _exits;
+    # one process (no group) returns the status as before.
     from accel_train import cli
 
     class Group:

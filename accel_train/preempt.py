@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 
 from .errors import EXIT_INTERRUPTED, Preempted, report_status
@@ -46,6 +45,9 @@ class StopRequest:
             stop_at_once(self.announce)
         if self.signal is None:  # named after the first signal
             self.signal = signum
+            if signum == signal.SIGINT and self.announce:  # seconds may pass before the next agreed check
+                say("\naccel-train: Ctrl-C: every rank stops at its next agreed check and saves a checkpoint; "
+                    "Ctrl-C again stops at once, without one\n")
 
     def check_start_up(self, accelerator, step: int) -> None:
         """A one-off agreed check at the end of start-up: every rank calls it; raises Preempted on every rank if
@@ -61,11 +63,17 @@ class StopRequest:
         return signal.Signals(self.signal).name if self.signal else "a signal on another rank"
 
 
+def say(text: str) -> None:
+    """Write from a signal handler: straight to the file descriptor (print could find sys.stderr's buffer in the
+    middle of a write of the interrupted code and raise)."""
+    os.write(2, text.encode())
+
+
 def stop_at_once(announce: bool) -> None:
     """A second Ctrl-C: no checkpoint, no teardown (a peer may be gone), one line, exit 130."""
     if announce:
-        print("\naccel-train: interrupted: a second Ctrl-C stopped the run at once, without a checkpoint; "
-              "continue from the newest complete checkpoint with --resume auto", file=sys.stderr, flush=True)
+        say("\naccel-train: interrupted: a second Ctrl-C stopped the run at once, without a checkpoint; "
+            "continue from the newest complete checkpoint with --resume auto\n")
     report_status(EXIT_INTERRUPTED)
     os._exit(EXIT_INTERRUPTED)
 

@@ -2,8 +2,9 @@
 
 torchrun starts each rank in a session of its own, so only its agent gets the terminal's SIGINT; it passes
 the first one on to the ranks and answers a second one with SIGTERM. The first Ctrl-C stops every rank at
-one step with a checkpoint (exit status 4, as a preemption); a second one stops them at once (130). The
-trainer prints no traceback either way (torchrun's agent prints its own SignalException)."""
+one step with a checkpoint (exit status 4, as a preemption; the main process says so at once); a second one
+stops them at once (130). The trainer prints no traceback either way (torchrun's agent prints its own
+SignalException)."""
 
 import json
 import os
@@ -11,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,11 +31,17 @@ def start(tmp_path, args):
     return proc, status
 
 
-def ctrl_c(proc, out, after_steps, times=1, gap=1.0):
+NOTICE = "accel-train: Ctrl-C: every rank stops at its next agreed check and saves a checkpoint; Ctrl-C again"
+
+
+def ctrl_c(proc, log, out, after_steps, times=1):
+    """Ctrl-C once step `after_steps` is logged (an agreed check follows at once, the next one is a step or more
+    later); a second one as soon as the main process has said it got the first (so both land between two checks)."""
     try:
-        wait_for(lambda: steps_logged(out) >= after_steps, timeout=240)
+        wait_for(lambda: steps_logged(out) >= after_steps, timeout=240, interval=0.01)
         for i in range(times):
-            time.sleep(gap if i else 0)
+            if i:
+                wait_for(lambda: NOTICE in log.read_text(), timeout=60, interval=0.01)
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
         return proc.wait(timeout=120)
     finally:
@@ -58,9 +64,10 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     proc, status = start(tmp_path, ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", "4000",
                                     "--test_samples", "8", "--batch_size", "4", "--epochs", "1"])
-    ctrl_c(proc, out, after_steps=5)
+    ctrl_c(proc, tmp_path / "run.log", out, after_steps=5)
     text = (tmp_path / "run.log").read_text()
     assert trainer_statuses(status) == [4, 4], text[-3000:]  # preempted, on both ranks
+    assert text.count(NOTICE) == 1, text[-3000:]  # said at once, by the main process
     stops = re.findall(r"accel-train: preempted: stopped by SIGINT at step (\d+) \(epoch 1\); checkpoint (\S+); "
                        r"continue with --resume auto", text)
     assert len(stops) == 1, text[-3000:]  # said once (the main process); both ranks' status is 4 (above)
@@ -72,10 +79,10 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     out = tmp_path / "out"
-    # steps of seconds each: the second Ctrl-C comes before the ranks' next agreed check
+    # steps of a second or more: both Ctrl-Cs come between the agreed check of step 1 and the next one
     proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "64",
                                     "--epochs", "1"])
-    ctrl_c(proc, out, after_steps=1, times=2, gap=0.2)  # (both before the next agreed check)
+    ctrl_c(proc, tmp_path / "run.log", out, after_steps=1, times=2)
     text = (tmp_path / "run.log").read_text()
     assert trainer_statuses(status) == [130, 130], text[-3000:]
     assert text.count("accel-train: interrupted: a second Ctrl-C stopped the run at once") == 1, text[-3000:]

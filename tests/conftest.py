@@ -392,22 +392,6 @@ def two_rank_reference(tmp_path_factory) -> tuple[Path, Path]:
     return reference_pair(tmp_path_factory.mktemp("two_rank_reference"), "2proc_cpu.yaml", 2)
 
 
-# resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
-# kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10 s, twice the longest gap between
-# the ranks' agreed stop checks, preempt.AgreedChecks.MAX_S), 2 epochs. test_preempt and test_faults interrupt runs
-# with these flags (plus their own checkpoint and log settings, which do not change the weights) and compare with one
-# uninterrupted run through launch.sh.
-SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
-
-
-@pytest.fixture(scope="session")
-def slow_steps_reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("slow_steps_reference") / "out"
-    proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", out], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Two test processes (pytest-xdist, `-n 2` in pyproject.toml). Most of a test's time is interpreters starting
 # and one-threaded in-process runs, which leave a core idle; two workers fill both. Tests that share an expensive

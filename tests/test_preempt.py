@@ -1,5 +1,6 @@
-"""Preemption with real signals: SIGTERM to launch.sh (what the platform sends), mid-epoch and during the evaluation,
-in one run (SIGUSR1 to one rank only: test_faults.py)."""
+"""Preemption with real signals in one run of 2 ranks: SIGUSR1 to one rank mid epoch, SIGTERM to launch.sh during the
+evaluation, and a rank killed outright, each resumed (Ctrl-C on 2 ranks: test_ctrl_c.py); the stop request's
+handler in-process."""
 
 import json
 import os
@@ -12,16 +13,18 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SLOW_STEPS, clean_env, steps_logged, wait_for
+from accel_train import preempt
+from conftest import ROOT, clean_env, run, steps_logged, trainer_pids, wait_for
 
-pytestmark = pytest.mark.slow
-# conftest.SLOW_STEPS (resnet18, 32 steps of ~0.3 s an epoch, 2 epochs); no step checkpoints (--checkpoint_every 0,
-# the default)
+# resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
+# kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10 s, twice the longest gap between
+# the ranks' agreed stop checks, preempt.AgreedChecks.MAX_S), 2 epochs.
+SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
 RUN = [*SLOW_STEPS, "--log_every", "1"]
 
 
 def launch_sh(out, tag, log, *extra):
-    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag)
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
     return subprocess.Popen(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out, *extra], stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
@@ -50,53 +53,94 @@ def sigterm_when(proc, ready, sleep=0.0, interval=0.05):
     return code, time.monotonic() - sent
 
 
-def test_sigterm_mid_epoch_then_in_the_epoch_end_evaluation_each_resumed_ends_with_the_uninterrupted_weights(
-        tmp_path, slow_steps_reference):
-    # One run stopped twice by SIGTERM to launch.sh and resumed each time with --resume auto: mid epoch 1 (the
-    # reached step is checkpointed), then during epoch 1's evaluation (the epoch's checkpoint is written, its
-    # metrics row is not); the last launch redoes only that evaluation, trains epoch 2 and ends with the weights
-    # of the uninterrupted run. 1000 test samples: an evaluation of ~6 s alone (~10 s in the suite), long enough
-    # for the signal to land in it (the test set does not change what is trained).
-    ref, out = slow_steps_reference, tmp_path / "out"
-    run = ["--test_samples", "1000"]
+@pytest.mark.slow
+def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrupted_weights(tmp_path):
+    # One run, three interruptions, each resumed, ending with the uninterrupted run's weights:
+    # 1. SIGUSR1 to rank 1 only, mid epoch 1 (what `scancel --signal=USR1` or SLURM's --signal delivers): every rank
+    #    stops at one step with a checkpoint; a preemption that did not come through launch.sh, which relaunches it
+    #    as --restart_on_preempt asks;
+    # 2. SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) during epoch 1's evaluation: the epoch's
+    #    checkpoint is written, its metrics row is not; a signal to launch.sh itself is never relaunched;
+    # 3. started again with --resume auto: it redoes only that evaluation, and a SIGKILL to rank 1 mid epoch 2 (no
+    #    checkpoint of its own) is relaunched from the newest complete checkpoint, epoch 1's (a kill resumed from a
+    #    periodic checkpoint: test_multinode.py, machines lost with their disks).
+    # 1000 test samples: an evaluation of ~6 s alone (~10 s in the suite), long enough for a signal to land in it
+    # (the test set does not change what is trained).
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    # the uninterrupted run, launched the same way (its own test set and log settings do not change the weights)
+    proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", ref], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = ["--test_samples", "1000", "--log_all_ranks", "--max_restarts", "2"]
 
+    tag = uuid.uuid4().hex
     with open(tmp_path / "run.log", "w") as log:
-        code, elapsed = sigterm_when(launch_sh(out, uuid.uuid4().hex, log, *run, "--max_restarts", "1"),
-                                     lambda: steps_logged(out) >= 5)  # mid epoch 1
+        proc = launch_sh(out, tag, log, *flags, "--restart_on_preempt")
+        try:
+            wait_for(lambda: steps_logged(out) >= 3, timeout=240)
+            first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
+            os.kill(first[1], signal.SIGUSR1)
+        except BaseException:
+            finish(proc, 1)
+            raise
+        code, elapsed = sigterm_when(proc, lambda: steps_logged(out) >= 32, sleep=1, interval=0.01)
     text = (tmp_path / "run.log").read_text()
     assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
-    stops = re.findall(r"accel-train: preempted: stopped by \S+ at step (\d+)", text)
-    assert len(stops) == 1, text[-3000:]  # said once (the main process); the checkpoint is every rank's step
-    step = int(stops[0])
-    assert 5 <= step < 32
+    stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
+    assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
+    assert len({s[1] for s in stops}) == 1  # every rank at the same step
+    step = int(stops[0][1])
+    assert 3 <= step < 32 and f"step {step}, {step} batches into the epoch" in text
     ckpt = out / "checkpoints" / f"step_{step:08d}"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, step, step)
     assert sorted(p.name for p in ckpt.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
-    assert "preempted (exit status 4)" in text and "relaunching" not in text
-    assert not (out / "model.safetensors").exists()  # no export of an unfinished run
-
-    with open(tmp_path / "resume.log", "w") as log:
-        code, elapsed = sigterm_when(launch_sh(out, uuid.uuid4().hex, log, *run, "--resume", "auto"),
-                                     lambda: steps_logged(out) >= 32, sleep=1, interval=0.01)  # into the evaluation
-    text = (tmp_path / "resume.log").read_text()
-    assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
-    assert f"step {step}, {step} batches into the epoch" in text
-    assert "while evaluating epoch 1" in text
+    assert text.count("relaunching to resume from the newest checkpoint") == 1  # after the SIGUSR1 only
+    assert "while evaluating epoch 1" in text and "preempted (exit status 4)" in text
     state = json.loads((out / "checkpoints" / "step_00000032" / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, 32, 32)
     assert not (out / "metrics.jsonl").read_text().strip()  # the epoch's row comes with its evaluation
+    assert not (out / "model.safetensors").exists()  # no export of an unfinished run
 
+    tag = uuid.uuid4().hex
     with open(tmp_path / "end.log", "w") as log:
-        code = finish(launch_sh(out, uuid.uuid4().hex, log, *run, "--resume", "auto"), 300)
+        proc = launch_sh(out, tag, log, *flags, "--resume", "auto")
+        try:
+            wait_for(lambda: steps_logged(out) >= 36, timeout=240)  # mid epoch 2
+            os.kill(wait_for(lambda: trainer_pids(tag).get(1), timeout=30), signal.SIGKILL)
+        except BaseException:
+            finish(proc, 1)
+            raise
+        code = finish(proc, 300)
     text = (tmp_path / "end.log").read_text()
-    assert code == 0, text[-3000:]
+    assert code == 0, text[-4000:]
+    assert "step 32, 32 batches into the epoch" in text
+    assert text.count("relaunching to resume from the newest checkpoint") == 1
+    resumed = list(dict.fromkeys(re.findall(r"resumed from .*step_(\d{8})", text)))  # (every rank says it)
+    assert resumed == ["00000032"], resumed  # both launches, from epoch 1's checkpoint
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 32, 1000), (2, 64, 1000)]
+    # no step's row lost or repeated across the four launches (a resume trims the history to its checkpoint)
     assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
     a, b = load_file(ref / "model.safetensors"), load_file(out / "model.safetensors")
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
 
 
-# SIGUSR1 to one rank only (stops every rank at one step, --restart_on_preempt relaunches): test_faults.py's
-# test_signalled_then_killed_rank_..., in the same run as a killed rank
+@pytest.mark.parametrize("first,announce,said", [(signal.SIGINT, True, 1), (signal.SIGINT, False, 0),
+                                                 (signal.SIGTERM, True, 0)])
+def test_a_first_ctrl_c_says_what_happens_next_and_a_second_stops_at_once(capfd, monkeypatch, first, announce, said):
+    # a Ctrl-C is answered at once (the stop itself waits for the next agreed check, seconds away); a preemption's
+    # SIGTERM is not a user at a terminal; only the main process speaks
+    exits = []
+    monkeypatch.setattr(preempt.os, "_exit", lambda code: exits.append(code))
+    stop = preempt.StopRequest().install()
+    try:
+        stop.announce = announce
+        os.kill(os.getpid(), first)
+        assert stop.signal == first and not exits
+        assert capfd.readouterr().err.count("accel-train: Ctrl-C: every rank stops at its next agreed check") == said
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's agent answers a second Ctrl-C with SIGTERM
+        err = capfd.readouterr().err
+        assert exits == ([130] if first == signal.SIGINT else [])
+        assert err.count("a second Ctrl-C stopped the run at once") == (said if first == signal.SIGINT else 0)
+    finally:
+        stop.uninstall()

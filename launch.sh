@@ -3,7 +3,8 @@
 #
 # Works out the number of machines, this machine's rank, the rank-0 host and port and the processes
 # per machine, picks the accelerate config for the hardware it finds, and runs
-#   accelerate launch --config_file accelerate_configs/<cfg>.yaml <what YAML cannot carry> -m accel_train <args>
+#   python3 -m accelerate.commands.launch (accelerate launch) --config_file accelerate_configs/<cfg>.yaml
+#     <what YAML cannot carry> -m accel_train <args>
 #
 # Sources, first match wins for each value:
 #   1. explicit:   NNODES NODE_RANK MASTER_ADDR MASTER_PORT NPROC_PER_NODE
@@ -303,7 +304,10 @@ fi
 if ((smoke_test)); then  # Accelerate's test script on the same launch arguments, checked for the group size
   cmd=("$PYTHON" -m accel_train smoke "${launch_args[@]}")
 else
-  cmd=(accelerate launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
+  # `accelerate launch` itself, run by the same Python as the probes above (not whichever `accelerate` is first on
+  # PATH) and without the `accelerate` command's imports of all its subcommands (estimate-memory imports timm
+  # and torchvision: ~3.5 s more CPU at every start of a 2-core machine)
+  cmd=("$PYTHON" -m accelerate.commands.launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
 fi
 
 if ((dry_run)); then

@@ -7,6 +7,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 
@@ -73,12 +74,12 @@ def parse(proc):
     assert len(lines) == 1, lines
     tokens = shlex.split(lines[0])
     assert tokens[0] == "env"
-    i = tokens.index("accelerate")
-    env = dict(t.split("=", 1) for t in tokens[1:i])
-    assert tokens[i + 1] == "launch"
-    j = tokens.index("-m")
+    i = tokens.index("accelerate.commands.launch")  # `accelerate launch`, run by launch.sh's own Python
+    assert tokens[i - 2:i] == ["python3", "-m"], tokens  # (PYTHON unset: the default)
+    env = dict(t.split("=", 1) for t in tokens[1:i - 2])
+    j = tokens.index("-m", i)
     assert tokens[j + 1] == "accel_train"
-    launch_tokens, trainer = tokens[i + 2:j], tokens[j + 2:]
+    launch_tokens, trainer = tokens[i + 1:j], tokens[j + 2:]
     opts, k = {}, 0
     while k < len(launch_tokens):
         key = launch_tokens[k]
@@ -281,14 +282,16 @@ def free_port():
 
 
 def fake_accelerate(bindir, log, statuses, reported=None):
-    """`accelerate` that records its arguments and exits with the next of `statuses` (one per call); `reported`: the
+    """A `python3` first on PATH (launch.sh's Python) whose `-m accelerate.commands.launch` records its arguments and
+    exits with the next of `statuses` (one per call), and which runs anything else with this Python; `reported`: the
     status a rank writes to ACCEL_TRAIN_STATUS_DIR (the trainer's own, where torchrun's exit is 1 for any failure)."""
     counter = bindir / "calls"
     report = f'echo {reported} > "$ACCEL_TRAIN_STATUS_DIR/host-1"\n' if reported is not None else ""
-    script = (f"#!/bin/bash\necho \"$*\" >> {log}\n{report}n=$(cat {counter} 2>/dev/null || echo 0)\n"
+    script = (f"#!/bin/bash\n[[ \"$1 $2\" == \"-m accelerate.commands.launch\" ]] || exec {sys.executable} \"$@\"\n"
+              f"echo \"$*\" >> {log}\n{report}n=$(cat {counter} 2>/dev/null || echo 0)\n"
               f"echo $((n + 1)) > {counter}\nstatuses=({' '.join(map(str, statuses))})\nexit ${{statuses[$n]}}\n")
-    (bindir / "accelerate").write_text(script)
-    (bindir / "accelerate").chmod(0o755)
+    (bindir / "python3").write_text(script)
+    (bindir / "python3").chmod(0o755)
 
 
 def run_rank1(tmp_path, port, args, listen_after=None, statuses=(0,)):

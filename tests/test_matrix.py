@@ -146,13 +146,14 @@ def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
     # evaluate (same topology, bf16, flip TTA as trained) reproduces the run's numbers, EMA included, within one
     # of the 11 samples: evaluate runs eager, the run's evaluation compiled, and bf16 rounds the two kernels'
     # sums differently (an untrained model's near-tied logits can flip)
-    evaluate = [*EVALUATE, "--test_samples", "11", "--checkpoint", out, "--tta"]
-    if ranks == 1:  # (2 ranks: the plain weights' evaluate is run B's, the EMA's with TTA is below)
+    # (2 ranks: the plain weights' evaluate is run B's, the EMA's with TTA the two-host run's)
+    if ranks == 1:
+        evaluate = [*EVALUATE, "--test_samples", "11", "--checkpoint", out, "--tta"]
         plain = launch(config, evaluate)
         assert evaluated(plain.stdout, ranks, 11) == pytest.approx(row["test_acc"], abs=1 / 11 + 1e-4)
-    ema = launch(config, [*evaluate, "--ema"])
-    assert "[EMA] [flip TTA]" in ema.stdout
-    assert evaluated(ema.stdout, ranks, 11) == pytest.approx(row["test_acc_ema"], abs=1 / 11 + 1e-4)
+        ema = launch(config, [*evaluate, "--ema"])
+        assert "[EMA] [flip TTA]" in ema.stdout
+        assert evaluated(ema.stdout, ranks, 11) == pytest.approx(row["test_acc_ema"], abs=1 / 11 + 1e-4)
 
 
 @pytest.mark.slow

@@ -53,7 +53,7 @@ def test_smoke_check_on_two_hosts(two_hosts, tmp_path):
 # 37 test samples: not a multiple of the 2 ranks, the evaluation must still count each sample once
 # resnet18 at 4 images per rank: ~0.3 s a step, long enough for each kill to land mid-run
 LIFE = ["--train_samples", "128", "--test_samples", "37", "--epochs", "2", "--batch_size", "4",
-        "--checkpoint_every", "4", "--log_every", "1", "--timeout_s", "60"]
+        "--checkpoint_every", "8", "--log_every", "1", "--timeout_s", "60"]
 
 
 def modelarts_job(two_hosts, tmp_path, name, port, extra=(), tags=("", "")):
@@ -106,7 +106,7 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
     # (a killed rank whose disk survives is relaunched and resumed: test_faults.py, on one machine)
     try:
         kill(1, wipe=True, after_step=8)    # node 1 lost with its disk: both relaunch, it gets node 0's checkpoint
-        kill(0, wipe=True, after_step=20)   # machine 0 lost with its disk: node 1's copy is the job's checkpoint
+        kill(0, wipe=True, after_step=24)   # machine 0 lost with its disk: node 1's copy is the job's checkpoint
     finally:
         codes = wait_all(procs, timeout=400)
     text = [p.read_text() for p in paths]

@@ -92,6 +92,9 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
+    for path in decision.overwritten:  # only now, every input checked: bad input with --overwrite destroys nothing
+        log(f"--overwrite: deleting {path} of an earlier run")
+        shutil.rmtree(path)
     return run
 
 
@@ -106,9 +109,6 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
         decision = decide(accelerator, cfg, out, log)
         if decision.meta:
             reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
-    for path in decision.overwritten:
-        log(f"--overwrite: deleting {path} of an earlier run")
-        shutil.rmtree(path)
     return decision
 
 

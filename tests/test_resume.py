@@ -171,6 +171,11 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
                                     "--resume", "auto"))
     assert "resumed from" in proc.stderr and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
+    # --overwrite with bad input (data that is not there, a model timm does not have): refused, nothing deleted
+    one_line_error(run_cli(small(out, "--batch_size", "32", "--overwrite", "--data", "cifar10", "--data_dir",
+                                 tmp_path / "nowhere")), "nowhere")
+    one_line_error(run_cli([*small(out, "--batch_size", "32", "--overwrite"), "--model", "resnet1800"]), "resnet1800")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
     # --overwrite: the older run's checkpoints go, said in the log
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2", "--overwrite"))
     assert "--overwrite: deleting" in proc.stderr

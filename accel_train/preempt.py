@@ -65,8 +65,12 @@ class StopRequest:
 
 def say(text: str) -> None:
     """Write from a signal handler: straight to the file descriptor (print could find sys.stderr's buffer in the
-    middle of a write of the interrupted code and raise)."""
-    os.write(2, text.encode())
+    middle of a write of the interrupted code and raise), and never raise into the code it interrupted (fd 2 closed,
+    a full non-blocking pipe)."""
+    try:
+        os.write(2, text.encode())
+    except OSError:
+        pass
 
 
 def stop_at_once(announce: bool) -> None:

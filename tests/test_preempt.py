@@ -144,3 +144,10 @@ def test_a_first_ctrl_c_says_what_happens_next_and_a_second_stops_at_once(capfd,
         assert err.count("a second Ctrl-C stopped the run at once") == (said if first == signal.SIGINT else 0)
     finally:
         stop.uninstall()
+
+
+def test_the_handlers_line_never_raises_into_the_interrupted_code(monkeypatch):
+    def closed(fd, data):
+        raise OSError(9, "Bad file descriptor")  # a job whose stderr was closed, or a full non-blocking pipe
+    monkeypatch.setattr(preempt.os, "write", closed)
+    preempt.say("accel-train: Ctrl-C: ...\n")  # returns: the step it interrupted goes on

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 
 from .errors import EXIT_INTERRUPTED, Preempted, report_status
@@ -25,6 +26,7 @@ class StopRequest:
     def __init__(self):
         self.signal: int | None = None
         self.announce = True  # this process prints the second Ctrl-C's line (the main process, once known)
+        self.notice = False  # this process answers a first Ctrl-C (each machine's main process, once training starts)
         self._previous = {}
 
     def install(self) -> "StopRequest":
@@ -45,7 +47,7 @@ class StopRequest:
             stop_at_once(self.announce)
         if self.signal is None:  # named after the first signal
             self.signal = signum
-            if signum == signal.SIGINT and self.announce:  # seconds may pass before the next agreed check
+            if signum == signal.SIGINT and self.notice:  # seconds may pass before the next agreed check
                 say("\naccel-train: Ctrl-C: every rank stops at its next agreed check and saves a checkpoint; "
                     "Ctrl-C again stops at once, without one\n")
 
@@ -53,6 +55,7 @@ class StopRequest:
         """A one-off agreed check at the end of start-up: every rank calls it; raises Preempted on every rank if
         any rank got a signal (nothing new to save)."""
         self.announce = accelerator.is_main_process
+        self.notice = accelerator.is_local_main_process  # (a Ctrl-C comes from the terminal of one machine)
         if self.signal is not None:
             accelerator.set_trigger()
         if accelerator.check_trigger():
@@ -64,12 +67,14 @@ class StopRequest:
 
 
 def say(text: str) -> None:
-    """Write from a signal handler: straight to the file descriptor (print could find sys.stderr's buffer in the
-    middle of a write of the interrupted code and raise), and never raise into the code it interrupted (fd 2 closed,
-    a full non-blocking pipe)."""
+    """Write from a signal handler: straight to stderr's file descriptor (print could find sys.stderr's buffer in
+    the middle of a write of the interrupted code and raise), and never raise into the code it interrupted (a full
+    non-blocking pipe). No stderr at start-up (fd 2 closed, so a file opened later may hold fd 2): nothing."""
+    if sys.__stderr__ is None:
+        return
     try:
-        os.write(2, text.encode())
-    except OSError:
+        os.write(sys.__stderr__.fileno(), text.encode())
+    except (OSError, ValueError):  # (ValueError: a closed sys.__stderr__)
         pass
 
 

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,13 +36,16 @@ NOTICE = "accel-train: Ctrl-C: every rank stops at its next agreed check and sav
 
 
 def ctrl_c(proc, log, out, after_steps, times=1):
-    """Ctrl-C once step `after_steps` is logged (an agreed check follows at once, the next one is a step or more
-    later); a second one as soon as the main process has said it got the first (so both land between two checks)."""
+    """Ctrl-C half a second after step `after_steps` is logged (its agreed check follows the line at once, the next
+    one is a step later); a second one once the main process has said it got the first, and torchrun's agent has had
+    time to pass it on to the other rank too (it signals the ranks one by one)."""
     try:
-        wait_for(lambda: steps_logged(out) >= after_steps, timeout=240, interval=0.01)
+        wait_for(lambda: steps_logged(out) >= after_steps, timeout=240)
+        time.sleep(0.5)
         for i in range(times):
             if i:
                 wait_for(lambda: NOTICE in log.read_text(), timeout=60, interval=0.01)
+                time.sleep(0.2)
             os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
         return proc.wait(timeout=120)
     finally:
@@ -79,8 +83,9 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     out = tmp_path / "out"
-    # steps of a second or more: both Ctrl-Cs come between the agreed check of step 1 and the next one
-    proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "64",
+    # resnet18 at 128 images per rank, steps of seconds: both Ctrl-Cs come within a second after the agreed check of
+    # step 1, well before the next one (the end of step 2: step 1's warm-up makes the interval one step)
+    proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "128",
                                     "--epochs", "1"])
     ctrl_c(proc, tmp_path / "run.log", out, after_steps=1, times=2)
     text = (tmp_path / "run.log").read_text()

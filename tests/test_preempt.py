@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -55,30 +56,37 @@ def sigterm_when(proc, ready, sleep=0.0, interval=0.05):
 
 @pytest.mark.slow
 def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrupted_weights(tmp_path):
-    # One run, three interruptions, each resumed, ending with the uninterrupted run's weights:
+    # One run, three interruptions, each resumed, ending with the uninterrupted run's weights. One launch.sh with
+    # --max_restarts 2 --restart_on_preempt:
     # 1. SIGUSR1 to rank 1 only, mid epoch 1 (what `scancel --signal=USR1` or SLURM's --signal delivers): every rank
-    #    stops at one step with a checkpoint; a preemption that did not come through launch.sh, which relaunches it
-    #    as --restart_on_preempt asks;
-    # 2. SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) during epoch 1's evaluation: the epoch's
-    #    checkpoint is written, its metrics row is not; a signal to launch.sh itself is never relaunched;
-    # 3. started again with --resume auto: it redoes only that evaluation, and a SIGKILL to rank 1 mid epoch 2 (no
-    #    checkpoint of its own) is relaunched from the newest complete checkpoint, epoch 1's (a kill resumed from a
-    #    periodic checkpoint: test_multinode.py, machines lost with their disks).
+    #    stops at one step with a checkpoint; a preemption that did not come through launch.sh, which relaunches it;
+    # 2. SIGKILL to rank 1 a few steps later (no checkpoint of its own): relaunched from the newest complete
+    #    checkpoint, the preemption's (the second relaunch: attempt 3 of 3);
+    # 3. SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) during epoch 1's evaluation: the epoch's
+    #    checkpoint is written, its metrics row is not; a signal to launch.sh itself is never relaunched.
+    # Then `--resume auto` redoes only that evaluation and trains epoch 2. (A kill resumed from a periodic
+    # checkpoint: test_faults.py's kill during a save, test_multinode.py's machines lost with their disks.)
     # 1000 test samples: an evaluation of ~6 s alone (~10 s in the suite), long enough for a signal to land in it
     # (the test set does not change what is trained).
     ref, out = tmp_path / "ref", tmp_path / "out"
     # the uninterrupted run, launched the same way (its own test set and log settings do not change the weights)
     proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", ref], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    flags = ["--test_samples", "1000", "--log_all_ranks", "--max_restarts", "2"]
+    flags = ["--test_samples", "1000", "--log_all_ranks"]
 
     tag = uuid.uuid4().hex
     with open(tmp_path / "run.log", "w") as log:
-        proc = launch_sh(out, tag, log, *flags, "--restart_on_preempt")
+        proc = launch_sh(out, tag, log, *flags, "--max_restarts", "2", "--restart_on_preempt")
         try:
             wait_for(lambda: steps_logged(out) >= 3, timeout=240)
             first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
             os.kill(first[1], signal.SIGUSR1)
+            step = int(wait_for(lambda: re.findall(r"stopped by SIGUSR1 at step (\d+)", (tmp_path / "run.log")
+                                                   .read_text()), timeout=60)[0])
+            assert 3 <= step < 28, step  # (room for the kill below within epoch 1)
+            wait_for(lambda: steps_logged(out) >= step + 3, timeout=240)  # the relaunched job, 3 steps on
+            pids = wait_for(lambda: trainer_pids(tag).get(1, first[1]) != first[1] and trainer_pids(tag), timeout=30)
+            os.kill(pids[1], signal.SIGKILL)
         except BaseException:
             finish(proc, 1)
             raise
@@ -87,36 +95,27 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
     stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
     assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
-    assert len({s[1] for s in stops}) == 1  # every rank at the same step
-    step = int(stops[0][1])
-    assert 3 <= step < 32 and f"step {step}, {step} batches into the epoch" in text
+    assert {int(s[1]) for s in stops} == {step}  # every rank at the same step
+    assert text.count("relaunching to resume from the newest checkpoint") == 2 and "(attempt 3 of 3)" in text
+    # both relaunches (every rank says it) resume the preemption's checkpoint: the kill left none of its own
+    assert re.findall(r"resumed from .*step_(\d{8})", text) == [f"{step:08d}"] * 4
+    assert f"step {step}, {step} batches into the epoch" in text
     ckpt = out / "checkpoints" / f"step_{step:08d}"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, step, step)
     assert sorted(p.name for p in ckpt.glob("random_states_*")) == ["random_states_0.pkl", "random_states_1.pkl"]
-    assert text.count("relaunching to resume from the newest checkpoint") == 1  # after the SIGUSR1 only
     assert "while evaluating epoch 1" in text and "preempted (exit status 4)" in text
     state = json.loads((out / "checkpoints" / "step_00000032" / "trainer_state.json").read_text())
     assert (state["epoch"], state["step"], state["batch_in_epoch"]) == (0, 32, 32)
     assert not (out / "metrics.jsonl").read_text().strip()  # the epoch's row comes with its evaluation
     assert not (out / "model.safetensors").exists()  # no export of an unfinished run
 
-    tag = uuid.uuid4().hex
     with open(tmp_path / "end.log", "w") as log:
-        proc = launch_sh(out, tag, log, *flags, "--resume", "auto")
-        try:
-            wait_for(lambda: steps_logged(out) >= 36, timeout=240)  # mid epoch 2
-            os.kill(wait_for(lambda: trainer_pids(tag).get(1), timeout=30), signal.SIGKILL)
-        except BaseException:
-            finish(proc, 1)
-            raise
-        code = finish(proc, 300)
+        code = finish(launch_sh(out, uuid.uuid4().hex, log, *flags, "--resume", "auto"), 300)
     text = (tmp_path / "end.log").read_text()
     assert code == 0, text[-4000:]
-    assert "step 32, 32 batches into the epoch" in text
-    assert text.count("relaunching to resume from the newest checkpoint") == 1
-    resumed = list(dict.fromkeys(re.findall(r"resumed from .*step_(\d{8})", text)))  # (every rank says it)
-    assert resumed == ["00000032"], resumed  # both launches, from epoch 1's checkpoint
+    assert re.findall(r"resumed from .*step_(\d{8})", text) == ["00000032"] * 2
+    assert "step 32, 32 batches into the epoch" in text and "relaunching" not in text
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"], r["test_samples"]) for r in rows] == [(1, 32, 1000), (2, 64, 1000)]
     # no step's row lost or repeated across the four launches (a resume trims the history to its checkpoint)
@@ -134,7 +133,7 @@ def test_a_first_ctrl_c_says_what_happens_next_and_a_second_stops_at_once(capfd,
     monkeypatch.setattr(preempt.os, "_exit", lambda code: exits.append(code))
     stop = preempt.StopRequest().install()
     try:
-        stop.announce = announce
+        stop.announce = stop.notice = announce  # (the main process; start-up over)
         os.kill(os.getpid(), first)
         assert stop.signal == first and not exits
         assert capfd.readouterr().err.count("accel-train: Ctrl-C: every rank stops at its next agreed check") == said
@@ -147,7 +146,24 @@ def test_a_first_ctrl_c_says_what_happens_next_and_a_second_stops_at_once(capfd,
 
 
 def test_the_handlers_line_never_raises_into_the_interrupted_code(monkeypatch):
-    def closed(fd, data):
-        raise OSError(9, "Bad file descriptor")  # a job whose stderr was closed, or a full non-blocking pipe
-    monkeypatch.setattr(preempt.os, "write", closed)
+    writes = []
+
+    def full(fd, data):
+        writes.append(fd)
+        raise BlockingIOError(11, "Resource temporarily unavailable")  # a full non-blocking pipe
+    monkeypatch.setattr(preempt.os, "write", full)
     preempt.say("accel-train: Ctrl-C: ...\n")  # returns: the step it interrupted goes on
+    assert writes == [sys.__stderr__.fileno()]
+    # started without a stderr: fd 2 may be a file opened since (a checkpoint, a log), never written to
+    monkeypatch.setattr(sys, "__stderr__", None)
+    preempt.say("accel-train: Ctrl-C: ...\n")
+    assert writes == [2]
+
+
+def test_a_ctrl_c_during_start_up_is_answered_by_the_start_up_check_not_by_every_rank(capfd):
+    stop = preempt.StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal == signal.SIGINT and "accel-train: Ctrl-C" not in capfd.readouterr().err
+    finally:
+        stop.uninstall()

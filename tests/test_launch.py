@@ -91,6 +91,17 @@ def parse(proc):
     return env, opts, trainer
 
 
+def test_accelerate_launch_runs_on_the_python_launch_sh_probes_with(tmp_path):
+    # not whichever `accelerate` is first on PATH: PYTHON names the interpreter for the probes and the launch
+    python = tmp_path / "venv-python"
+    python.symlink_to(sys.executable)
+    proc = dry_run({"PYTHON": str(python)}, ["--epochs", "1"])
+    assert proc.returncode == 0, proc.stderr
+    tokens = shlex.split(proc.stdout.strip())
+    i = tokens.index("accelerate.commands.launch")
+    assert tokens[i - 2:i] == [str(python), "-m"] and "accelerate" not in tokens[:i], tokens
+
+
 def multinode(opts, machines, rank, host, port, procs, config):
     assert opts["config"] == config
     assert opts["--num_machines"] == str(machines) and opts["--machine_rank"] == str(rank)

@@ -30,7 +30,8 @@ RUN_A = ["--compile", "--channels_last", "--ema", "--tta", "--force_precision", 
 RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0", "--pipeline", "cpu",
          "--num_workers", "2"]
 HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last",
-         "--force_precision"]  # bf16 whatever the CPU has
+         "--force_precision",  # bf16 whatever the CPU has
+         "--test_samples", "11"]  # unequal shards on the 2 ranks (the last --test_samples given wins)
 TOPOLOGY = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
 
@@ -146,7 +147,7 @@ def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
     # evaluate (same topology, bf16, flip TTA as trained) reproduces the run's numbers, EMA included, within one
     # of the 11 samples: evaluate runs eager, the run's evaluation compiled, and bf16 rounds the two kernels'
     # sums differently (an untrained model's near-tied logits can flip)
-    # (2 ranks: the plain weights' evaluate is run B's, the EMA's with TTA the two-host run's)
+    # (2 ranks: the plain weights' evaluate is run B's, the EMA's with TTA on 11 samples the two-host run's)
     if ranks == 1:
         evaluate = [*EVALUATE, "--test_samples", "11", "--checkpoint", out, "--tta"]
         plain = launch(config, evaluate)
@@ -180,15 +181,16 @@ def test_two_hosts_tensorboard_ema_tta_grad_accum_clip_channels_last_bf16(two_ho
     text = [p.read_text() for p in paths]
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
     assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in text[0]
-    row = check_run(out, ranks=2, grad_accum=2, ema=True, tracker=True)
-    # evaluate across the two hosts gives the run's own numbers
+    row = check_run(out, ranks=2, grad_accum=2, ema=True, tracker=True, test_samples=11)
+    # evaluate across the two hosts gives the run's own numbers: the EMA, flip TTA, 11 samples on 2 ranks
     (tmp_path / "eval").mkdir()
-    procs, paths = two_hosts.launch_plain(["--accel_config", config, *EVALUATE, "--checkpoint", out, "--tta",
-                                           "--ema"], tmp_path / "eval")
+    procs, paths = two_hosts.launch_plain(["--accel_config", config, *EVALUATE, "--test_samples", "11",
+                                           "--checkpoint", out, "--tta", "--ema"], tmp_path / "eval")
     codes = wait_all(procs, timeout=300)
     text = [p.read_text() for p in paths]
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
-    assert evaluated(text[0], 2) == pytest.approx(row["test_acc_ema"], abs=1e-4)
+    assert "[EMA] [flip TTA]" in text[0]
+    assert evaluated(text[0], 2, 11) == pytest.approx(row["test_acc_ema"], abs=1e-4)
 
 
 # ---- combinations that are not supported: one line, exit 2, nothing trained ----------------------

@@ -76,12 +76,31 @@ class Checkpointer:
                  history):
         self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
+        self.earlier_run = list(decision.overwritten)  # --overwrite: deleted once this run has a checkpoint
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
-        return save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
-                               self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
-                               keep=self.keep, facts=self.facts)
+        final = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
+                                self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
+                                keep=self.keep, facts=self.facts)
+        delete_earlier_run(self.earlier_run)
+        self.earlier_run = []
+        return final
+
+
+def delete_earlier_run(paths: list[Path]) -> None:
+    """--overwrite, on each writer, once the new run's first checkpoint is complete: bad input, a signal during
+    start-up or a crash at the first step leaves the earlier run as it was. Each checkpoint is renamed out of sight
+    first (`.tmp-`: never taken for a complete one, cleared by the next save), so a deletion cut short leaves no
+    half checkpoint; one that fails is a warning on this process, not the end of the run."""
+    for path in paths:
+        logging.getLogger("accel_train").info(f"--overwrite: deleting {path} of an earlier run")
+        hidden = path.with_name(f".tmp-{path.name}.earlier-run")
+        try:
+            os.replace(path, hidden)
+            shutil.rmtree(hidden)
+        except OSError as e:
+            logging.getLogger("accel_train").warning(f"--overwrite: could not delete {path} ({e}); delete it by hand")
 
 
 def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,

@@ -8,7 +8,6 @@ sampler and the model's initialisation draw from it), and --compile happens in p
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from functools import partial
 
@@ -92,10 +91,7 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
-    for path in decision.overwritten:  # only now, every input checked: bad input with --overwrite destroys nothing
-        log(f"--overwrite: deleting {path} of an earlier run")
-        shutil.rmtree(path)
-    return run
+    return run  # (--overwrite deletes the earlier run's checkpoints once this run has one: Checkpointer)
 
 
 def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:

@@ -175,6 +175,9 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     one_line_error(run_cli(small(out, "--batch_size", "32", "--overwrite", "--data", "cifar10", "--data_dir",
                                  tmp_path / "nowhere")), "nowhere")
     one_line_error(run_cli([*small(out, "--batch_size", "32", "--overwrite"), "--model", "resnet1800"]), "resnet1800")
+    # ... or a first step that fails (a model that builds but cannot run): the earlier run stays too
+    crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model_kwargs", '{"drop_rate": 2.0}'))
+    assert crash.returncode == 1 and "dropout probability" in crash.stderr, crash.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
     # --overwrite: the older run's checkpoints go, said in the log
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2", "--overwrite"))

@@ -25,8 +25,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 class StopRequest:
     def __init__(self):
         self.signal: int | None = None
-        self.announce = True  # this process prints the second Ctrl-C's line (the main process, once known)
-        self.notice = False  # this process answers a first Ctrl-C (each machine's main process, once training starts)
+        # Who speaks, on each machine (a Ctrl-C comes from the terminal of one): its main process once start-up has
+        # ended (the start-up check answers a Ctrl-C during start-up itself); the second Ctrl-C's line before that
+        # comes from every process (which one is main is not known yet)
+        self.announce = True  # this process prints the second Ctrl-C's line
+        self.notice = False  # this process answers a first Ctrl-C at once
         self._previous = {}
 
     def install(self) -> "StopRequest":
@@ -54,8 +57,7 @@ class StopRequest:
     def check_start_up(self, accelerator, step: int) -> None:
         """A one-off agreed check at the end of start-up: every rank calls it; raises Preempted on every rank if
         any rank got a signal (nothing new to save)."""
-        self.announce = accelerator.is_main_process
-        self.notice = accelerator.is_local_main_process  # (a Ctrl-C comes from the terminal of one machine)
+        self.announce = self.notice = accelerator.is_local_main_process
         if self.signal is not None:
             accelerator.set_trigger()
         if accelerator.check_trigger():
@@ -74,7 +76,7 @@ def say(text: str) -> None:
         return
     try:
         os.write(sys.__stderr__.fileno(), text.encode())
-    except (OSError, ValueError):  # (ValueError: a closed sys.__stderr__)
+    except Exception:  # (OSError: a full pipe; ValueError: a closed sys.__stderr__; AttributeError: no fileno)
         pass
 
 

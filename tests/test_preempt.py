@@ -157,7 +157,25 @@ def test_the_handlers_line_never_raises_into_the_interrupted_code(monkeypatch):
     # started without a stderr: fd 2 may be a file opened since (a checkpoint, a log), never written to
     monkeypatch.setattr(sys, "__stderr__", None)
     preempt.say("accel-train: Ctrl-C: ...\n")
+    monkeypatch.setattr(sys, "__stderr__", object())  # a stand-in without a file descriptor
+    preempt.say("accel-train: Ctrl-C: ...\n")
     assert writes == [2]
+
+
+@pytest.mark.parametrize("local_main", [True, False])
+def test_after_start_up_each_machines_main_process_speaks(local_main):
+    class Rank1:  # of a job on 2 machines: not the main process; its machine's own, or not
+        is_main_process, is_local_main_process = False, local_main
+
+        def set_trigger(self):
+            raise AssertionError("no signal came")
+
+        def check_trigger(self):
+            return False
+    stop = preempt.StopRequest()
+    assert (stop.notice, stop.announce) == (False, True)  # start-up: the start-up check answers a first Ctrl-C
+    stop.check_start_up(Rank1(), 0)
+    assert stop.notice == stop.announce == local_main  # the terminal of each machine hears from it
 
 
 def test_a_ctrl_c_during_start_up_is_answered_by_the_start_up_check_not_by_every_rank(capfd):

@@ -83,18 +83,21 @@ class Checkpointer:
         final = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
                                 self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
                                 keep=self.keep, facts=self.facts)
-        delete_earlier_run(self.earlier_run)
-        self.earlier_run = []
+        earlier, self.earlier_run = self.earlier_run, []
+        delete_earlier_run(earlier, final)
         return final
 
 
-def delete_earlier_run(paths: list[Path]) -> None:
+def delete_earlier_run(paths: list[Path], saved: Path) -> None:
     """--overwrite, on each writer, once the new run's first checkpoint is complete: bad input, a signal during
     start-up or a crash at the first step leaves the earlier run as it was. Each checkpoint is renamed out of sight
     first (`.tmp-`: never taken for a complete one, cleared by the next save), so a deletion cut short leaves no
-    half checkpoint; one that fails is a warning on this process, not the end of the run."""
+    half checkpoint; one that fails is a warning on this process, not the end of the run. `saved`: the checkpoint
+    just written, which replaced the earlier run's of the same step."""
     for path in paths:
         logging.getLogger("accel_train").info(f"--overwrite: deleting {path} of an earlier run")
+        if path.name == saved.name:  # (the same checkpoints folder, however either path was spelled)
+            continue
         hidden = path.with_name(f".tmp-{path.name}.earlier-run")
         try:
             os.replace(path, hidden)

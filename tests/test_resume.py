@@ -179,10 +179,12 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model_kwargs", '{"drop_rate": 2.0}'))
     assert crash.returncode == 1 and "dropout probability" in crash.stderr, crash.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
-    # --overwrite: the older run's checkpoints go, said in the log
-    proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "2", "--overwrite"))
+    # --overwrite: the older run's checkpoints go, said in the log, once the new run has one; here its first is at
+    # the step of the older run's (8): that one is the new run's, and kept
+    proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--overwrite"))
     assert "--overwrite: deleting" in proc.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
+    assert json.loads((out / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())["run_id"] != first
 
 
 def test_ema_is_restored_before_first_use(tmp_path):

@@ -28,8 +28,8 @@ from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
 from .errors import ConfigError
-from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs, dumps,
-                    read_jsonl, step_dir)
+from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, SET_ASIDE, STATE_FILE, checkpoint_dirs,
+                    dumps, read_jsonl, step_dir)
 
 @dataclass
 class TrainState:
@@ -76,34 +76,39 @@ class Checkpointer:
                  history):
         self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
-        self.earlier_run = list(decision.overwritten)  # --overwrite: deleted once this run has a checkpoint
+        self.first = True  # --overwrite: an earlier run's checkpoints, set aside at start-up, go after this run's first
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
         final = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
                                 self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
                                 keep=self.keep, facts=self.facts)
-        earlier, self.earlier_run = self.earlier_run, []
-        delete_earlier_run(earlier, final)
+        if self.first and self.decision.writer:
+            delete_set_aside(self.output_dir)
+        self.first = False
         return final
 
 
-def delete_earlier_run(paths: list[Path], saved: Path) -> None:
-    """--overwrite, on each writer, once the new run's first checkpoint is complete: bad input, a signal during
-    start-up or a crash at the first step leaves the earlier run as it was. Each checkpoint is renamed out of sight
-    first (`.tmp-`: never taken for a complete one, cleared by the next save), so a deletion cut short leaves no
-    half checkpoint; one that fails is a warning on this process, not the end of the run. `saved`: the checkpoint
-    just written, which replaced the earlier run's of the same step."""
+def set_aside(paths: list[Path]) -> None:
+    """--overwrite, at the end of start-up (every input checked), on each writer: the earlier run's checkpoints are
+    renamed out of every listing (`.overwritten-step_N`: neither resumed, nor named by an error, nor a second run),
+    and deleted once this run's first checkpoint is complete (`delete_set_aside`). A run that fails before that
+    leaves them set aside, not deleted: a relaunch with --resume auto starts afresh, as --overwrite asked."""
     for path in paths:
-        logging.getLogger("accel_train").info(f"--overwrite: deleting {path} of an earlier run")
-        if path.name == saved.name:  # (the same checkpoints folder, however either path was spelled)
-            continue
-        hidden = path.with_name(f".tmp-{path.name}.earlier-run")
+        logging.getLogger("accel_train").info(f"--overwrite: setting {path} of an earlier run aside; it is deleted "
+                                              "once this run has saved a checkpoint")
+        aside = path.with_name(SET_ASIDE + path.name)
         try:
-            os.replace(path, hidden)
-            shutil.rmtree(hidden)
+            shutil.rmtree(aside, ignore_errors=True)  # (one set aside before whose deletion did not happen)
+            os.replace(path, aside)
         except OSError as e:
-            logging.getLogger("accel_train").warning(f"--overwrite: could not delete {path} ({e}); delete it by hand")
+            raise ConfigError(f"--overwrite: cannot rename {path} ({e}); delete it by hand, or another --output_dir")
+
+
+def delete_set_aside(output_dir) -> None:
+    for path in sorted((Path(output_dir) / CKPT_DIR).glob(SET_ASIDE + "step_*")):
+        logging.getLogger("accel_train").info(f"--overwrite: deleting {path}")
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,

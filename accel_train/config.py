@@ -107,8 +107,9 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints", "checkpointing")
     resume: str | None = opt(None, "'auto' (newest complete checkpoint in output_dir, else a fresh start) "
                              "or a checkpoint directory", "checkpointing")
-    overwrite: bool = opt(False, "let a fresh run delete another run's checkpoints in --output_dir, once it has "
-                          "saved one of its own (without it, such a start is refused)", "checkpointing")
+    overwrite: bool = opt(False, "let a fresh run delete another run's checkpoints in --output_dir: set aside at "
+                          "start, deleted once it has saved one of its own (without it, such a start is refused)",
+                          "checkpointing")
     timeout_s: int = opt(300, "collective timeout in seconds: a lost peer fails the job after this long",
                          "checkpointing")
 

@@ -17,6 +17,7 @@ METRICS_FILE = "metrics.jsonl"              # one row per epoch
 STEPS_FILE = "steps.jsonl"                  # one row per logged step
 CURVES_FILE = "training_curves.png"
 CKPT_DIR = "checkpoints"                    # step_<global step>/ each
+SET_ASIDE = ".overwritten-"                 # --overwrite: an earlier run's checkpoint until this run has one
 # in a checkpoint, beside Accelerate's own files (model.safetensors, optimizer.bin, random_states_<rank>.pkl)
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"

@@ -22,7 +22,7 @@ from timm.utils import ModelEmaV3
 
 from . import __version__
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
-from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
+from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
 from .errors import ConfigError
@@ -91,7 +91,8 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
-    return run  # (--overwrite deletes the earlier run's checkpoints once this run has one: Checkpointer)
+    on_every_rank(accelerator, set_aside, decision.overwritten)  # --overwrite: only now, every input checked
+    return run
 
 
 def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:

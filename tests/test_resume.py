@@ -175,16 +175,25 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     one_line_error(run_cli(small(out, "--batch_size", "32", "--overwrite", "--data", "cifar10", "--data_dir",
                                  tmp_path / "nowhere")), "nowhere")
     one_line_error(run_cli([*small(out, "--batch_size", "32", "--overwrite"), "--model", "resnet1800"]), "resnet1800")
-    # ... or a first step that fails (a model that builds but cannot run): the earlier run stays too
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
+    # ... a first step that fails (a model that builds but cannot run): the earlier run is set aside, not deleted,
+    # so that a relaunch (--resume auto) starts afresh as --overwrite asked
     crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model_kwargs", '{"drop_rate": 2.0}'))
     assert crash.returncode == 1 and "dropout probability" in crash.stderr, crash.stderr[-2000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
-    # --overwrite: the older run's checkpoints go, said in the log, once the new run has one; here its first is at
-    # the step of the older run's (8): that one is the new run's, and kept
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".overwritten-step_00000008"]
+    relaunch = run_cli(small(out, "--batch_size", "32", "--epochs", "1", "--overwrite", "--resume", "auto",
+                             "--max_steps", "1", "--checkpoint_every", "1"))
+    assert relaunch.returncode == 0 and "resumed from" not in relaunch.stderr, relaunch.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]  # its first: the earlier go
+    # --overwrite with the earlier run's step (8) as its first checkpoint: the new run's is kept
+    shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
+    shutil.rmtree(out / "checkpoints" / "step_00000001")
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--overwrite"))
-    assert "--overwrite: deleting" in proc.stderr
+    assert "--overwrite: setting" in proc.stderr and "--overwrite: deleting" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
-    assert json.loads((out / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())["run_id"] != first
+    def run_of(ckpt):
+        return json.loads((ckpt / "trainer_state.json").read_text())["run_id"]
+    assert run_of(out / "checkpoints" / "step_00000008") != run_of(other / "checkpoints" / "step_00000008")
 
 
 def test_ema_is_restored_before_first_use(tmp_path):

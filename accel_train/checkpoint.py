@@ -76,23 +76,18 @@ class Checkpointer:
                  history):
         self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
-        self.first = True  # --overwrite: an earlier run's checkpoints, set aside at start-up, go after this run's first
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
-        final = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
-                                self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
-                                keep=self.keep, facts=self.facts)
-        if self.first and self.decision.writer:
-            delete_set_aside(self.output_dir)
-        self.first = False
-        return final
+        return save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
+                               self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
+                               keep=self.keep, facts=self.facts)
 
 
 def set_aside(paths: list[Path]) -> None:
     """--overwrite, at the end of start-up (every input checked), on each writer: the earlier run's checkpoints are
     renamed out of every listing (`.overwritten-step_N`: neither resumed, nor named by an error, nor a second run),
-    and deleted once this run's first checkpoint is complete (`delete_set_aside`). A run that fails before that
+    and deleted with the rotation once this run's first checkpoint is complete (`delete_set_aside`). A run that fails before that
     leaves them set aside, not deleted: a relaunch with --resume auto starts afresh, as --overwrite asked."""
     for path in paths:
         logging.getLogger("accel_train").info(f"--overwrite: setting {path} of an earlier run aside; it is deleted "
@@ -105,8 +100,8 @@ def set_aside(paths: list[Path]) -> None:
             raise ConfigError(f"--overwrite: cannot rename {path} ({e}); delete it by hand, or another --output_dir")
 
 
-def delete_set_aside(output_dir) -> None:
-    for path in sorted((Path(output_dir) / CKPT_DIR).glob(SET_ASIDE + "step_*")):
+def delete_set_aside(root: Path) -> None:
+    for path in sorted(root.glob(SET_ASIDE + "step_*")):
         logging.getLogger("accel_train").info(f"--overwrite: deleting {path}")
         shutil.rmtree(path, ignore_errors=True)
 
@@ -174,6 +169,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
         os.replace(tmp, final)
         for old in checkpoint_dirs(output_dir, state.run_id)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        delete_set_aside(root)  # --overwrite's earlier run, now that this run has a complete checkpoint
     accelerator.wait_for_everyone()
     return final
 

@@ -125,12 +125,12 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
 def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
     data = write_cifar(tmp_path / "data")
 
-    def job(extra1, name):
+    def job(extra1, name, common=()):
         port, procs, paths = random.randint(20000, 40000), [], []
         for node in (0, 1):
             env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=str(port))
             args = [*TRAIN, "--data", "cifar10", "--output_dir", tmp_path / name / f"node{node}",
-                    "--data_dir", data, "--batch_size", "8", *(extra1 if node == 1 else [])]
+                    "--data_dir", data, "--batch_size", "8", *common, *(extra1 if node == 1 else [])]
             paths.append(tmp_path / f"{name}-node{node}.log")
             procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", "--max_restarts", "1", *args], env,
                                          paths[-1]))
@@ -144,12 +144,18 @@ def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
         assert "relaunching" not in t
     errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
     assert len(errors) == 1 and "--batch_size is 8 on rank 0 but 16 on rank 1" in errors[0], text[0][-2000:]
-    # machine 1 lacks the data: both stop with machine 1's cause
-    codes, text = job(["--data_dir", tmp_path / "nowhere"], "data")
+    # machine 1 lacks the data: both stop with machine 1's cause; under --overwrite, each machine's own disk keeps
+    # the earlier run it holds (set aside only once every input is checked)
+    earlier = [tmp_path / "data" / f"node{node}" / "checkpoints" / "step_00000003" for node in (0, 1)]
+    for ckpt in earlier:
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": 3, "epoch": 0, "run_id": "earlier"}))
+    codes, text = job(["--data_dir", tmp_path / "nowhere"], "data", ["--overwrite"])
     assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
     errors = [line for line in text[0].splitlines() if line.startswith("accel-train: error:")]
     assert len(errors) == 1 and "rank 1: data directory" in errors[0] and "nowhere" in errors[0], text[0][-2000:]
     assert not (tmp_path / "data" / "node0" / "model.safetensors").exists()
+    assert all(ckpt.is_dir() for ckpt in earlier) and "--overwrite: setting" not in text[0] + text[1]
     # the same flags, but each machine's own copy of the data differs in size: refused, not a hang
     small = write_cifar(tmp_path / "small", rows=(7, 5, 6, 9, 1))
     codes, text = job(["--data_dir", small], "size")

@@ -39,7 +39,7 @@ def train(cfg: TrainConfig) -> dict:
     best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
     # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
     # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
-    watch = NonFiniteWatch(accelerator.device, cfg.output_dir)
+    watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model))
     checks = AgreedChecks(stop, state.step)
     checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
                                cfg.keep_checkpoints, model_config(cfg, {}, run.data.info), watch, metrics.history)
@@ -63,6 +63,7 @@ def train(cfg: TrainConfig) -> dict:
             state.batch_in_epoch += 1
             if accelerator.sync_gradients:  # an optimizer step happened
                 state.step += 1
+                watch.update_weights(state.step)  # (on the device: a jump by orders of magnitude is read at a check)
                 last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
                 if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches and ranks)
                     watch.check(accelerator, state.step)

@@ -18,6 +18,7 @@ from accelerate.utils import tqdm
 
 from .checkpoint import Checkpointer
 from .config import TrainConfig
+from .data import set_loader_epoch
 from .divergence import NonFiniteWatch
 from .errors import Preempted
 from .evaluate import evaluate
@@ -94,7 +95,7 @@ def train(cfg: TrainConfig) -> dict:
 def epoch_batches(run: Run, epoch: int):
     """The epoch's batches in its data order, less those a resumed run already trained on (none at all when only
     the epoch's evaluation is left)."""
-    run.train_loader.set_epoch(epoch)
+    set_loader_epoch(run.train_loader, epoch)  # its sampler's order and its dataset's augmentation
     done = run.state.batch_in_epoch
     if not done:
         return run.train_loader

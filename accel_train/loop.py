@@ -78,7 +78,7 @@ def train(cfg: TrainConfig) -> dict:
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                     checkpoints.save(state)
             tick = time.perf_counter()
-        watch.check(accelerator, state.step)
+        watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
         row = end_of_epoch(run, cfg, meter, epoch, stop)
         if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
             raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "

@@ -18,6 +18,7 @@ from accelerate.utils import tqdm
 
 from .checkpoint import Checkpointer
 from .config import TrainConfig
+from .data import set_loader_epoch
 from .divergence import NonFiniteWatch
 from .errors import Preempted
 from .evaluate import evaluate
@@ -78,7 +79,7 @@ def train(cfg: TrainConfig) -> dict:
                 if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                     checkpoints.save(state)
             tick = time.perf_counter()
-        watch.check(accelerator, state.step)
+        watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
         row = end_of_epoch(run, cfg, meter, epoch, stop)
         if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
             raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
@@ -95,7 +96,7 @@ def train(cfg: TrainConfig) -> dict:
 def epoch_batches(run: Run, epoch: int):
     """The epoch's batches in its data order, less those a resumed run already trained on (none at all when only
     the epoch's evaluation is left)."""
-    run.train_loader.set_epoch(epoch)
+    set_loader_epoch(run.train_loader, epoch)  # its sampler's order and its dataset's augmentation
     done = run.state.batch_in_epoch
     if not done:
         return run.train_loader

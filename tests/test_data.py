@@ -182,6 +182,43 @@ def test_build_data_train_loader_shards_disjointly_and_reshuffles_per_epoch(worl
         data.inputs(torch.arange(13), train=False)[1].tolist()
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world):
+    """What training iterates: loop.epoch_batches over the loader accelerator.prepare shards (rank r of `world`,
+    seedable sampler), epochs 0, 1, 2 in turn, then a resumed run's fresh loader 1 batch into epoch 2. The cpu
+    pipeline's images of epoch e are the device pipeline's for e (whose inputs() is given the epoch) and differ
+    from epoch 0's. (Accelerate's DataLoaderShard.set_epoch gives a sharded loader's epoch to its sampler only.)"""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+    from accel_train.loop import epoch_batches
+    kw = dict(train_samples=24, test_samples=4, batch_size=4)
+
+    def images(pipeline, epochs, done=0):
+        """{epoch: this epoch's augmented images over all ranks, rank by rank} from one prepared loader per rank."""
+        data = build_data(TrainConfig(pipeline=pipeline, **kw), "cpu")
+        out = {e: [] for e in epochs}
+        for rank in range(world):
+            loader = prepare_data_loader(data.train_loader, num_processes=world, process_index=rank,
+                                         put_on_device=False, use_seedable_sampler=True, data_seed=42)
+            run = SimpleNamespace(train_loader=loader, state=SimpleNamespace(batch_in_epoch=done),
+                                  batches_per_epoch=len(loader),
+                                  accelerator=SimpleNamespace(skip_first_batches=skip_first_batches))
+            for e in epochs:
+                out[e] += [data.inputs(b, train=True, epoch=e)[0] for b in epoch_batches(run, e)]
+        return {e: torch.cat(x) for e, x in out.items()}
+
+    cpu, device = images("cpu", (0, 1, 2)), images("device", (0, 1, 2))
+    for e in (0, 1, 2):
+        assert torch.allclose(cpu[e], device[e], atol=1e-5), f"epoch {e}: the cpu pipeline augmented otherwise"
+    for e in (1, 2):
+        assert not torch.allclose(cpu[e], cpu[0], atol=1e-3), f"epoch {e} augmented like epoch 0"
+    resumed_cpu, resumed_device = images("cpu", (2,), done=1)[2], images("device", (2,), done=1)[2]
+    assert len(resumed_cpu) == len(cpu[2]) - 4 * world
+    assert torch.allclose(resumed_cpu, resumed_device, atol=1e-5)
+
+
 def test_dataloader_workers_leave_stop_signals_to_the_trainer():
     # a worker of the cpu pipeline (a real process): Ctrl-C, SIGUSR1 and torchrun's SIGTERM leave it serving the
     # trainer's agreed stop and checkpoint; the DataLoader's own SIGTERM (a second one) still ends it

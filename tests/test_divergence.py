@@ -80,3 +80,21 @@ def test_divergence_two_ranks_stop_together(tmp_path):
     root = re.search(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
     assert root and root.group(1) == "5", proc.stderr[-3000:]
     assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) <= {"5", "-15"}
+
+
+def test_weights_that_diverge_within_an_epoch_are_neither_evaluated_exported_nor_recorded(tmp_path):
+    # an epoch of 1 step whose loss is finite but whose update leaves non-finite weights: the weights are checked
+    # (every rank agreeing) before the epoch's evaluation, its metrics row and its model_best export
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "test_resnet", "--data", "random", "--batch_size", "16", "--train_samples", "16",
+                    "--test_samples", "16", "--epochs", "2", "--lr", "1e37", "--weight_decay", "1000",
+                    "--warmup_epochs", "0", "--output_dir", out])
+    assert proc.returncode == EXIT_DIVERGED == 5, proc.stderr[-3000:]
+    m = re.search(r"accel-train: error: the weights became non-finite after step (\d+) .*nothing exported", proc.stderr)
+    assert m, proc.stderr[-3000:]
+    diverged = int(m.group(1))
+    best = out / "model_best.safetensors"
+    assert not best.exists() or all(torch.isfinite(t).all() for t in load_file(best).values() if t.is_floating_point())
+    rows = strict_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+    assert all(r["step"] < diverged for r in rows), rows
+    assert not (out / "model.safetensors").exists()

@@ -73,6 +73,35 @@ def test_decode_keeps_aspect_by_centre_crop(tmp_path):
     assert x.shape == (3, 10, 10) and x.dtype == torch.uint8 and x.float().mean() > 240
 
 
+def test_16_bit_grayscale_keeps_its_range(tmp_path):
+    # 16-bit grayscale (medical imaging, microscopy): Pillow's convert("RGB") clips at 255 (99% white for this
+    # gradient); decoding keeps the top 8 bits of 16. A 16-bit PNG opens as I;16, a 32-bit int TIFF as I.
+    gradient = np.tile(np.linspace(0, 65535, 64).round().astype(np.uint16), (64, 1))  # columns 0..65535
+    Image.fromarray(gradient).save(tmp_path / "g16.png")
+    Image.fromarray(gradient.astype(np.int32)).save(tmp_path / "g32.tif")
+    expected = torch.from_numpy((gradient >> 8).astype(np.uint8))
+    for name, mode in (("g16.png", "I;16"), ("g32.tif", "I")):
+        with Image.open(tmp_path / name) as img:
+            assert img.mode == mode
+        x = decode_image(tmp_path / name, 64)  # its own size: no resize
+        assert x.shape == (3, 64, 64) and x.dtype == torch.uint8
+        assert torch.equal(x[0], x[1]) and torch.equal(x[0], x[2]), name
+        assert torch.equal(x[0], expected), (name, x[0, 0, ::8].tolist())
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    # a phone photo: stored landscape with EXIF orientation 6 (turn 90 degrees clockwise to view), shown upright
+    stored = np.zeros((40, 80, 3), np.uint8)
+    stored[:, :40] = 255  # the stored left half: the top half once turned
+    img = Image.fromarray(stored)
+    exif = img.getexif()
+    exif[0x0112] = 6
+    img.save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    x = decode_image(tmp_path / "phone.jpg", 20).float()  # 20 x 40 upright, centre crop: rows 10..30
+    assert x[:, :8].mean() > 230 and x[:, 12:].mean() < 25, x[0, :, 10].tolist()  # top white, bottom black
+    assert abs(x[:, :, :10].mean() - x[:, :, 10:].mean()) < 10  # left and right alike
+
+
 def test_mean_std_flags_override_the_computed_ones(tmp_path):
     root = write_image_folder(tmp_path / "d")
     cfg = TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, mean="0.1,0.2,0.3", std="0.5,0.5,0.5")

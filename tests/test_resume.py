@@ -73,6 +73,19 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, t
     refusals_of_a_real_checkpoint(part)
 
 
+def test_two_rank_cpu_pipeline_continues_on_one_rank_exactly(tmp_path, two_rank_reference):
+    # the cpu pipeline (its workers augment per sample) on 2 ranks, stopped 3 steps into epoch 2 and finished on 1
+    # rank, ends where the uninterrupted 2-rank run ends (the reference: the device pipeline, which augments alike):
+    # every rank augmented epochs 2 and 3 as epochs 2 and 3, not as epoch 1 again
+    full = two_rank_reference[0]
+    out = tmp_path / "out"
+    cpu = ["--pipeline", "cpu", "--num_workers", "1"]
+    launch("2proc_cpu.yaml", reference_args(2, out, *cpu, "--max_steps", "11"))
+    proc = launch("cpu.yaml", reference_args(2, out, *cpu, "--resume", "auto"))
+    assert "step 11, " in proc.stderr and "pipeline cpu" in proc.stderr, proc.stderr[-3000:]
+    assert worst(load_file(full / "model.safetensors"), load_file(out / "model.safetensors")) <= 1e-5
+
+
 def refuses(meta, args, num_processes=1, train_size=None):
     """The resume checks the loop runs on this checkpoint (reconcile, then check_data): the ConfigError's line."""
     cfg = parse_train_args([str(a) for a in args])

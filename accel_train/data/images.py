@@ -84,14 +84,29 @@ def image_folder_splits(data_dir, need_train: bool = True) -> tuple[Path, Path]:
     return train, evaluation
 
 
-def decode_image(path, size: int) -> torch.Tensor:
-    """An image file (any mode Pillow reads) -> 3 x size x size uint8: RGB, shorter side resized to size
-    (bilinear, antialiased), centre crop. Training, evaluate and predict all see images through this."""
+SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # 16-bit grayscale PNG/TIFF (I: older Pillow, int TIFF)
+
+
+def to_rgb(img):
+    """Any mode -> RGB. 16-bit grayscale keeps its top 8 bits (value >> 8; mode I is read as 0..65535 and clipped
+    there): Pillow's own convert clips at 255 and turns most of such an image white."""
     from PIL import Image
+    if img.mode in SIXTEEN_BIT:
+        values = np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8
+        return Image.fromarray(values.astype(np.uint8)).convert("RGB")
+    return img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA") else img.convert("RGB")
+
+
+def decode_image(path, size: int) -> torch.Tensor:
+    """An image file (any mode Pillow reads) -> 3 x size x size uint8: turned upright as its EXIF orientation says
+    (phone photos), RGB, shorter side resized to size (bilinear, antialiased), centre crop. Training, evaluate and
+    predict all see images through this."""
+    from PIL import Image, ImageOps
     try:
         with Image.open(path) as img:
             img.draft("RGB", (size, size))  # JPEG: decode at the smallest scale that is still >= size
-            img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA") else img.convert("RGB")
+            ImageOps.exif_transpose(img, in_place=True)  # (no copy of an image without an orientation)
+            img = to_rgb(img)
             w, h = img.size
             scale = size / min(w, h)
             if (w, h) != (size, size):

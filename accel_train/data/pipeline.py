@@ -68,8 +68,8 @@ class TransformDataset(Dataset):
 
     The crop and flip of sample i in epoch e are the device pipeline's hash of (seed, e, i), not the
     workers' RNG, so a resumed run (and any number of workers or ranks) augments exactly alike. The
-    DataLoader calls set_epoch before each epoch (through the prepared loader); the training workers
-    are started per epoch, so they see it. `augment`: (seed, pad, hflip), or None for no augmentation.
+    loop sets the epoch before each epoch (set_loader_epoch); the training workers are started per epoch,
+    so they see it. `augment`: (seed, pad, hflip), or None for no augmentation.
     """
 
     def __init__(self, split: Split, transform, size: int, augment: tuple | None = None):
@@ -90,6 +90,15 @@ class TransformDataset(Dataset):
             params = crop_flip_params(torch.tensor([i]), self.epoch, seed, pad, hflip)
             image = crop_flip(image[None], *params, pad=pad)[0]
         return self.transform(image), s.labels[i]
+
+
+def set_loader_epoch(loader, epoch: int) -> None:
+    """The epoch to a (prepared) training loader's sampler, the data order, and to its dataset, the cpu pipeline's
+    augmentation. Accelerate's DataLoaderShard.set_epoch (1.15) gives it to a sharded loader's sampler and then
+    (`elif`) to the dataset only when no sampler took it: with 2+ processes the dataset would stay at epoch 0."""
+    loader.set_epoch(epoch)
+    if hasattr(loader.dataset, "set_epoch"):
+        loader.dataset.set_epoch(epoch)
 
 
 @dataclass

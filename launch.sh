@@ -12,7 +12,8 @@
 #                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
 #                  --init_method tcp://HOST:PORT --rank N --world_size N
 #   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
-#   4. SLURM:      SLURM_NNODES SLURM_NODEID first host of SLURM_JOB_NODELIST  SLURM_GPUS_ON_NODE
+#   4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST (else SLURM_NODELIST,
+#                  SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
 #   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
 # ModelArts' Ascend-Powered-Engine preset runs this file once per card (ASCEND_DEVICE_ID, RANK_ID, RANK_SIZE,
 # RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node (without npu-smi:
@@ -101,13 +102,16 @@ fi
 vc_first_host="${VC_WORKER_HOSTS:-}"
 vc_first_host="${vc_first_host%%,*}"
 
-slurm_first_host=""
-if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+# SLURM: rank 0 is the first node of this job step, whose nodes SLURM_NNODES / SLURM_NODEID count. Under srun,
+# SLURM_STEP_NODELIST (and SLURM_NODELIST) list the step's nodes, SLURM_JOB_NODELIST the whole allocation's:
+# `srun -N2 -w gpu03,gpu04` inside gpu[01-04] meets on gpu03, not gpu01. Outside srun only the job's lists exist.
+slurm_first_host="" slurm_nodes="${SLURM_STEP_NODELIST:-${SLURM_NODELIST:-${SLURM_JOB_NODELIST:-}}}"
+if [[ -n "$slurm_nodes" ]]; then
   if command -v scontrol >/dev/null 2>&1; then
-    slurm_first_host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    slurm_first_host="$(scontrol show hostnames "$slurm_nodes" | head -n 1)"
   else  # node[01-04,07],other -> node01
-    first="${SLURM_JOB_NODELIST%%,*}"
-    if [[ "$SLURM_JOB_NODELIST" =~ ^([^,\[]*)\[([0-9]+) ]]; then
+    first="${slurm_nodes%%,*}"
+    if [[ "$slurm_nodes" =~ ^([^,\[]*)\[([0-9]+) ]]; then
       first="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
     fi
     slurm_first_host="$first"
@@ -196,7 +200,7 @@ if [[ -n "$master_port" ]]; then
   fi
 fi
 if ((nnodes > 1)); then
-  [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_JOB_NODELIST)"
+  [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_STEP_NODELIST)"
   master_port="${master_port:-29500}"
 fi
 

@@ -11,7 +11,8 @@
 #   2. ModelArts:  MA_NUM_HOSTS|VC_WORKER_NUM  VC_TASK_INDEX  first of VC_WORKER_HOSTS  MA_NUM_GPUS
 #                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
 #                  --init_method tcp://HOST:PORT --rank N --world_size N
-#   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
+#   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE (a number, or the
+#                  operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs; cpu: one CPU process)
 #   4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST (else SLURM_NODELIST,
 #                  SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
 #   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
@@ -129,7 +130,12 @@ master_port="$(first_set "${MASTER_PORT:-}" "$ma_port" "")"
 ma_gpus="${MA_NUM_GPUS:-}" slurm_gpus="${SLURM_GPUS_ON_NODE:-}"
 [[ "$ma_gpus" == 0 ]] && ma_gpus=""
 [[ "$slurm_gpus" == 0 ]] && slurm_gpus=""
-nproc="$(first_set "${NPROC_PER_NODE:-}" "$ma_gpus" "${PET_NPROC_PER_NODE:-}" "$slurm_gpus")"
+# Kubeflow's training operator always writes PET_NPROC_PER_NODE: nprocPerNode, or "auto" when the job leaves it
+# unset (training-operator pytorch_defaults.go DefaultNprocPerNode, envvar.go); "gpu" and "cpu" are allowed too.
+# torchrun reads these words itself; here they are resolved once the devices are counted (below).
+pet_nproc="${PET_NPROC_PER_NODE:-}" pet_word=""
+if [[ "$pet_nproc" =~ ^(auto|gpu|cpu)$ ]]; then pet_word="$pet_nproc" pet_nproc=""; fi
+nproc="$(first_set "${NPROC_PER_NODE:-}" "$ma_gpus" "$pet_nproc" "$slurm_gpus")"
 
 # ---- hardware and config ----------------------------------------------------------------------
 # Each count is what this process may use: the devices found, limited by the visible-device variable.
@@ -176,7 +182,14 @@ if ((n_gpu > 0)); then device=gpu found="$n_gpu"
 elif ((n_npu > 0)); then device=npu found="$n_npu"
 else device=cpu found=1
 fi
-if [[ -z "${NPROC_PER_NODE:-}${PET_NPROC_PER_NODE:-}" && -n "$nproc" ]] && is_uint "$nproc"; then
+if [[ -n "$pet_word" && -z "$nproc" ]]; then  # as torchrun: the visible devices, but one process on a CPU node
+  case "$pet_word" in  # (torchrun starts one per CPU core there: they would only compete for the cores)
+    cpu) device=cpu found=1 ;;  # a CPU job, even where GPUs are visible
+    gpu) ((n_gpu > 0)) || die "PET_NPROC_PER_NODE=gpu but no GPU is visible here (torchrun refuses it too: 'Cuda is not available'); set the PyTorchJob's nprocPerNode to auto, cpu or a number" ;;
+  esac
+  nproc="$found"
+fi
+if [[ -z "${NPROC_PER_NODE:-}$pet_nproc$pet_word" && -n "$nproc" ]] && is_uint "$nproc"; then
   # MA_NUM_GPUS / SLURM_GPUS_ON_NODE count the machine's devices; only the visible ones get a process.
   if [[ "$device" != cpu ]] && ((nproc > found)); then
     echo "launch.sh: the platform says $nproc devices, $found are visible here: $found process(es)" >&2

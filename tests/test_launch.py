@@ -163,6 +163,45 @@ def test_kubeflow(hw):
     multinode(opts, 3, 2, "job-master-0", 23456, 12, "2node_gpu.yaml")
 
 
+# The variables as Kubeflow's training operator writes them (kubeflow/training-operator, pkg/controller.v1/pytorch:
+# envvar.go always sets PET_NPROC_PER_NODE, PET_NNODES, PET_NODE_RANK, MASTER_ADDR and MASTER_PORT on every replica;
+# pytorch_defaults.go: DefaultNprocPerNode = "auto" when the job leaves nprocPerNode unset, and "gpu" / "cpu" are
+# allowed values too). torchrun reads the words itself (torch/distributed/run.py, determine_local_world_size).
+KUBEFLOW_WORKER1 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+
+
+def test_kubeflow_default_nproc_per_node_auto_counts_the_visible_devices(hw):
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto"}, bindir=hw(gpus=4)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 8, "2node_gpu.yaml")
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
+                               bindir=hw(gpus=4)))
+    assert opts["--num_processes"] == "4"  # 2 visible per node
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto"}, bindir=hw(npus=8)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 16, "2node_npu.yaml")
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "gpu"}, bindir=hw(gpus=2)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 4, "2node_gpu.yaml")
+
+
+def test_kubeflow_nproc_per_node_words_on_a_cpu_node_are_one_cpu_process(hw):
+    # torchrun would start os.cpu_count() processes for "cpu" (and "auto" without GPUs); launch.sh starts one,
+    # its own CPU default: gloo ranks on one node share its cores, one process per core only competes for them
+    for word in ("auto", "cpu"):
+        env, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": word,
+                                      "ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, bindir=hw()))
+        multinode(opts, 2, 1, "job-master-0", 23456, 2, "2node_cpu.yaml")
+        assert env["ACCELERATE_USE_CPU"] == "1"
+    # "cpu" asks for a CPU job even where GPUs are visible
+    env, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "cpu",
+                                  "ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, bindir=hw(gpus=4)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 2, "2node_cpu.yaml")
+    assert env["ACCELERATE_USE_CPU"] == "1"
+    # "gpu" without a GPU: torchrun refuses ("Cuda is not available"); launch.sh too, in one line
+    proc = dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "gpu"}, bindir=hw())
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: PET_NPROC_PER_NODE=gpu but no GPU"), lines
+
+
 def test_slurm(hw):
     _, opts, _ = parse(dry_run({"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
                                 "SLURM_GPUS_ON_NODE": "4"}, bindir=hw(gpus=4)))

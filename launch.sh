@@ -249,7 +249,12 @@ fi
 # A dead peer must be found by the trainer's own collective timeout (--timeout_s) on every backend. torch_npu
 # asks for a process-group timeout above HCCL's own (HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200;
 # HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A), so HCCL's are set below --timeout_s unless
-# the user set them (the trainer then refuses values that are not below it).
+# the user set them (the trainer then refuses values that are not below it). HCCL_EXEC_TIMEOUT at most 17340:
+# CANN's bound for the Atlas training series (910A), (0, 17340]; A2/A3 take up to 2147483647, the smaller holds
+# for all (CANN 8.0.0 environment variable reference, HCCL_EXEC_TIMEOUT,
+# https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/envvar/envref_07_0078.html;
+# accel_train/accelerator.py HCCL_EXEC_TIMEOUT_MAX).
+HCCL_EXEC_TIMEOUT_MAX=17340
 DEFAULT_TIMEOUT_S=300  # TrainConfig.timeout_s (tests/test_platform_faults.py checks that they agree)
 trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one given wins, as in argparse)
   local value="$DEFAULT_TIMEOUT_S" i
@@ -262,15 +267,19 @@ trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one g
   is_uint "$value" || value="$DEFAULT_TIMEOUT_S"  # the trainer reports a bad value itself
   echo "$value"
 }
-hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC rounded down to a multiple of 68
+hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC a multiple of 68 in 68..17340
   local budget=$(($1 * 3 / 4))
   local connect=$((budget < 120 ? 120 : (budget > 7200 ? 7200 : budget))) exec=$((budget / 68 * 68))
-  echo "$connect" "$((exec < 68 ? 68 : exec))"
+  exec=$((exec < 68 ? 68 : (exec > HCCL_EXEC_TIMEOUT_MAX ? HCCL_EXEC_TIMEOUT_MAX : exec)))
+  echo "$connect" "$exec"
 }
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
 case "$device" in
   cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
   npu) read -r hccl_connect hccl_exec <<< "$(hccl_timeouts "$(trainer_timeout_s)")"
+       if [[ -z "${HCCL_EXEC_TIMEOUT:-}" ]] && ((hccl_exec == HCCL_EXEC_TIMEOUT_MAX)); then
+         echo "launch.sh: HCCL_EXEC_TIMEOUT=$hccl_exec: capped at CANN's upper bound (Atlas training series), below three quarters of --timeout_s" >&2
+       fi
        env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}") ;;
 esac
 if ((ascend_per_card)); then  # they describe the one card this copy was started for, not the job's ranks

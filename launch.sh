@@ -11,8 +11,10 @@
 #   2. ModelArts:  MA_NUM_HOSTS|VC_WORKER_NUM  VC_TASK_INDEX  first of VC_WORKER_HOSTS  MA_NUM_GPUS
 #                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
 #                  --init_method tcp://HOST:PORT --rank N --world_size N
-#   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE
-#   4. SLURM:      SLURM_NNODES SLURM_NODEID first host of SLURM_JOB_NODELIST  SLURM_GPUS_ON_NODE
+#   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE (a number, or the
+#                  operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs; cpu: one CPU process)
+#   4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST (else SLURM_NODELIST,
+#                  SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
 #   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
 # ModelArts' Ascend-Powered-Engine preset runs this file once per card (ASCEND_DEVICE_ID, RANK_ID, RANK_SIZE,
 # RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node (without npu-smi:
@@ -101,13 +103,16 @@ fi
 vc_first_host="${VC_WORKER_HOSTS:-}"
 vc_first_host="${vc_first_host%%,*}"
 
-slurm_first_host=""
-if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+# SLURM: rank 0 is the first node of this job step, whose nodes SLURM_NNODES / SLURM_NODEID count. Under srun,
+# SLURM_STEP_NODELIST (and SLURM_NODELIST) list the step's nodes, SLURM_JOB_NODELIST the whole allocation's:
+# `srun -N2 -w gpu03,gpu04` inside gpu[01-04] meets on gpu03, not gpu01. Outside srun only the job's lists exist.
+slurm_first_host="" slurm_nodes="${SLURM_STEP_NODELIST:-${SLURM_NODELIST:-${SLURM_JOB_NODELIST:-}}}"
+if [[ -n "$slurm_nodes" ]]; then
   if command -v scontrol >/dev/null 2>&1; then
-    slurm_first_host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    slurm_first_host="$(scontrol show hostnames "$slurm_nodes" | head -n 1)"
   else  # node[01-04,07],other -> node01
-    first="${SLURM_JOB_NODELIST%%,*}"
-    if [[ "$SLURM_JOB_NODELIST" =~ ^([^,\[]*)\[([0-9]+) ]]; then
+    first="${slurm_nodes%%,*}"
+    if [[ "$slurm_nodes" =~ ^([^,\[]*)\[([0-9]+) ]]; then
       first="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
     fi
     slurm_first_host="$first"
@@ -125,7 +130,12 @@ master_port="$(first_set "${MASTER_PORT:-}" "$ma_port" "")"
 ma_gpus="${MA_NUM_GPUS:-}" slurm_gpus="${SLURM_GPUS_ON_NODE:-}"
 [[ "$ma_gpus" == 0 ]] && ma_gpus=""
 [[ "$slurm_gpus" == 0 ]] && slurm_gpus=""
-nproc="$(first_set "${NPROC_PER_NODE:-}" "$ma_gpus" "${PET_NPROC_PER_NODE:-}" "$slurm_gpus")"
+# Kubeflow's training operator always writes PET_NPROC_PER_NODE: nprocPerNode, or "auto" when the job leaves it
+# unset (training-operator pytorch_defaults.go DefaultNprocPerNode, envvar.go); "gpu" and "cpu" are allowed too.
+# torchrun reads these words itself; here they are resolved once the devices are counted (below).
+pet_nproc="${PET_NPROC_PER_NODE:-}" pet_word=""
+if [[ "$pet_nproc" =~ ^(auto|gpu|cpu)$ ]]; then pet_word="$pet_nproc" pet_nproc=""; fi
+nproc="$(first_set "${NPROC_PER_NODE:-}" "$ma_gpus" "$pet_nproc" "$slurm_gpus")"
 
 # ---- hardware and config ----------------------------------------------------------------------
 # Each count is what this process may use: the devices found, limited by the visible-device variable.
@@ -172,7 +182,14 @@ if ((n_gpu > 0)); then device=gpu found="$n_gpu"
 elif ((n_npu > 0)); then device=npu found="$n_npu"
 else device=cpu found=1
 fi
-if [[ -z "${NPROC_PER_NODE:-}${PET_NPROC_PER_NODE:-}" && -n "$nproc" ]] && is_uint "$nproc"; then
+if [[ -n "$pet_word" && -z "$nproc" ]]; then  # as torchrun: the visible devices, but one process on a CPU node
+  case "$pet_word" in  # (torchrun starts one per CPU core there: they would only compete for the cores)
+    cpu) device=cpu found=1 ;;  # a CPU job, even where GPUs are visible
+    gpu) ((n_gpu > 0)) || die "PET_NPROC_PER_NODE=gpu but no GPU is visible here (torchrun refuses it too: 'Cuda is not available'); set the PyTorchJob's nprocPerNode to auto, cpu or a number" ;;
+  esac
+  nproc="$found"
+fi
+if [[ -z "${NPROC_PER_NODE:-}$pet_nproc$pet_word" && -n "$nproc" ]] && is_uint "$nproc"; then
   # MA_NUM_GPUS / SLURM_GPUS_ON_NODE count the machine's devices; only the visible ones get a process.
   if [[ "$device" != cpu ]] && ((nproc > found)); then
     echo "launch.sh: the platform says $nproc devices, $found are visible here: $found process(es)" >&2
@@ -196,7 +213,7 @@ if [[ -n "$master_port" ]]; then
   fi
 fi
 if ((nnodes > 1)); then
-  [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_JOB_NODELIST)"
+  [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_STEP_NODELIST)"
   master_port="${master_port:-29500}"
 fi
 
@@ -232,7 +249,12 @@ fi
 # A dead peer must be found by the trainer's own collective timeout (--timeout_s) on every backend. torch_npu
 # asks for a process-group timeout above HCCL's own (HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200;
 # HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A), so HCCL's are set below --timeout_s unless
-# the user set them (the trainer then refuses values that are not below it).
+# the user set them (the trainer then refuses values that are not below it). HCCL_EXEC_TIMEOUT at most 17340:
+# CANN's bound for the Atlas training series (910A), (0, 17340]; A2/A3 take up to 2147483647, the smaller holds
+# for all (CANN 8.0.0 environment variable reference, HCCL_EXEC_TIMEOUT,
+# https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/envvar/envref_07_0078.html;
+# accel_train/accelerator.py HCCL_EXEC_TIMEOUT_MAX).
+HCCL_EXEC_TIMEOUT_MAX=17340
 DEFAULT_TIMEOUT_S=300  # TrainConfig.timeout_s (tests/test_platform_faults.py checks that they agree)
 trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one given wins, as in argparse)
   local value="$DEFAULT_TIMEOUT_S" i
@@ -245,15 +267,19 @@ trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one g
   is_uint "$value" || value="$DEFAULT_TIMEOUT_S"  # the trainer reports a bad value itself
   echo "$value"
 }
-hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC rounded down to a multiple of 68
+hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC a multiple of 68 in 68..17340
   local budget=$(($1 * 3 / 4))
   local connect=$((budget < 120 ? 120 : (budget > 7200 ? 7200 : budget))) exec=$((budget / 68 * 68))
-  echo "$connect" "$((exec < 68 ? 68 : exec))"
+  exec=$((exec < 68 ? 68 : (exec > HCCL_EXEC_TIMEOUT_MAX ? HCCL_EXEC_TIMEOUT_MAX : exec)))
+  echo "$connect" "$exec"
 }
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
 case "$device" in
   cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
   npu) read -r hccl_connect hccl_exec <<< "$(hccl_timeouts "$(trainer_timeout_s)")"
+       if [[ -z "${HCCL_EXEC_TIMEOUT:-}" ]] && ((hccl_exec == HCCL_EXEC_TIMEOUT_MAX)); then
+         echo "launch.sh: HCCL_EXEC_TIMEOUT=$hccl_exec: capped at CANN's upper bound (Atlas training series), below three quarters of --timeout_s" >&2
+       fi
        env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}") ;;
 esac
 if ((ascend_per_card)); then  # they describe the one card this copy was started for, not the job's ranks

@@ -72,16 +72,23 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
 
 
 # HCCL's own timeouts (CANN environment variables HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200, and
-# HCCL_EXEC_TIMEOUT, default 1836 s, a multiple of 68 on 910A); torch_npu asks for a process-group timeout above
-# both, else which timeout ends a job whose peer died is left to chance. Unset ones are set below --timeout_s,
-# as launch.sh does (hccl_timeouts there: the same rule, tests/test_platform_faults.py checks they agree).
+# HCCL_EXEC_TIMEOUT, default 1836 s); torch_npu asks for a process-group timeout above both, else which timeout
+# ends a job whose peer died is left to chance. Unset ones are set below --timeout_s, as launch.sh does
+# (hccl_timeouts there: the same rule, tests/test_platform_faults.py checks they agree).
+# HCCL_EXEC_TIMEOUT's range depends on the product series (CANN 8.0.0 environment variable reference,
+# HCCL_EXEC_TIMEOUT: https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/envvar/envref_07_0078.html):
+# Atlas training series (910A) (0, 17340], taken as a multiple of 68 (rounded down, at least 68); Atlas A2/A3
+# training series [0, 2147483647] (0: never). The job cannot tell the series here, so the smaller bound holds
+# for all: 17340 (= 255 * 68). (In HCCL's "AIV" expansion mode on A2/A3 HCCL itself caps it at 1091 s, lower.)
 HCCL_TIMEOUTS = ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
+HCCL_EXEC_TIMEOUT_MAX = 17340
 
 
 def derived_hccl_timeouts(timeout_s: int) -> tuple[int, int]:
-    """(connect, exec) for --timeout_s: three quarters of it, connect within 120..7200, exec a multiple of 68."""
+    """(connect, exec) for --timeout_s: three quarters of it, connect within 120..7200, exec a multiple of 68
+    within 68..17340 (HCCL_EXEC_TIMEOUT_MAX)."""
     budget = timeout_s * 3 // 4
-    return min(max(budget, 120), 7200), max(budget // 68 * 68, 68)
+    return min(max(budget, 120), 7200), min(max(budget // 68 * 68, 68), HCCL_EXEC_TIMEOUT_MAX)
 
 
 def hccl_timeouts(timeout_s: int, env=os.environ) -> None:

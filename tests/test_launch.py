@@ -18,7 +18,8 @@ from conftest import ROOT, clean_env
 LAUNCH = ROOT / "launch.sh"
 PLATFORM_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE", "MA_NUM_HOSTS",
                  "VC_WORKER_NUM", "VC_TASK_INDEX", "VC_WORKER_HOSTS", "MA_NUM_GPUS", "PET_NNODES", "PET_NODE_RANK",
-                 "PET_NPROC_PER_NODE", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE",
+                 "PET_NPROC_PER_NODE", "SLURM_NNODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST",
+                 "SLURM_NODELIST", "SLURM_GPUS_ON_NODE",
                  "ACCEL_CONFIG", "ACCEL_MAX_RESTARTS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES",
                  "ASCEND_RT_VISIBLE_DEVICES", "ACCEL_RDZV_WAIT", "PREFLIGHT_TIMEOUT", "ACCEL_PROBE_TIMEOUT", "PYTHON")
 
@@ -162,10 +163,71 @@ def test_kubeflow(hw):
     multinode(opts, 3, 2, "job-master-0", 23456, 12, "2node_gpu.yaml")
 
 
+# The variables as Kubeflow's training operator writes them (kubeflow/training-operator, pkg/controller.v1/pytorch:
+# envvar.go always sets PET_NPROC_PER_NODE, PET_NNODES, PET_NODE_RANK, MASTER_ADDR and MASTER_PORT on every replica;
+# pytorch_defaults.go: DefaultNprocPerNode = "auto" when the job leaves nprocPerNode unset, and "gpu" / "cpu" are
+# allowed values too). torchrun reads the words itself (torch/distributed/run.py, determine_local_world_size).
+KUBEFLOW_WORKER1 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+
+
+def test_kubeflow_default_nproc_per_node_auto_counts_the_visible_devices(hw):
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto"}, bindir=hw(gpus=4)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 8, "2node_gpu.yaml")
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto", "CUDA_VISIBLE_DEVICES": "0,1"},
+                               bindir=hw(gpus=4)))
+    assert opts["--num_processes"] == "4"  # 2 visible per node
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto"}, bindir=hw(npus=8)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 16, "2node_npu.yaml")
+    _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "gpu"}, bindir=hw(gpus=2)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 4, "2node_gpu.yaml")
+
+
+def test_kubeflow_nproc_per_node_words_on_a_cpu_node_are_one_cpu_process(hw):
+    # torchrun would start os.cpu_count() processes for "cpu" (and "auto" without GPUs); launch.sh starts one,
+    # its own CPU default: gloo ranks on one node share its cores, one process per core only competes for them
+    for word in ("auto", "cpu"):
+        env, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": word,
+                                      "ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, bindir=hw()))
+        multinode(opts, 2, 1, "job-master-0", 23456, 2, "2node_cpu.yaml")
+        assert env["ACCELERATE_USE_CPU"] == "1"
+    # "cpu" asks for a CPU job even where GPUs are visible
+    env, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "cpu",
+                                  "ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, bindir=hw(gpus=4)))
+    multinode(opts, 2, 1, "job-master-0", 23456, 2, "2node_cpu.yaml")
+    assert env["ACCELERATE_USE_CPU"] == "1"
+    # "gpu" without a GPU: torchrun refuses ("Cuda is not available"); launch.sh too, in one line
+    proc = dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "gpu"}, bindir=hw())
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: PET_NPROC_PER_NODE=gpu but no GPU"), lines
+
+
 def test_slurm(hw):
     _, opts, _ = parse(dry_run({"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
                                 "SLURM_GPUS_ON_NODE": "4"}, bindir=hw(gpus=4)))
     multinode(opts, 2, 1, "gpu07", 29500, 8, "2node_gpu.yaml")
+
+
+def test_slurm_step_inside_a_larger_allocation_meets_on_the_steps_first_node(hw):
+    # `srun -N2 -w gpu03,gpu04 ./launch.sh` inside `salloc -N4` (gpu[01-04]): SLURM_JOB_NODELIST stays the
+    # allocation's (srun(1), OUTPUT ENVIRONMENT VARIABLES: "List of nodes allocated to the job"), while
+    # SLURM_STEP_NODELIST, SLURM_NNODES and SLURM_NODEID describe the step, and srun sets SLURM_NODELIST to the
+    # step's nodes as well
+    step = {"SLURM_JOB_NODELIST": "gpu[01-04]", "SLURM_STEP_NODELIST": "gpu[03-04]", "SLURM_NODELIST": "gpu[03-04]",
+            "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4"}
+    _, opts, _ = parse(dry_run(step, bindir=hw(gpus=4)))
+    multinode(opts, 2, 1, "gpu03", 29500, 8, "2node_gpu.yaml")
+    # an older srun without SLURM_STEP_NODELIST: SLURM_NODELIST is the step's
+    no_step_var = {k: v for k, v in step.items() if k != "SLURM_STEP_NODELIST"}
+    _, opts, _ = parse(dry_run(no_step_var, bindir=hw(gpus=4)))
+    assert opts["--main_process_ip"] == "gpu03"
+    # the scontrol path: it expands the step's list, not the allocation's
+    bindir = hw(gpus=4)
+    (bindir / "scontrol").write_text('#!/bin/sh\n[ "$3" = "gpu[03-04]" ] && printf "gpu03\\ngpu04\\n" || '
+                                     'printf "gpu01\\ngpu02\\ngpu03\\ngpu04\\n"\n')
+    (bindir / "scontrol").chmod(0o755)
+    _, opts, _ = parse(dry_run(step, bindir=bindir))
+    assert opts["--main_process_ip"] == "gpu03"
 
 
 def test_one_gpu_node_uses_every_gpu_found(hw):

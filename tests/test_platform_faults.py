@@ -72,6 +72,26 @@ def test_launch_sets_hccl_timeouts_below_the_trainers(hw):
     assert "HCCL_CONNECT_TIMEOUT" not in env
 
 
+def test_hccl_exec_timeout_is_clamped_to_canns_upper_bound(hw):
+    # CANN's environment variable reference bounds HCCL_EXEC_TIMEOUT to (0, 17340] s on the Atlas training series
+    # (910A; a multiple of 68, 17340 = 255 * 68); A2/A3 take up to 2147483647. One rule for every NPU: the smaller.
+    assert accelerator.HCCL_EXEC_TIMEOUT_MAX == 17340 == 255 * 68
+    assert accelerator.derived_hccl_timeouts(86400) == (7200, 17340)  # three quarters would be 64800
+    assert accelerator.derived_hccl_timeouts(23188) == (7200, 17340)  # 17391 -> 17340
+    assert accelerator.derived_hccl_timeouts(23120) == (7200, 17340)  # exactly 17340
+    assert accelerator.derived_hccl_timeouts(23000) == (7200, 17204)  # 17250 -> 253 * 68, below the bound
+    for timeout in (91, 300, 1000, 7200, 23120, 10**6, 10**9):
+        connect, execute = accelerator.derived_hccl_timeouts(timeout)
+        assert 68 <= execute <= 17340 and execute % 68 == 0 and execute < timeout and 120 <= connect <= 7200
+    env = {}
+    accelerator.hccl_timeouts(86400, env)
+    assert env == {"HCCL_CONNECT_TIMEOUT": "7200", "HCCL_EXEC_TIMEOUT": "17340"}
+    proc = dry_run({}, ["--timeout_s", "86400"], bindir=hw(npus=8))  # launch.sh says so
+    assert hccl(parse(proc)[0]) == (7200, 17340)
+    assert "launch.sh: HCCL_EXEC_TIMEOUT=17340: capped at CANN's upper bound" in proc.stderr
+    assert "capped" not in dry_run({}, ["--timeout_s", "7200"], bindir=hw(npus=8)).stderr
+
+
 def test_launch_default_timeout_is_trainconfigs():
     found = re.search(r"^DEFAULT_TIMEOUT_S=(\d+)", LAUNCH.read_text(), re.M)
     assert found and int(found.group(1)) == TrainConfig().timeout_s
@@ -80,7 +100,7 @@ def test_launch_default_timeout_is_trainconfigs():
 def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(hw):
     env = {}
     accelerator.hccl_timeouts(300, env)  # plain `accelerate launch` on NPU: set below --timeout_s, like launch.sh
-    for timeout in (300, 1000, 7200):
+    for timeout in (300, 1000, 7200, 23188, 86400):  # (the last two: EXEC at CANN's upper bound, 17340)
         launched, _, _ = parse(dry_run({}, ["--timeout_s", str(timeout)], bindir=hw(npus=8)))
         assert hccl(launched) == accelerator.derived_hccl_timeouts(timeout)
     assert (int(env["HCCL_CONNECT_TIMEOUT"]), int(env["HCCL_EXEC_TIMEOUT"])) == accelerator.derived_hccl_timeouts(300)

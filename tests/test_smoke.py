@@ -84,3 +84,36 @@ def test_bad_smoke_arguments_are_one_line_errors(args, message):
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("accel-train: error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("spelling", ["_", "-"])
+def test_layout_reads_accelerate_launchs_hyphen_spellings_too(spelling):
+    # accelerate launch takes --num-processes / --num-machines / --machine-rank / --config-file as well as the
+    # underscore forms (accelerate/commands/launch.py); smoke read only the underscore ones, so a healthy
+    # setup spelled with hyphens was judged by the config's counts and rank 0, and failed
+    def o(name):
+        return "--" + name.replace("_", spelling)
+    argv = [o("config_file"), str(CONFIGS / "2node_cpu.yaml"), o("num_processes"), "6", o("num_machines"), "3",
+            o("machine_rank"), "2", "--main_process_ip", "h0"]
+    assert smoke.layout(argv) == (str(CONFIGS / "2node_cpu.yaml"), 6, 3, 2, True)
+
+
+def test_a_healthy_run_launched_with_hyphen_options_passes(monkeypatch, capsys):
+    # in-process: accelerate launch replaced by its output for 4 processes that joined one group of 4 (the old
+    # smoke took the config's 2: "expected 2 process(es) here each reporting 'Num processes: 2', got 4, 4, 4, 4")
+    ranks = "".join(f"Num processes: 4\nProcess index: {i}\n" for i in range(4))
+
+    class Launched:
+        def __init__(self, cmd, **_):
+            assert cmd[3:7] == ["--config-file", str(CONFIGS / "2proc_cpu.yaml"), "--num-processes", "4"], cmd
+            self.pid, self.stdout = None, iter(ranks.splitlines(keepends=True))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(smoke.subprocess, "Popen", Launched)
+    monkeypatch.setattr(smoke.os, "killpg", lambda *_: None)  # (no process group to stop at --timeout)
+    assert smoke.main_smoke(["--config-file", str(CONFIGS / "2proc_cpu.yaml"), "--num-processes", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == ("smoke: ok: 2proc_cpu.yaml: 4 process(es) here (indices 0..3) in one "
+                                            "group of 4 over 1 machine(s)")

@@ -52,10 +52,11 @@ def check(output: str, returncode: int, total: int, indices: range) -> list[str]
 def layout(argv: list[str]) -> tuple[str, int, int, int, bool]:
     """(config_file, total processes, machines, this machine's rank, CPU run) as accelerate launch will see them."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--config_file")
-    p.add_argument("--num_processes", type=int)
-    p.add_argument("--num_machines", type=int)
-    p.add_argument("--machine_rank", type=int)
+    # accelerate launch takes each of these with hyphens too (--num-processes, ...): so must this reading of them
+    p.add_argument("--config_file", "--config-file")
+    p.add_argument("--num_processes", "--num-processes", type=int)
+    p.add_argument("--num_machines", "--num-machines", type=int)
+    p.add_argument("--machine_rank", "--machine-rank", type=int)
     p.add_argument("--cpu", action="store_true")
     try:
         known, _ = p.parse_known_args(argv)

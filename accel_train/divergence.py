@@ -43,7 +43,7 @@ class NonFiniteWatch:
         if self.norms is None:
             return
         norms = self._norms()
-        over = norms > self.JUMP * self.norms + self.floor
+        over = torch.isfinite(norms) & (norms > self.JUMP * self.norms + self.floor)  # (non-finite: checked as such)
         i = torch.argmax((norms / (self.norms + self.floor)) * over)
         new = over.any() & (self.jumped == 0)
         self.jumped = torch.where(new, torch.full_like(self.jumped, step), self.jumped)

@@ -323,6 +323,11 @@ if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACC
   if [[ "$precision" =~ ^(no|fp16|bf16)$ ]]; then
     echo "launch.sh: ${chosen#* }" >&2
     if [[ "$precision" != "${config_precision:-no}" ]]; then launch_args+=(--mixed_precision "$precision"); fi
+    # launch.sh's own pick (not a precision the user's named config asked for): the trainer's start-up check may
+    # fall back to fp32 where this precision computes wrong gradients for the run's shapes (README: Precision)
+    if [[ -z "$named_config" || "$precision" != "${config_precision:-no}" ]]; then
+      env_vars+=("ACCEL_TRAIN_AUTO_PRECISION=$precision")
+    fi
   else
     echo "launch.sh: warning: could not read the device's precision facts; the config's mixed_precision (${config_precision:-no}) stays" >&2
   fi

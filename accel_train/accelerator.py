@@ -29,6 +29,8 @@ def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
     launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config (or its flag)
+    if launched and launched.lower() == env.get("ACCEL_TRAIN_AUTO_PRECISION", "").lower():
+        return None, ""  # launch.sh's own pick from the device's facts: nothing asked
     if launched:
         return launched.lower(), f"the accelerate config's mixed_precision: '{launched.lower()}'"
     return None, ""
@@ -67,8 +69,19 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
             raise ConfigError(refusal)
     check_one_group(accelerator.num_processes, cfg)
     accelerator.device_facts = facts
+    accelerator.precision_source = "" if choice.precision == "no" else asked_precision(cfg)[1]  # "": not asked
     logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
     return accelerator
+
+
+def fall_back_to_fp32(accelerator) -> None:
+    """Before prepare(): the run trains in fp32 after all (gradcheck: the reduced precision computed wrong
+    gradients). Accelerate fixes the precision when the Accelerator is made and keeps it in three places that
+    autocast() and prepare() read (accelerate accelerator.py: native_amp, scaler; state.py: _mixed_precision, in
+    the state every Accelerator shares); tests/test_gradcheck.py checks that fp32 took effect."""
+    accelerator.state._mixed_precision = "no"
+    accelerator.native_amp = False
+    accelerator.scaler = None
 
 
 # HCCL's own timeouts (CANN environment variables HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200, and

@@ -26,6 +26,7 @@ from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
 from .errors import ConfigError
+from .gradcheck import check_run_precision
 from .hardware import channels_last_default
 from .metrics import check_trackers
 from .model import (bare_model, cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights,
@@ -75,6 +76,8 @@ def setup(cfg: TrainConfig) -> Run:
     decision = agree_on_start(cfg, accelerator, log)
     data, resolved = load_inputs(cfg, accelerator, decision, log)
     model, optimizer, loaded = build_model(cfg, accelerator, data)
+    criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
+    check_run_precision(cfg, accelerator, data, model, criterion, log)  # the reduced precision computes right here
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
         model, optimizer, data.train_loader, data.test_loader)
     # An epoch is a whole number of accumulation windows: a partial window at the end would take an
@@ -83,7 +86,6 @@ def setup(cfg: TrainConfig) -> Run:
     steps_per_epoch = len(train_loader) // cfg.grad_accum
     scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
-    criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
     run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
               steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history)

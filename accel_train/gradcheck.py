@@ -1,0 +1,278 @@
+"""The start-up check of a reduced precision: before the first step, on one real batch, every parameter's gradient
+under the run's autocast precision is compared with the fp32 one. A kernel that computes wrong gradients for the
+run's shapes (bf16 autocast on some x86 CPUs: a 3x3/stride-2 convolution whose input is 1x1 leaves its
+padding-only weight taps holding whatever was in memory, up to 6e32 or inf) fails it. README: Precision.
+
+The bound. A layer that rounds its inputs to a precision with unit roundoff u (bf16: 8 significant bits, u = 2^-8;
+fp16: 11 bits, u = 2^-11) and accumulates in fp32 computes a dot product with a relative error of at most 2u, to
+first order (Higham, Accuracy and Stability of Numerical Algorithms, 3.1, both factors rounded once; fp32's own
+error is ~1e-7 and left out). The gradient of a parameter passes back through at most L such layers (L: the
+model's convolutions and linear layers), so its relative error is at most 2(L + 1)u to first order when nothing
+cancels. Sums that cancel (a BatchNorm bias's gradient) were measured up to 2.2x that (timm test_resnet, bf16;
+resnet18 0.16 against 0.17, resnet50 0.26 against 0.43): a parameter fails where its error is over MARGIN x the
+first-order bound, and in any case over 1.0 (an error as large as the gradient itself is never rounding), or not
+finite. A wrong kernel's error was 1e37.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object, send_to_device
+
+from .accelerator import fall_back_to_fp32
+from .errors import ConfigError
+from .hardware import NAMES
+from .ranks import said_once
+
+UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LAYERS = (torch.nn.modules.conv._ConvNd, torch.nn.Linear)  # the layers that round their inputs
+MARGIN = 8          # x the first-order bound: cancellation measured up to 2.2x
+FP16_LOSS_SCALE = 2.0 ** 10  # fp16 gradients are taken on a scaled loss (as the run's GradScaler does), then unscaled
+REPEATS = 2         # reduced-precision passes of the model per check; of each layer alone, LAYER_REPEATS, on at most
+LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone)
+LAYER_BATCH = 32
+FLOOR = 1e-2        # a gradient under FLOOR x the largest one is judged against that floor: a sum that cancels to near
+                    # 0 (a convolution's bias before BatchNorm: exactly 0) keeps the absolute error of its terms
+
+
+def depth(model: torch.nn.Module) -> int:
+    """The layers that round their inputs on the way back: convolutions and linear layers."""
+    return sum(isinstance(m, LAYERS) for m in model.modules())
+
+
+def bound(precision: str, layers: int) -> float:
+    return min(MARGIN * 2 * (layers + 1) * UNIT_ROUNDOFF[precision], 1.0)
+
+
+def gradients(model, x, y, criterion, dtype: torch.dtype | None, loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of criterion(model(x), y), under autocast to `dtype` (None: fp32), in fp32."""
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]), torch.autocast(x.device.type, dtype=dtype or torch.float32,
+                                                           enabled=dtype is not None):
+        torch.manual_seed(0)  # the same dropout draws in every pass
+        loss = criterion(model(x), y)
+    (loss.float() * loss_scale).backward()
+    grads = {n: p.grad.detach().float() / loss_scale for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def errors(ref: dict[str, torch.Tensor], low: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter: ||low - ref|| / max(||ref||, FLOOR x the largest ||ref||); inf where low is not finite
+    (0 where both are exactly zero). One host read for all of them."""
+    names = list(ref)
+    ref_norms = torch.stack([ref[n].norm() for n in names])
+    diff = torch.stack([(low[n] - ref[n]).norm() if n in low else ref[n].norm() for n in names])
+    finite = torch.stack([torch.isfinite(low[n]).all() if n in low else torch.ones((), dtype=torch.bool,
+                                                                                    device=ref_norms.device)
+                          for n in names])
+    floor = torch.clamp(ref_norms.max() * FLOOR, min=torch.finfo(torch.float32).tiny)
+    rel = torch.where(diff == 0, torch.zeros_like(diff), diff / torch.maximum(ref_norms, floor))
+    rel = torch.where(finite & torch.isfinite(rel), rel, torch.full_like(rel, float("inf")))
+    return dict(zip(names, rel.tolist()))
+
+
+@dataclass
+class Verdict:
+    precision: str
+    limit: float                                  # the bound a parameter's error must stay under
+    worst: tuple[str, float] = ("", 0.0)          # the parameter with the largest error, and that error
+    bad: dict[str, float] = field(default_factory=dict)  # parameter -> error, over the limit
+    seconds: float = 0.0                          # what the check cost on this machine
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def to_json(self) -> dict:
+        return {"precision": self.precision, "limit": self.limit, "worst": list(self.worst), "bad": self.bad,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Verdict:
+        return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
+                   cached=True)
+
+
+def wake(model: torch.nn.Module) -> None:
+    """Weight tensors that are all zero (timm's zero-initialised last BatchNorm of each residual block, a zeroed
+    classifier) stop every gradient behind them: at 0 there is nothing to compare. The probe sets them to 1 (norm
+    weights) or to a fan-in-scaled normal draw, so that every layer's gradient flows; the shapes stay the run's."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.numel() and not p.any():
+                p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, p[0].numel() ** -0.5)
+
+
+def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Verdict:
+    """Compare `precision`'s gradients with fp32's on a copy of `model` (its weights, buffers and the RNG untouched).
+    The reduced-precision pass runs `repeats` times, each parameter keeping its largest error: a kernel that leaves
+    memory unwritten returns whatever was there, which is zero in some passes (measured on the bad shape: garbage in
+    about half of the passes)."""
+    with torch.random.fork_rng(devices=[]):  # (an accelerator's generator is reseeded by every step: loop.reseed)
+        torch.manual_seed(0)
+        return _check(model, x, y, criterion, precision, repeats)
+
+
+def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
+    start = time.perf_counter()
+    probe = copy.deepcopy(model).to(x.device).train()
+    wake(probe)
+    layers = {}  # each convolution and linear layer, with the shape and memory format of its input
+    hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(name, (m, args[0])) and None)
+             for name, m in probe.named_modules() if isinstance(m, LAYERS)]
+    ref = gradients(probe, x, y, criterion, None)
+    for h in hooks:
+        h.remove()
+    scale = FP16_LOSS_SCALE if precision == "fp16" else 1.0
+    limit = bound(precision, depth(model))
+    errs: dict[str, float] = {}
+    for _ in range(repeats):
+        for n, e in errors(ref, gradients(probe, x, y, criterion, DTYPES[precision], scale)).items():
+            errs[n] = max(errs.get(n, 0.0), e)
+        if any(not e <= limit for e in errs.values()):
+            break  # a failure needs no more passes
+    for n, e in layer_errors(layers, precision, LAYER_REPEATS).items():  # each layer alone, judged by one layer's bound
+        errs[n] = max(errs.get(n, 0.0), e * limit / bound(precision, 1))
+    del probe
+    worst = max(errs.items(), key=lambda kv: kv[1], default=("", 0.0))
+    bad = {n: e for n, e in errs.items() if not e <= limit}
+    return Verdict(precision, limit, worst, bad, time.perf_counter() - start)
+
+
+def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]:
+    """Each layer alone on a random input of the shape (and memory format) it had in the model, at most LAYER_BATCH
+    samples (the kernels' choice depends on the shape; the cost on the batch): a wrong kernel's
+    unwritten memory holds garbage far more often there than inside the model's backward (measured: 3 of 3 passes
+    against 0 of 5 for some weights, on issue 27's shape), since what ran just before differs."""
+    errs: dict[str, float] = {}
+    seen: dict[tuple, dict[str, float]] = {}
+    sum_all = lambda out, _: out.float().sum()  # noqa: E731 (every output's gradient 1)
+    for name, (module, inp) in layers.items():
+        fmt = torch.channels_last if inp.dim() == 4 and inp.is_contiguous(memory_format=torch.channels_last) \
+            and not inp.is_contiguous() else torch.contiguous_format
+        shape = (min(inp.shape[0], LAYER_BATCH), *inp.shape[1:])
+        key = (repr(module), shape, fmt, str(module.weight.dtype))
+        if key not in seen:
+            layer = copy.deepcopy(module)
+            xi = torch.randn(shape, device=inp.device).contiguous(memory_format=fmt)
+            ref, found = gradients(layer, xi, None, sum_all, None), {}
+            for _ in range(repeats):
+                for n, e in errors(ref, gradients(layer, xi, None, sum_all, DTYPES[precision])).items():
+                    found[n] = max(found.get(n, 0.0), e)
+            seen[key] = found
+        errs.update({f"{name}.{n}": e for n, e in seen[key].items()})
+    return errs
+
+
+def combine(verdicts: list[Verdict]) -> Verdict:
+    """Every rank's verdict -> one for all: a parameter that failed anywhere fails (its largest error)."""
+    first = verdicts[0]
+    bad: dict[str, float] = {}
+    for v in verdicts:
+        for n, e in v.bad.items():
+            bad[n] = max(bad.get(n, 0.0), e)
+    worst = max((v.worst for v in verdicts), key=lambda w: w[1])
+    return Verdict(first.precision, first.limit, worst, bad, max(v.seconds for v in verdicts),
+                   all(v.cached for v in verdicts))
+
+
+def describe(v: Verdict, limit_layers: int = 4) -> str:
+    """'layer4.0.conv1.weight (error 1.6e+37), ...' for the failing parameters, worst first."""
+    bad = sorted(v.bad.items(), key=lambda kv: -kv[1])
+    text = ", ".join(f"{n} (error {e:.2g})" for n, e in bad[:limit_layers])
+    return text + (f" and {len(bad) - limit_layers} more" if len(bad) > limit_layers else "")
+
+
+# The cache: one small JSON file per (model, input, precision, memory format, device, torch version), under
+# ~/.cache/accel_train/precision_checks/ ($XDG_CACHE_HOME), as accel_config.py remembers configs. A cache that cannot
+# be read or written only means the check runs again.
+
+def cache_key(cfg, num_classes: int, shape, precision: str, facts) -> dict:
+    """What the verdict depends on: the model, the input, the precision, the memory format, the device, torch."""
+    return dict(model=cfg.model, stem=cfg.stem, model_kwargs=cfg.model_kwargs_dict(), classes=num_classes,
+                input=list(shape), precision=precision, channels_last=bool(cfg.channels_last),
+                device=f"{facts.kind} {facts.name}", torch=torch.__version__)
+
+
+def cache_file(key: dict) -> Path | None:
+    try:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except Exception:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return root / "accel_train" / "precision_checks" / f"{digest}.json"
+
+
+def cached(key: dict) -> Verdict | None:
+    path = cache_file(key)
+    try:
+        return Verdict.from_json(json.loads(path.read_text())) if path is not None and path.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remember(key: dict, verdict: Verdict) -> None:
+    path = cache_file(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(verdict.to_json()))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def first_batch(data, n: int, device):
+    """The first n training samples, as the run's pipeline gives them to the model (epoch 0's augmentation): one
+    real batch, read by index, so that no sampler or random generator of the run moves."""
+    loader = data.train_loader
+    ds = loader.dataset
+    items = ds.__getitems__(list(range(n))) if getattr(ds, "__getitems__", None) else [ds[i] for i in range(n)]
+    return data.inputs(send_to_device(loader.collate_fn(items), device), train=True, epoch=0)
+
+
+def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
+    """Before prepare(): check the run's reduced precision on its own model and batch (cached), the ranks agreeing.
+    Nothing asked (--mixed_precision auto, or launch.sh's own pick): a failed check trains in fp32, said in one line;
+    asked (flag or launcher config): one line, exit 2, unless --force_precision."""
+    precision = accelerator.mixed_precision
+    if precision not in UNIT_ROUNDOFF:
+        return
+    x, y = first_batch(data, cfg.batch_size, accelerator.device)
+    key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts)
+    mine = cached(key)
+    if mine is None:
+        mine = check(model, x, y, criterion, precision)
+        remember(key, mine)
+    v = combine(gather_object([mine]))
+    name, shape = NAMES[precision], "x".join(map(str, x.shape))
+    cost = "checked on an earlier start (cached)" if v.cached else f"{v.seconds:.1f} s, remembered for later starts"
+    if v.ok:
+        log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error {v.worst[1]:.2g} "
+            f"({v.worst[0]}), bound {v.limit:.2g}; {cost}")
+        return
+    wrong = f"{name} autocast computes wrong gradients on this device for {describe(v)} (a {shape} batch; " \
+            f"fp32 as the reference, bound {v.limit:.2g})"
+    source = accelerator.precision_source
+    with said_once(accelerator):
+        if cfg.force_precision:
+            log(f"precision check: warning: {wrong}; training in {name} anyway, as --force_precision asks")
+        elif source:
+            raise ConfigError(f"{source} asks for {precision}, but {wrong}; use --mixed_precision no, or add "
+                              f"--force_precision to train in {precision} anyway")
+        else:
+            fall_back_to_fp32(accelerator)
+            log(f"precision fp32, not {name}: {wrong}; {cost}")

@@ -1,0 +1,224 @@
+"""The start-up check of the reduced precision (accel_train/gradcheck.py; issue 27): its verdict on an injected wrong
+gradient, on the real bad shape as this machine's kernel computes it, the fall-back to fp32 and the refusal, the
+cache, and 2 ranks agreeing."""
+
+import json
+import re
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.models import register_model
+
+from accel_train import gradcheck
+from accel_train.config import TrainConfig
+from accel_train.hardware import DeviceFacts
+from conftest import clean_env, launch, run_cli
+
+BF16_CPU = json.dumps({"kind": "cpu", "name": "mocked", "cpu_flags": ["avx512f", "avx512_bf16"], "arch": "x86_64"})
+FORWARDS: list[bool] = []  # per forward of the registered models: was autocast on?
+
+
+class Corrupt(torch.autograd.Function):
+    """Identity on a weight whose gradient is garbage (x1e15) where the forward ran under autocast: a kernel that is
+    wrong in the reduced precision only."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.low = torch.is_autocast_enabled(w.device.type)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e15 if ctx.low else g
+
+
+class Net(nn.Module):
+    def __init__(self, bad: bool = True, num_classes: int = 10, **kwargs):
+        super().__init__()
+        self.bad = bad
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        FORWARDS.append(torch.is_autocast_enabled(x.device.type))
+        w = Corrupt.apply(self.conv.weight) if self.bad else self.conv.weight
+        x = F.relu(self.bn(F.conv2d(x, w, self.conv.bias, padding=1)))
+        return self.fc(self.drop(x.mean((2, 3))))
+
+
+@register_model
+def gradcheck_wrong_in_bf16(pretrained=False, **kwargs):
+    return Net(bad=True, **kwargs)
+
+
+@register_model
+def gradcheck_right_in_bf16(pretrained=False, **kwargs):
+    return Net(bad=False, **kwargs)
+
+
+def batch(n=8, size=8):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_the_bound_is_derived_from_the_unit_roundoff_and_the_depth():
+    resnet18 = timm.create_model("resnet18")
+    assert gradcheck.depth(resnet18) == 21  # 20 convolutions and the classifier
+    assert gradcheck.bound("fp16", 21) == pytest.approx(8 * 2 * 22 * 2.0 ** -11)  # 0.17
+    assert gradcheck.bound("bf16", 2) == pytest.approx(8 * 2 * 3 * 2.0 ** -8)  # 0.19
+    assert gradcheck.bound("bf16", 21) == 1.0  # capped: an error as large as the gradient is never rounding
+
+
+def test_an_injected_wrong_gradient_fails_and_the_model_and_rng_are_untouched():
+    x, y = batch()
+    model = Net(bad=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    v = gradcheck.check(model, x, y, nn.CrossEntropyLoss(), "bf16")
+    assert set(v.bad) == {"conv.weight"} and v.bad["conv.weight"] > 1e12, v
+    assert v.worst[0] == "conv.weight" and not v.ok
+    assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())  # weights and BN statistics
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+    right = gradcheck.check(Net(bad=False), x, y, nn.CrossEntropyLoss(), "bf16")
+    assert right.ok and 0 < right.worst[1] < right.limit, right  # bf16's own rounding is seen, and is under the bound
+
+
+def test_a_non_finite_gradient_fails_with_an_infinite_error():
+    ref = {"a": torch.ones(4), "b": torch.zeros(3), "c": torch.ones(2)}
+    low = {"a": torch.tensor([1.0, float("nan"), 1.0, 1.0]), "b": torch.zeros(3), "c": torch.ones(2) * 1.001}
+    errs = gradcheck.errors(ref, low)
+    assert errs["a"] == float("inf") and errs["b"] == 0.0 and errs["c"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_the_ranks_verdicts_combine_into_one():
+    ok = gradcheck.Verdict("bf16", 1.0, ("fc.weight", 0.01))
+    bad = gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 3e37), {"layer4.0.conv1.weight": 3e37}, 2.0)
+    for order in ([ok, bad], [bad, ok]):
+        v = gradcheck.combine(order)
+        assert not v.ok and v.bad == {"layer4.0.conv1.weight": 3e37} and v.worst[1] == 3e37 and v.seconds == 2.0
+    assert gradcheck.combine([ok, ok]).ok
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_the_verdict_on_the_real_bad_shape_matches_what_this_machines_kernel_does(trial):
+    """Issue 27's reproduction: a 3x3/stride-2/padding-1 convolution of a 1x1 input. Every weight tap but the centre
+    sees only padding, so its gradient is exactly 0; a kernel that leaves them holding garbage is wrong (on this
+    machine's Xeon too: taps [1, 0] and [1, 2], from 0 to 6.6e35 by trial). Whatever this CPU's kernel does in each
+    trial, the check's verdict must say the same."""
+    torch.manual_seed(trial)
+    conv = nn.Conv2d(256, 512, 3, stride=2, padding=1, bias=False)
+    x = torch.randn(16, 256, 1, 1)
+    criterion = lambda out, _: out.float().sum()  # noqa: E731 (the reproduction's loss)
+    ref = gradcheck.gradients(conv, x, None, criterion, None)
+    low = gradcheck.gradients(conv, x, None, criterion, torch.bfloat16)
+    padding_only = torch.ones(3, 3, dtype=torch.bool)
+    padding_only[1, 1] = False  # the taps that see only padding around the 1x1 input
+    taps = low["weight"][:, :, padding_only]
+    limit = gradcheck.bound("bf16", gradcheck.depth(conv))
+    kernel_wrong = not torch.isfinite(low["weight"]).all() or taps.norm() > limit * ref["weight"].norm()
+    assert ref["weight"][:, :, padding_only].abs().max() == 0  # fp32: exactly 0, as the math says
+    check_fails = gradcheck.errors(ref, low)["weight"] > limit
+    assert check_fails == kernel_wrong, (gradcheck.errors(ref, low), limit, taps.abs().max(), ref["weight"].norm())
+
+
+def fit_args(model, out, *more):
+    return ["--model", model, "--stem", "imagenet", "--data", "random", "--train_samples", "32", "--test_samples",
+            "8", "--batch_size", "8", "--image_size", "8", "--epochs", "1", "--output_dir", out, *more]
+
+
+def env_for(tmp_path, **extra):
+    return clean_env(ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU, XDG_CACHE_HOME=str(tmp_path / "cache"), **extra)
+
+
+def training_forwards(proc):
+    """Autocast on/off of the forwards after the check's two (fp32, then the reduced precision)."""
+    return FORWARDS[2:]
+
+
+def test_nothing_asked_a_failed_check_trains_in_fp32_with_one_line_then_the_verdict_is_cached(tmp_path, monkeypatch):
+    FORWARDS.clear()
+    proc = run_cli(fit_args("gradcheck_wrong_in_bf16", tmp_path / "a"), env=env_for(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "precision fp32, not bf16" in ln]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert re.search(r"bf16 autocast computes wrong gradients on this device for conv\.weight \(error 1e\+15\) "
+                     r"\(a 8x3x8x8 batch; fp32 as the reference, bound 0\.\d+\); \d+\.\d s, remembered", lines[0]), lines
+    assert FORWARDS[:2] == [False, True] and not any(training_forwards(proc)), FORWARDS  # fp32 took effect
+    assert "DistributedType.NO, no]" in proc.stderr
+    # a second start: the verdict is read, not measured again
+    monkeypatch.setattr(gradcheck, "check", lambda *a: pytest.fail("checked again despite the cache"))
+    FORWARDS.clear()
+    again = run_cli(fit_args("gradcheck_wrong_in_bf16", tmp_path / "b"), env=env_for(tmp_path))
+    assert again.returncode == 0 and "checked on an earlier start (cached)" in again.stderr, again.stderr[-3000:]
+    assert not any(FORWARDS)
+    # launch.sh's own pick is not an ask: the same fall-back
+    FORWARDS.clear()
+    picked = run_cli(fit_args("gradcheck_wrong_in_bf16", tmp_path / "c"),
+                     env=env_for(tmp_path, ACCELERATE_MIXED_PRECISION="bf16", ACCEL_TRAIN_AUTO_PRECISION="bf16"))
+    assert picked.returncode == 0 and "precision fp32, not bf16" in picked.stderr and not any(FORWARDS)
+
+
+@pytest.mark.parametrize("ask", [["--mixed_precision", "bf16"], "config"])
+def test_an_asked_precision_that_fails_the_check_is_refused_in_one_line(tmp_path, ask):
+    extra = {"ACCELERATE_MIXED_PRECISION": "bf16"} if ask == "config" else {}
+    proc = run_cli(fit_args("gradcheck_wrong_in_bf16", tmp_path / "out", *([] if ask == "config" else ask)),
+                   env=env_for(tmp_path, **extra))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "accel-train: error" in ln]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    source = "--mixed_precision bf16" if ask != "config" else "the accelerate config's mixed_precision: 'bf16'"
+    assert errors[0].startswith(f"accel-train: error: {source} asks for bf16, but bf16 autocast computes wrong "
+                                "gradients on this device for conv.weight (error 1e+15)"), errors
+    assert "--force_precision" in errors[0] and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_forced_the_run_trains_in_bf16_and_the_divergence_watch_names_the_absurd_weights(tmp_path):
+    """--force_precision trains on the wrong gradients (finite: x1e15); the weights jump by orders of magnitude at
+    step 1, and the divergence watch stops the run there (exit 5), naming the parameter."""
+    FORWARDS.clear()
+    forced = run_cli(fit_args("gradcheck_wrong_in_bf16", tmp_path / "a", "--mixed_precision", "bf16",
+                              "--force_precision", "--log_every", "50"), env=env_for(tmp_path))
+    assert "training in bf16 anyway, as --force_precision asks" in forced.stderr, forced.stderr[-3000:]
+    assert FORWARDS[2:] and all(FORWARDS[2:])
+    assert forced.returncode == 5, forced.stderr[-3000:]
+    errors = [ln for ln in forced.stderr.splitlines() if "accel-train: error" in ln]
+    assert len(errors) == 1 and re.match(r"accel-train: error: the weights of conv\.weight jumped from norm \S+ to "
+                                         r"\S+ at step 1 \(lr [\d.e+-]+\): every rank stopped, nothing exported",
+                                         errors[0]), errors
+    assert not (tmp_path / "a" / "model.safetensors").exists() and not (tmp_path / "a" / "steps.jsonl").read_text()
+
+
+def test_a_model_whose_gradients_are_right_trains_in_bf16_after_the_check(tmp_path):
+    FORWARDS.clear()
+    fine = run_cli(fit_args("gradcheck_right_in_bf16", tmp_path / "b"), env=env_for(tmp_path))
+    assert fine.returncode == 0, fine.stderr[-3000:]
+    assert re.search(r"precision check: bf16 gradients match fp32 on a 8x3x8x8 batch: worst relative error \S+ "
+                     r"\(\S+\), bound 0\.\d+; \d+\.\d s", fine.stderr), fine.stderr[-3000:]
+    trained = FORWARDS[1 + gradcheck.REPEATS:]  # after the fp32 pass and the bf16 ones
+    assert trained and all(trained) and "DistributedType.NO, bf16]" in fine.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_a_failed_verdict_and_both_train_in_fp32(tmp_path):
+    """Under launch.sh's pick (accelerate launch --mixed_precision bf16, ACCEL_TRAIN_AUTO_PRECISION), a failed
+    verdict (here the cached one of a wrong kernel for this run's key) makes every rank fall back alike."""
+    cfg = TrainConfig(model="test_resnet", stem="imagenet", channels_last=True)
+    key = gradcheck.cache_key(cfg, 10, [8, 3, 16, 16], "bf16", DeviceFacts("cpu", "mocked"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        gradcheck.remember(key, gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 1.6e37),
+                                                  {"layer4.0.conv1.weight": 1.6e37}, 0.5))
+    args = ["--model", "test_resnet", "--stem", "imagenet", "--data", "random", "--train_samples", "64",
+            "--test_samples", "8", "--batch_size", "8", "--image_size", "16", "--epochs", "1", "--log_all_ranks",
+            "--output_dir", tmp_path / "out"]
+    proc = launch("2proc_cpu.yaml", args, launcher=["--mixed_precision", "bf16"],
+                  env=env_for(tmp_path, ACCEL_TRAIN_AUTO_PRECISION="bf16"))
+    fallback = re.findall(r"\[RANK (\d)\] precision fp32, not bf16: .*layer4\.0\.conv1\.weight \(error 1\.6e\+37\)",
+                          proc.stderr)
+    assert sorted(fallback) == ["0", "1"], proc.stderr[-4000:]
+    assert len(re.findall(r"\[DistributedType.MULTI_CPU, no\]", proc.stderr)) == 2, proc.stderr[-4000:]

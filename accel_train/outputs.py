@@ -91,15 +91,19 @@ class BestModel:
 
 
 def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict) -> None:
-    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
-    model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
+    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is exported (main
+    process) as model_best.safetensors, with its epoch, step and test_acc in the file's metadata. The row of an
+    epoch that --max_steps cut short is recorded but is not a candidate: a resume drops that row (its epoch is
+    finished and evaluated again), and a best file written from it would replace the earlier best's."""
     metrics.append(run.accelerator, row)
-    improves, facts = best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
+    whole = run.state.batch_in_epoch >= run.batches_per_epoch
+    improves, facts = whole and best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
     # every rank takes part (a collective), whatever its own rows say: the main process's decide the export
     main_process_writes(run.accelerator, lambda: improves and export_model(
         bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
         filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
-    best.take(row)
+    if whole:
+        best.take(row)
 
 
 def main_process_writes(accelerator, write, out):

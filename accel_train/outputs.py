@@ -122,11 +122,16 @@ def main_process_writes(accelerator, write, out):
     return on_every_rank(accelerator, attempt)
 
 
+def lr_of_step(scheduler, step: int) -> float:
+    """The lr optimizer step `step` (1-based) trained with, from the schedule itself (a function of the step):
+    the lr set after step - 1 steps."""
+    return scheduler._get_lr(step - 1)[0]
+
+
 def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
-    """The lr each step trained with, from the schedule itself (a function of the step): step k used the lr set
-    after k - 1 steps. At most `points` points."""
+    """The lr each step trained with (lr_of_step). At most `points` points."""
     stride = max(1, total_steps // points)
-    return [{"step": k, "lr": scheduler._get_lr(k - 1)[0]} for k in range(1, total_steps + 1, stride)]
+    return [{"step": k, "lr": lr_of_step(scheduler, k)} for k in range(1, total_steps + 1, stride)]
 
 
 def compile_summary() -> str:

@@ -54,3 +54,17 @@ def test_a_max_steps_stop_mid_epoch_then_resume_keeps_the_best_model(stopped_mid
     b1, b2 = load_file(full / "model_best.safetensors"), load_file(part / "model_best.safetensors")
     assert all(torch.equal(b1[k], b2[k]) for k in b1)
 
+
+def test_a_resumed_run_writes_the_rows_the_uninterrupted_run_writes(stopped_mid_epoch):
+    full, part, (_, stop_steps), _ = stopped_mid_epoch
+    assert [r["step"] for r in stop_steps] == [5, 8, 10, 12]  # the stop's own row: short runs have rows too ...
+    want, got = rows(full / "steps.jsonl"), rows(part / "steps.jsonl")
+    # ... which the resume drops: every --log_every (5) steps and each epoch's last step (8, 16), as uninterrupted
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [5, 8, 10, 15, 16]
+    assert [(r["loss"], r["lr"]) for r in got] == pytest.approx([(r["loss"], r["lr"]) for r in want], rel=1e-5)
+    # an epoch row's lr is the lr its last step trained with (that step's row), not the next step's (0 at the end)
+    for out in full, part:
+        lr_at = {r["step"]: r["lr"] for r in rows(out / "steps.jsonl")}
+        assert [r["lr"] for r in rows(out / "metrics.jsonl")] == [lr_at[8], lr_at[16]]
+        assert lr_at[16] > 0
+

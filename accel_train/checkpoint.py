@@ -167,7 +167,11 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in checkpoint_dirs(output_dir, state.run_id)[:-keep]:
+        own = checkpoint_dirs(output_dir, state.run_id)  # oldest first; newer ones: a resume from an older step
+        newer = [p for p in own if int(p.name.split("_")[1]) > state.step]  # abandoned their branch
+        for old in newer + [p for p in own if p not in newer][:-keep]:
+            if old in newer:
+                logging.getLogger("accel_train").info(f"deleting {old}: abandoned by the resume from an older step")
             shutil.rmtree(old, ignore_errors=True)
         delete_set_aside(root)  # --overwrite's earlier run, now that this run has a complete checkpoint
     accelerator.wait_for_everyone()

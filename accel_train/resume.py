@@ -177,6 +177,10 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
                           f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
     explicit = cfg.resume != "auto"
+    newer = sorted({s for r in reports for s, run in r["listing"] if run == run_id and s > step})
+    if newer:  # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
+        log(f"--resume {cfg.resume}: this run's newer checkpoint(s) {', '.join(step_dir(out, s).name for s in newer)} "
+            "belong to the branch this resume abandons; they are deleted when it saves its first checkpoint")
     # a rank reads the checkpoint from --resume PATH if its machine has it, else from its output dir
     at_path = [explicit and r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]

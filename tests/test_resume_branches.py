@@ -68,3 +68,19 @@ def test_a_resumed_run_writes_the_rows_the_uninterrupted_run_writes(stopped_mid_
         assert [r["lr"] for r in rows(out / "metrics.jsonl")] == [lr_at[8], lr_at[16]]
         assert lr_at[16] > 0
 
+
+def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
+    out = tmp_path / "out"
+    ckpts = out / "checkpoints"
+    ok(run_cli(small(out, "--checkpoint_every", "2")))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000014", "step_00000016"]
+    uninterrupted = load_file(out / "model.safetensors")
+    # back to step 14, one step on: step 16 belongs to the branch this run abandons
+    proc = ok(run_cli(small(out, "--checkpoint_every", "2", "--resume", ckpts / "step_00000014", "--max_steps", "15")))
+    assert "step_00000016" in proc.stderr and "abandon" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000014", "step_00000015"]
+    # --resume auto continues the newest work: this run's step 15, not the abandoned step 16
+    proc = ok(run_cli(small(out, "--checkpoint_every", "2", "--resume", "auto")))
+    assert "step_00000015: epoch 2, step 15" in proc.stderr, proc.stderr[-3000:]
+    final = load_file(out / "model.safetensors")
+    assert all(torch.allclose(final[k], uninterrupted[k], atol=1e-6) for k in final)  # and ends where it would have

@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
+from .changes import settings_from_flags
 from .errors import ConfigError
 from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, SET_ASIDE, STATE_FILE, checkpoint_dirs,
                     dumps, read_jsonl, step_dir)
@@ -246,7 +247,7 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
             f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a function of "
             "(seed, step, rank)")
     try:
-        with quiet_rng_load():
+        with quiet_rng_load(), settings_from_flags(accelerator._optimizers):  # (the optimizers prepare() wrapped)
             accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

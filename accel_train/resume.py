@@ -26,6 +26,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
+from .changes import check_changes
 from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, step_dir
 from .config import TrainConfig
 from .errors import ConfigError
@@ -232,6 +233,7 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
         raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
                           f"with --grad_accum {old['grad_accum']} (the per-process batch follows the process count)")
     keep_run_math(old, cfg)
+    check_changes(old.get("settings") or {}, cfg)
     glob = old["global_batch"]
     if num_processes != old["num_processes"]:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)

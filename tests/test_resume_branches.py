@@ -1,7 +1,6 @@
 """A resumed run leaves what the uninterrupted run leaves: its rows, its best model, its newest checkpoint."""
 
 import json
-import shutil
 
 import pytest
 import torch

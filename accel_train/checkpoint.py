@@ -27,6 +27,7 @@ import torch
 from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
+from .changes import settings_from_flags
 from .errors import ConfigError
 from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, SET_ASIDE, STATE_FILE, checkpoint_dirs,
                     dumps, read_jsonl, step_dir)
@@ -167,7 +168,11 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in checkpoint_dirs(output_dir, state.run_id)[:-keep]:
+        own = checkpoint_dirs(output_dir, state.run_id)  # oldest first; newer ones: a resume from an older step
+        newer = [p for p in own if int(p.name.split("_")[1]) > state.step]  # abandoned their branch
+        for old in newer + [p for p in own if p not in newer][:-keep]:
+            if old in newer:
+                logging.getLogger("accel_train").info(f"deleting {old}: abandoned by the resume from an older step")
             shutil.rmtree(old, ignore_errors=True)
         delete_set_aside(root)  # --overwrite's earlier run, now that this run has a complete checkpoint
     accelerator.wait_for_everyone()
@@ -242,7 +247,7 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
             f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a function of "
             "(seed, step, rank)")
     try:
-        with quiet_rng_load():
+        with quiet_rng_load(), settings_from_flags(accelerator._optimizers):  # (the optimizers prepare() wrapped)
             accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -96,12 +96,36 @@ IGNORE_ARGS = "ACCEL_TRAIN_IGNORE_ARGS"
 def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     parser = train_parser()
     args, unknown = parser.parse_known_args(argv)
-    if args.config:
-        parser.set_defaults(**load_yaml(args.config))
+    file = load_yaml(args.config) if args.config else {}
+    if file:
+        parser.set_defaults(**file)
         args, unknown = parser.parse_known_args(argv)
     check_unknown(parser, unknown, env.get(IGNORE_ARGS, ""))
     values = {f.name: getattr(args, f.name) for f in fields()}
-    return TrainConfig(**values)
+    return TrainConfig(**seed_data_alias(values, given(parser, argv), file))
+
+
+def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The options the command line itself names (not their defaults, nor a --config file's values)."""
+    dests = {option: action.dest for action in parser._actions for option in action.option_strings}
+    return {dests[token.split("=", 1)[0]] for token in map(str, argv) if token.split("=", 1)[0] in dests}
+
+
+def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
+    """The seed's --custom_data true|false resolved into --data random|cifar10 (and then dropped, so config.yaml
+    records the data itself). Flags override the file; --custom_data and a --data that disagree on the command
+    line (or in one file) are refused."""
+    alias = values.pop("custom_data")
+    if alias is None:
+        return {**values, "custom_data": None}
+    implied = "random" if alias else "cifar10"
+    if "data" in flags and "custom_data" not in flags:  # a flag over the file's alias
+        return {**values, "custom_data": None}
+    both = "data" in flags if "custom_data" in flags else "data" in file  # said in one place
+    if both and values["data"] != implied:
+        raise ConfigError(f"--custom_data {str(alias).lower()} means --data {implied}, but --data {values['data']} is "
+                          "given too; pass one of them")
+    return {**values, "data": implied, "custom_data": None}
 
 
 def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: str) -> None:

@@ -24,7 +24,7 @@ from .errors import Preempted
 from .evaluate import evaluate
 from .metrics import EpochMeter, MetricsLog, Pace
 from .model import bare_model
-from .outputs import BestModel, finish, model_config, record_epoch
+from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
 from .preempt import AgreedChecks, StopRequest
 from .setup import Run, setup
 
@@ -36,7 +36,7 @@ def train(cfg: TrainConfig) -> dict:
     run = setup(cfg)
     accelerator, model, state = run.accelerator, run.model, run.state
     stop.check_start_up(accelerator, state.step)
-    metrics = MetricsLog(cfg.output_dir, accelerator.is_main_process, resume_at=state, history=run.history)
+    metrics = MetricsLog(cfg, accelerator.is_main_process, state, run.history, steps_per_epoch=run.steps_per_epoch)
     best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
     # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
     # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
@@ -155,7 +155,7 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     preds, labels = evaluated
     row = {"epoch": epoch + 1, "step": run.state.step, **train_stats,
            "test_acc": (preds == labels).float().mean().item(), "test_samples": labels.numel(),
-           "lr": run.optimizer.param_groups[0]["lr"]}
+           "lr": lr_of_step(run.scheduler, run.state.step)}  # the lr of the epoch's last step
     if run.ema is not None:
         ema_evaluated = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta, stop)
         if ema_evaluated is None:

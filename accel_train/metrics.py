@@ -95,7 +95,8 @@ class Pace:
 
 
 class MetricsLog:
-    """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps), plus the trackers.
+    """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps, at each epoch's last step
+    and where --max_steps stops), plus the trackers.
 
     Every rank holds the rows (their values are reduced over ranks, so they are the same everywhere, and
     every checkpoint writer stores them); only the main process writes the files. A resumed run starts
@@ -103,8 +104,8 @@ class MetricsLog:
     a replayed stretch is not counted twice and a machine with an empty disk still has the whole history.
     """
 
-    def __init__(self, output_dir, enabled: bool, resume_at=None, history: dict | None = None):
-        self.path, self.steps_path = Path(output_dir) / METRICS_FILE, Path(output_dir) / STEPS_FILE
+    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None, steps_per_epoch: int = 1):
+        self.path, self.steps_path = Path(cfg.output_dir) / METRICS_FILE, Path(cfg.output_dir) / STEPS_FILE
         self.enabled = enabled
         self.rows, self.step_rows = [], []
         if resume_at is not None and resume_at.step > 0:
@@ -113,6 +114,11 @@ class MetricsLog:
             # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch rewrites)
             self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch]
             self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
+            # the row where --max_steps stopped (mid-epoch, off --log_every): one the uninterrupted run has not
+            step = resume_at.step
+            if self.step_rows and self.step_rows[-1]["step"] == step and step % cfg.log_every and \
+                    step % steps_per_epoch:
+                self.step_rows.pop()
         if enabled:
             self.path.write_text("".join(dumps(r) + "\n" for r in self.rows))
             self.steps_path.write_text("".join(dumps(r) + "\n" for r in self.step_rows))

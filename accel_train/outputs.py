@@ -91,15 +91,19 @@ class BestModel:
 
 
 def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict) -> None:
-    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc is exported (main process) as
-    model_best.safetensors, with its epoch, step and test_acc in the file's metadata."""
+    """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is exported (main
+    process) as model_best.safetensors, with its epoch, step and test_acc in the file's metadata. The row of an
+    epoch that --max_steps cut short is recorded but is not a candidate: a resume drops that row (its epoch is
+    finished and evaluated again), and a best file written from it would replace the earlier best's."""
     metrics.append(run.accelerator, row)
-    improves, facts = best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
+    whole = run.state.batch_in_epoch >= run.batches_per_epoch
+    improves, facts = whole and best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
     # every rank takes part (a collective), whatever its own rows say: the main process's decide the export
     main_process_writes(run.accelerator, lambda: improves and export_model(
         bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
         filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
-    best.take(row)
+    if whole:
+        best.take(row)
 
 
 def main_process_writes(accelerator, write, out):
@@ -118,11 +122,16 @@ def main_process_writes(accelerator, write, out):
     return on_every_rank(accelerator, attempt)
 
 
+def lr_of_step(scheduler, step: int) -> float:
+    """The lr optimizer step `step` (1-based) trained with, from the schedule itself (a function of the step):
+    the lr set after step - 1 steps."""
+    return scheduler._get_lr(step - 1)[0]
+
+
 def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
-    """The lr each step trained with, from the schedule itself (a function of the step): step k used the lr set
-    after k - 1 steps. At most `points` points."""
+    """The lr each step trained with (lr_of_step). At most `points` points."""
     stride = max(1, total_steps // points)
-    return [{"step": k, "lr": scheduler._get_lr(k - 1)[0]} for k in range(1, total_steps + 1, stride)]
+    return [{"step": k, "lr": lr_of_step(scheduler, k)} for k in range(1, total_steps + 1, stride)]
 
 
 def compile_summary() -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
+from .changes import check_changes
 from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, step_dir
 from .config import TrainConfig
 from .errors import ConfigError
@@ -177,6 +178,10 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
                           f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
     explicit = cfg.resume != "auto"
+    newer = sorted({s for r in reports for s, run in r["listing"] if run == run_id and s > step})
+    if newer:  # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
+        log(f"--resume {cfg.resume}: this run's newer checkpoint(s) {', '.join(step_dir(out, s).name for s in newer)} "
+            "belong to the branch this resume abandons; they are deleted when it saves its first checkpoint")
     # a rank reads the checkpoint from --resume PATH if its machine has it, else from its output dir
     at_path = [explicit and r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]
@@ -228,6 +233,7 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
         raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
                           f"with --grad_accum {old['grad_accum']} (the per-process batch follows the process count)")
     keep_run_math(old, cfg)
+    check_changes(old.get("settings") or {}, cfg)
     glob = old["global_batch"]
     if num_processes != old["num_processes"]:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)

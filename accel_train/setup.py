@@ -22,6 +22,7 @@ from timm.utils import ModelEmaV3
 
 from . import __version__
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
+from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
@@ -171,6 +172,7 @@ def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, 
         state = load_checkpoint(accelerator, decision.resume_from)
         state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
         history = read_history(decision.resume_from)
+        log_changes(decision.meta, cfg, accelerator.mixed_precision, log)  # momentum, weight decay, ...: the flags'
     scheduler.step_update(state.step)
     ema = ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
     if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from):
@@ -186,7 +188,7 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
                 grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
                 image_size=cfg.image_size, mean=list(data.info.mean), std=list(data.info.std), augment=cfg.augment,
-                hflip=cfg.hflip)
+                hflip=cfg.hflip, settings=settings(cfg, accelerator.mixed_precision))
 
 
 def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log) -> None:

@@ -26,7 +26,7 @@ def test_modelarts_flags_both_forms_and_aliases():
     assert cfg.init_method == "tcp://10.0.0.1:6666" and cfg.rank == 1 and cfg.world_size == 2
     assert cfg.enable_gpu is True and cfg.epochs == 3 and cfg.lr == 0.05
     assert parse_train_args(["--custom_data=true"]).data == "random"
-    assert parse_train_args(["--custom_data", "True", "--data", "cifar10"]).data == "random"
+    assert parse_train_args(["--custom_data", "True", "--data", "random"]).data == "random"  # (they agree)
 
 
 def test_bool_flags_and_optional_values():
@@ -131,3 +131,32 @@ def test_non_finite_lr_exits_2_before_anything_is_written(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["accel-train: error: --lr must be a finite number, got inf"]
     assert not (tmp_path / "out").exists()
+
+
+def test_custom_data_never_silently_overrides_an_explicit_data(tmp_path):
+    # the seed's alias and --data that disagree on the command line: one line, exit 2, nothing trained
+    from test_imagefolder import write_image_folder
+    tiny = ["--model", "test_resnet", "--batch_size", "4", "--epochs", "1", "--max_steps", "1", "--test_samples", "4"]
+    proc = run_cli([*tiny, "--custom_data", "false", "--data", "imagefolder", "--output_dir", tmp_path / "x"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "--custom_data false" in errors[0] and "--data imagefolder" in errors[0], errors[0]
+    assert not (tmp_path / "x").exists()
+    # a --custom_data run: config.yaml records the data it resolved to, not the seed's alias
+    seeded = tmp_path / "seeded"
+    proc = run_cli([*tiny, "--train_samples", "8", "--custom_data", "true", "--output_dir", seeded])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    conf = yaml.safe_load((seeded / "config.yaml").read_text())
+    assert conf["data"] == "random" and conf["custom_data"] is None
+    # replayed with another --data (flags override the file), from that file and from one that still carries
+    # the alias (written before): the flag's data is what trains
+    folder = write_image_folder(tmp_path / "d", train=4, val=2)
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump({**conf, "data": "cifar10", "custom_data": False}))
+    for i, path in enumerate((seeded / "config.yaml", old)):
+        out = tmp_path / f"replay{i}"
+        proc = run_cli(["--config", path, "--data", "imagefolder", "--data_dir", folder, "--output_dir", out,
+                        "--image_size", "16", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert " on imagefolder, " in proc.stderr, proc.stderr[-2000:]
+        assert yaml.safe_load((out / "config.yaml").read_text())["data"] == "imagefolder"

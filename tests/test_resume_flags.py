@@ -1,0 +1,99 @@
+"""A resume and each flag: every TrainConfig field is refused, applied (and logged), or free."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from timm.scheduler import create_scheduler_v2
+
+from accel_train.config import TrainConfig
+
+from conftest import TINY, run_cli
+
+pytestmark = pytest.mark.slow
+
+# a changed value of each field on resume; a new TrainConfig field without a row here fails the test below
+REFUSED = {  # the run's math: one line naming the flag, exit 2
+    "data": "cifar10", "custom_data": "false", "image_size": "16", "augment": "false", "hflip": "false",
+    "mean": "0.5,0.5,0.5", "std": "0.5,0.5,0.5", "model": "resnet10t", "stem": "cifar",
+    "model_kwargs": '{"drop_rate": 0.1}', "seed": "7", "batch_size": "16", "grad_accum": "2", "train_samples": "224",
+}
+APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume's schedule test)
+    "epochs": "3", "lr": "0.05", "lr_base": "0.4", "min_lr": "0.001", "warmup_epochs": "0.5", "momentum": "0.5",
+    "weight_decay": "0.01", "label_smoothing": "0.2", "clip_grad": "5", "ema": "true", "ema_decay": "0.99",
+    "mixed_precision": None,  # (whichever the checkpoint did not use)
+}
+FREE = {  # leave the weights' math alone: paths, logging, checkpointing, performance, evaluation only; init_from:
+    # the checkpoint's weights win; max_steps: where this run stops
+    "data_dir", "test_samples", "pipeline", "device_data_mb", "num_workers", "channels_last", "init_from", "compile",
+    "compile_mode", "max_steps", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
+    "timeout_s", "log_with", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
+    "force_precision", "enable_gpu", "init_method", "rank", "world_size",
+}
+
+
+def small(out, *extra):
+    # 256 random samples, global batch 32: 8 optimizer steps per epoch
+    return [*TINY, "--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "32",
+            "--log_every", "1", "--output_dir", out, *extra]
+
+
+def test_every_field_is_refused_applied_or_free():
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    kinds = [set(REFUSED), set(APPLIED), FREE]
+    missing = [n for n in names if sum(n in kind for kind in kinds) != 1]
+    assert not missing, f"classify each TrainConfig field once (refused, applied or free) and test it: {missing}"
+    assert set().union(*kinds) == set(names)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flags") / "out"
+    proc = run_cli(small(out, "--max_steps", "3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_a_resume_refuses_each_change_of_the_runs_math(stopped, tmp_path):
+    out = shutil.copytree(stopped, tmp_path / "out")
+    for name, value in REFUSED.items():
+        proc = run_cli([*small(out, "--resume", "auto"), f"--{name}", value])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+        flag = "data" if name == "custom_data" else name  # the seed's alias is --data cifar10
+        assert proc.returncode == 2 and len(errors) == 1 and f"--{flag}" in errors[0], (name, proc.stderr[-2000:])
+    # weight decay switched off (or on) changes the optimizer's parameter groups: refused, not a corrupt-checkpoint error
+    proc = run_cli([*small(out, "--resume", "auto"), "--weight_decay", "0"])
+    assert proc.returncode == 2 and "--weight_decay 0 cannot follow the checkpoint's 0.0005" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_a_resume_applies_and_logs_each_optimisation_setting(stopped, tmp_path):
+    out = shutil.copytree(stopped, tmp_path / "out")
+    ckpt = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    used = ckpt["run"]["settings"]["mixed_precision"] if "settings" in ckpt["run"] else "bf16"
+    changed = {**APPLIED, "mixed_precision": "no" if used != "no" else "bf16"}
+    del changed["epochs"]
+    args = [a for name, value in changed.items() for a in (f"--{name}", value)]
+    proc = run_cli([*small(out, "--resume", "auto", "--max_steps", "4"), *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "applied from step 4" in line]
+    assert len(said) == 1 and all(f"--{name} " in said[0] for name in changed), proc.stderr[-3000:]
+    # in effect: the optimizer's settings after the resumed step (its checkpoint) are the flags', not the first run's
+    groups = torch.load(out / "checkpoints" / "step_00000004" / "optimizer.bin", weights_only=True)["param_groups"]
+    assert {g["momentum"] for g in groups} == {0.5}
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.01]  # (norm and bias parameters: no decay)
+    # the step trained with the lr of the new schedule (--lr, --min_lr, --warmup_epochs)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=0.5, min_lr=0.001,
+                                   warmup_lr=0.05 / 100, step_on_epochs=False, updates_per_epoch=8)
+    sched.step_update(3)
+    step4 = [json.loads(r) for r in (out / "steps.jsonl").read_text().splitlines()][-1]
+    assert step4["step"] == 4 and step4["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9)
+    assert f", {changed['mixed_precision']}] on 1 machine" in proc.stderr  # the precision it trained in
+    assert (out / "model_ema.safetensors").is_file()  # --ema switched on
+    # config.yaml says the values the run used
+    conf = yaml.safe_load((out / "config.yaml").read_text())
+    assert (conf["momentum"], conf["weight_decay"], conf["lr"]) == (0.5, 0.01, 0.05)

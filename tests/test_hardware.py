@@ -106,7 +106,8 @@ CPU implementer\t: 0x41
 """
 
 
-def test_cpu_flags_are_read_from_proc_cpuinfo_text(tmp_path):
+def test_cpu_flags_are_read_from_proc_cpuinfo_text(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACCEL_TRAIN_DEVICE_FACTS", raising=False)  # (conftest pins them for every other test)
     (tmp_path / "x86").write_text(X86)
     (tmp_path / "arm").write_text(ARM)
     name, flags = cpu_info(tmp_path / "x86")

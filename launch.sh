@@ -405,22 +405,36 @@ fi
 # A rank that ended by SIGABRT wrote none: NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default)
 # aborts a rank at the process-group timeout without a Python exception. Each rank's faulthandler notes
 # the abort in ACCEL_TRAIN_STATUS_DIR/faults/; such a rank counts as a lost peer (3), and the SIGTERM that
-# torchrun then sends the other ranks does not make their exit a preemption.
-# Most telling first: bad input, diverged, an aborted rank (a lost peer), error, a second Ctrl-C, preempted, lost
-# peer. The order of STATUS_PRIORITY in accel_train/errors.py (tests/test_errors.py checks the two agree).
-STATUS_PRIORITY="2 5 abort 1 130 4 3"
+# torchrun then sends the other ranks does not make their exit a preemption. Not in a gloo group (the note's
+# "backend: gloo" line): gloo raises a lost peer in the rank's own thread and aborts only when a collective breaks its
+# rules (a collective mismatch: "Is there a distributed collective mismatch in your code?"), a bug: an error (1),
+# whatever the "lost contact" of the other ranks (accel_train/errors.py note_backend).
+# Most telling first: bad input, diverged, a gloo rank aborted (a bug), an aborted rank (a lost peer), error, a
+# second Ctrl-C, preempted, lost peer. The order of STATUS_PRIORITY in accel_train/errors.py (tests/test_errors.py
+# checks the two agree).
+STATUS_PRIORITY="2 5 crash abort 1 130 4 3"
 trainer_status() {
   local codes c
   codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ' || true) "
   for c in $STATUS_PRIORITY; do
-    if [[ "$c" == abort ]]; then
+    if [[ "$c" == crash ]]; then
+      if crashed "$1"; then echo 1; return; fi
+    elif [[ "$c" == abort ]]; then
       if aborted "$1"; then echo 3; return; fi
     elif [[ "$codes" == *" $c "* ]]; then
       echo "$c"; return
     fi
   done
 }
-aborted() { grep -qs '^Fatal Python error: Aborted' "$1"/faults/*; }
+abort_backends() {  # one line per rank that ended by SIGABRT: its process group's backend (none: before the group)
+  local note
+  for note in "$1"/faults/*; do
+    grep -qs '^Fatal Python error: Aborted' "$note" || continue
+    sed -n 's/^backend: //p' "$note" | grep . || echo none
+  done
+}
+aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
+crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
 attempt=0
 while true; do
@@ -433,6 +447,8 @@ while true; do
   reported="$(trainer_status "$status_dir")"
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
     echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2
+  elif [[ "$reported" == 1 ]] && crashed "$status_dir"; then
+    echo "launch.sh: a rank of a gloo process group ended by SIGABRT: gloo aborts only when a collective breaks its rules, e.g. ranks passing tensors of different sizes ('collective mismatch' above), a bug; the other ranks' 'lost contact' is that rank's end" >&2
   fi
   rm -rf "$status_dir"
   if ((status == 0)); then exit 0; fi

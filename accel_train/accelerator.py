@@ -17,7 +17,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
                               LoggerType, ProjectConfiguration, TorchDynamoPlugin, is_npu_available)
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, note_backend
 from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, has_accelerator
 from .ranks import said_once
 
@@ -68,6 +68,8 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         if refusal:
             raise ConfigError(refusal)
     check_one_group(accelerator.num_processes, cfg)
+    if accelerator.num_processes > 1:
+        note_backend(accelerator.state.backend)  # how launch.sh reads this rank's SIGABRT, if it dies of one
     accelerator.device_facts = facts
     accelerator.precision_source = "" if choice.precision == "no" else asked_precision(cfg)[1]  # "": not asked
     logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)

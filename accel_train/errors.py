@@ -4,7 +4,8 @@ reported: one line, by the process that should say it.
 Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`), because `accelerate launch`
 returns 1 for any failed worker. launch.sh reads those files and acts on the most telling one, in the
 order of STATUS_PRIORITY (tests/test_errors.py checks launch.sh's list is this one). A lost peer is told
-from a bug by the exception's type and origin (`is_lost_peer`), never by its words alone.
+from a bug by the exception's type and origin (`is_lost_peer`), never by its words alone, and a rank's SIGABRT by
+its process group's backend (`note_backend`).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERG
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
 
 # The job's status when ranks ended differently, most telling first: a cause that a relaunch cannot fix (bad input,
-# divergence), then a rank aborted by the NCCL watchdog (no status file; counted as a lost peer), then an error, a
-# second Ctrl-C, a preemption, a lost peer. launch.sh's trainer_status() walks the same list.
-ABORTED = "abort"
-STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+# divergence, a rank of a gloo group ended by SIGABRT: a bug, counted as an error), then a rank aborted by the NCCL
+# watchdog (no status file; counted as a lost peer), then an error, a second Ctrl-C, a preemption, a lost peer.
+# launch.sh's trainer_status() walks the same list. (A rank's abort note names its backend: note_backend.)
+CRASHED, ABORTED = "crash", "abort"
+STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, CRASHED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                    EXIT_LOST_PEER)
 
 
@@ -93,6 +95,22 @@ def note_aborts() -> None:
 
 
 _fault_notes: list = []
+
+
+def note_backend(backend) -> None:
+    """Once the process group exists, its backend heads this rank's abort note (`backend: gloo`). launch.sh counts a
+    SIGABRT as a lost peer only where the backend aborts for one (NCCL's watchdog, at the collective timeout). gloo
+    never does: a closed or reset connection and its timeouts are raised in the calling thread (tcp/pair.cc
+    signalException: "Connection closed by peer", "Read error ...: Connection reset by peer", "Read timeout"); it
+    aborts only when a check of its own fails in its I/O thread, e.g. a collective mismatch ("op.preamble.length <=
+    op.nbytes ... Received data size doesn't match expected size. Is there a distributed collective mismatch in your
+    code?"): a bug, exit status 1, never relaunched."""
+    for note in _fault_notes:
+        try:
+            note.write(f"backend: {backend}\n")
+            note.flush()  # (before anything faulthandler writes at the file's offset)
+        except (OSError, ValueError):
+            pass
 
 
 def lost_peer(error: Exception, cfg) -> None:

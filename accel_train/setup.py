@@ -29,7 +29,7 @@ from .data import Data, build_data, device_budget
 from .errors import ConfigError
 from .gradcheck import check_run_precision
 from .hardware import channels_last_default
-from .metrics import check_trackers
+from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights,
                     wrappers)
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
@@ -92,7 +92,8 @@ def setup(cfg: TrainConfig) -> Run:
               steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history)
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
-        accelerator.init_trackers("accel_train", config=tracker_config(cfg))  # on the main process only
+        accelerator.init_trackers("accel_train", config=tracker_config(cfg),  # on the main process only
+                                  init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step))  # (resumed: purge)
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
     on_every_rank(accelerator, set_aside, decision.overwritten)  # --overwrite: only now, every input checked
     return run

@@ -1,13 +1,18 @@
 """Checkpoints and exact resume, through real `accelerate launch` runs."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import TINY, launch, reference_args, run_cli
+from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 
 pytestmark = pytest.mark.slow
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
@@ -111,3 +116,50 @@ def test_resume_errors_are_one_line(tmp_path, four_steps):
     lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(lines) == 1 and "is corrupt or incompatible" in lines[0] and "Traceback" not in proc.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+FLUSH_HOOK = """\
+# test only: the trainer's TensorBoard writer flushes every 0.2 s (default 120 s), so that steps logged after the
+# checkpoint are on disk when the process is killed, as they are after a long run
+if b"accel_train" in open("/proc/self/cmdline", "rb").read():
+    from torch.utils.tensorboard import writer as _writer
+    _init = _writer.SummaryWriter.__init__
+    def _fast(self, *args, **kwargs):
+        kwargs["flush_secs"] = 0.2
+        _init(self, *args, **kwargs)
+    _writer.SummaryWriter.__init__ = _fast
+"""
+
+
+def test_tensorboard_steps_stay_increasing_after_a_kill_and_resume_auto(tmp_path):
+    # steps.jsonl is cut back to the checkpoint on resume; the event files were not (no purge_step), so TensorBoard
+    # drew ...12, 13, 14, 11, 12, 13... for step/train_loss
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    hooks, out = tmp_path / "hooks", tmp_path / "out"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FLUSH_HOOK)
+    args = ["--train_samples", "400", "--test_samples", "16", "--batch_size", "16", "--epochs", "1", "--log_every",
+            "1", "--checkpoint_every", "10", "--log_with", "tensorboard", "--output_dir", out]  # resnet18: steps take time
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.Popen([sys.executable, "-m", "accel_train", *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 13, timeout=240)  # checkpoint step 10 written, 3 steps on
+        time.sleep(0.5)  # (the writer's flush)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    logged = [json.loads(line)["step"] for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert 13 <= logged[-1] < 20 and state_dir(out, 10).is_dir(), logged
+    run_cli([*args, "--resume", "auto"], timeout=300)
+    acc = EventAccumulator(str(out / "accel_train"), size_guidance={SCALARS: 0})  # (0: every event)
+    acc.Reload()
+    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert steps["step/train_loss"] == steps["step/lr"] == list(range(1, 26)), steps  # as steps.jsonl
+    assert [json.loads(line)["step"] for line in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 26))
+    for tag, seen in steps.items():
+        assert seen == sorted(set(seen)), (tag, seen)  # strictly increasing, no duplicates
+    assert steps["epoch/test_acc"] == [25]

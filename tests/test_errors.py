@@ -16,7 +16,7 @@ def test_launch_sh_walks_the_status_priority_of_errors_py():
     assert line.split() == [str(s) for s in errors.STATUS_PRIORITY]
     assert len(set(errors.STATUS_PRIORITY)) == len(errors.STATUS_PRIORITY)
     codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_") and k != "EXIT_OK"}
-    assert codes == set(errors.STATUS_PRIORITY) - {errors.ABORTED}  # every failure status has its place
+    assert codes == set(errors.STATUS_PRIORITY) - {errors.ABORTED, errors.CRASHED}  # every failure status has its place
 
 
 def shell_function(name):
@@ -28,7 +28,10 @@ def shell_function(name):
     ([4, 2], False, "2"),          # bad input on one rank wins over the others' preemption
     ([1, 5], False, "5"),          # diverged: not relaunched, whatever the others say
     ([4], True, "3"),              # a rank aborted by the NCCL watchdog (no file of its own): a lost peer
+    ([4], "nccl", "3"),            # (its note names its backend)
     ([2], True, "2"),              # ... unless a rank found bad input
+    ([3], "gloo", "1"),            # gloo aborts on a collective mismatch, a bug; the peer it left says "lost peer"
+    ([2], "gloo", "2"),
     ([130, 4], False, "130"),      # a second Ctrl-C beats the preemption it interrupted
     ([3, 4], False, "4"),
     ([], False, ""),               # killed outright: nothing written
@@ -36,11 +39,13 @@ def shell_function(name):
 def test_trainer_status_picks_the_most_telling_status(tmp_path, written, aborted, expected):
     for i, code in enumerate(written):
         (tmp_path / f"host-{i}").write_text(f"{code}\n")
+    (tmp_path / "faults").mkdir()
+    (tmp_path / "faults" / "host-8").write_text("backend: gloo\n")  # a rank's note that did not abort
     if aborted:
-        (tmp_path / "faults").mkdir()
-        (tmp_path / "faults" / "host-9").write_text("Fatal Python error: Aborted\n\nCurrent thread ...\n")
+        backend = "" if aborted is True else f"backend: {aborted}\n"
+        (tmp_path / "faults" / "host-9").write_text(f"{backend}Fatal Python error: Aborted\n\nCurrent thread ...\n")
     script = "\n".join([re.search(r'(?m)^STATUS_PRIORITY=.*$', LAUNCH).group(0), shell_function("trainer_status"),
-                        shell_function("aborted"), f'trainer_status "{tmp_path}"'])
+                        *map(shell_function, ("abort_backends", "aborted", "crashed")), f'trainer_status "{tmp_path}"'])
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == expected, (proc.stdout, proc.stderr)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -121,3 +122,53 @@ def test_launch_sh_does_not_relaunch_an_error(tmp_path):
     assert "lost contact" not in proc.stderr and "relaunching" not in proc.stderr
     assert "not relaunched" in proc.stderr and "(attempt 2 of 3)" not in proc.stderr
     # (bad input, exit 2, is not relaunched either: test_launch.py, and test_multinode.py's start-up refusals)
+
+
+
+MISMATCH_HOOK = """\
+# test only: the trainer's ranks pass tensors of different lengths to their first all_reduce (rank 0: 4 elements,
+# rank 1: 8), a collective mismatch, a programming error
+import os
+_cmd = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if os.environ.get("RANK") in ("0", "1") and b"accel_train" in _cmd:
+    import torch, torch.distributed as dist
+    _all_reduce = dist.all_reduce
+    def _mismatched(tensor, *args, **kwargs):
+        dist.all_reduce = _all_reduce
+        return _all_reduce(torch.ones(4 * (int(os.environ["RANK"]) + 1)), *args, **kwargs)
+    dist.all_reduce = _mismatched
+"""
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process started with ACCEL_TEST_TAG=tag (launch.sh runs the job in a session of its own)."""
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"ACCEL_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                os.kill(int(d.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_launch_sh_does_not_relaunch_a_collective_mismatch(tmp_path):
+    # Two ranks whose all_reduce tensors differ in length: gloo ends rank 0 with SIGABRT ("Received data size doesn't
+    # match expected size. Is there a distributed collective mismatch in your code?", an enforce failure in its I/O
+    # thread), rank 1 reads "Connection reset by peer". A bug, not a lost peer: exit 1, never relaunched (it would
+    # fail the same way every time). (test_launch_sh_does_not_relaunch_an_error above runs one process.)
+    hooks, tag = tmp_path / "hooks", uuid.uuid4().hex
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(MISMATCH_HOOK)
+    env = clean_env(ACCEL_RESTART_DELAY="1", NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag,
+                    PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--max_restarts", "2", "--train_samples", "64",
+                             "--test_samples", "8", "--batch_size", "8", "--epochs", "1", "--timeout_s", "60", *TINY,
+                             "--output_dir", tmp_path / "out"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    try:
+        _, text = proc.communicate(timeout=240)
+    finally:
+        kill_tagged(tag)
+    assert "collective mismatch" in text, text[-4000:]  # (the hook did make one)
+    assert proc.returncode == 1, text[-4000:]
+    assert "relaunching" not in text and "(attempt 2 of 3)" not in text, text[-4000:]
+    assert "not relaunched" in text.splitlines()[-1], text[-2000:]

@@ -80,3 +80,39 @@ def test_a_rank0_name_that_resolves_late_is_waited_for(monkeypatch):
     start = time.monotonic()
     failures = preflight("rank0.job.svc", 29500, 1, timeout=2, log=lambda m: None)
     assert len(failures) == 1 and "does not resolve within 2s" in failures[0] and time.monotonic() - start < 10
+
+
+def test_a_lookup_slower_than_5s_is_waited_for_and_one_that_never_answers_fails_in_one_line(monkeypatch, capsys):
+    # glibc waits 5 s per nameserver that does not answer, so one dead nameserver makes every lookup take longer than
+    # 5 s; preflight capped each attempt at 5 s and dropped the late answer, so such a host never resolved
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def slow(host, *args, **kwargs):
+        release.wait(6.5)
+        return real("127.0.0.1", *args, **kwargs)
+
+    monkeypatch.setattr(preflight_module.socket, "getaddrinfo", slow)
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            start = time.monotonic()
+            code = preflight_module.main_preflight(["--host", "rank0.slow-dns", "--port", str(server.getsockname()[1]),
+                                                    "--rank", "1", "--timeout", "20"])
+            assert code == 0 and 6 <= time.monotonic() - start < 19, capsys.readouterr()
+        assert "preflight: rank0.slow-dns resolves to 127.0.0.1" in capsys.readouterr().out
+
+        def never(host, *args, **kwargs):
+            release.wait(120)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+        monkeypatch.setattr(preflight_module.socket, "getaddrinfo", never)
+        start = time.monotonic()
+        assert preflight_module.main_preflight(["--host", "rank0.dead-dns", "--rank", "1", "--timeout", "3"]) == 1
+        assert time.monotonic() - start < 6
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("preflight: FAILED: rank-0 host 'rank0.dead-dns' does not "
+                                                       "resolve within 3s"), err
+    finally:
+        release.set()  # (the lookups' threads end)

@@ -1,8 +1,12 @@
 """accel-train smoke: Accelerate's own test script, passing only when the ranks formed the config's group."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -117,3 +121,63 @@ def test_a_healthy_run_launched_with_hyphen_options_passes(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == ("smoke: ok: 2proc_cpu.yaml: 4 process(es) here (indices 0..3) in one "
                                             "group of 4 over 1 machine(s)")
+
+
+def tagged(tag: str) -> dict[int, str]:
+    """{pid: command line} of the live processes started with ACCEL_TEST_TAG=tag (a /proc scan, no psutil)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and f"ACCEL_TEST_TAG={tag}".encode() in (d / "environ").read_bytes().split(b"\0") \
+                    and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass
+    return found
+
+
+def rank_pid(tag: str, rank: int) -> int | None:
+    for pid in tagged(tag):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"test_script.py" in cmd and b"accelerate.commands.launch" not in cmd:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_timeout_stops_a_hung_check_and_its_workers(tmp_path):
+    # torch elastic starts each worker in a session of its own: killing the launcher's process group left a worker
+    # stuck in a collective holding the output pipe, and smoke returned only when it ended (the collective timeout,
+    # 30 min by default), leaving it orphaned. Rank 1 is stopped (SIGSTOP) once it has joined the group, so rank 0
+    # waits in the test script's next collective.
+    tag, timeout = uuid.uuid4().hex, 40
+    proc = subprocess.Popen([sys.executable, "-m", "accel_train", "smoke", "--timeout", str(timeout), "--config_file",
+                             CONFIGS / "2proc_cpu.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=clean_env(ACCEL_TEST_TAG=tag), start_new_session=True)
+    started, stopped, lines = time.monotonic(), [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "Process index: 1":
+                pid = rank_pid(tag, 1)
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+                break
+        assert stopped, "".join(lines)[-3000:]
+        out, err = proc.communicate(timeout=timeout + 60)
+        elapsed = time.monotonic() - started
+        left = tagged(tag)
+    finally:
+        for pid in tagged(tag):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    assert proc.returncode == 1, (out[-2000:], err[-2000:])
+    assert elapsed < timeout + 10, elapsed
+    problems = err.strip().splitlines()
+    assert len(problems) == 1 and problems[0].startswith(f"smoke: FAILED for 2proc_cpu.yaml: no result within "
+                                                         f"--timeout {timeout}s"), err[-2000:]
+    assert left == {}, left  # no worker left behind, the stopped one included

@@ -5,8 +5,8 @@
   1. H resolves (DNS or /etc/hosts);
   2. rank 0: H is an address of this machine and P is free on it (the rendezvous will listen there);
      other ranks: H:P accepts a TCP connection (retried until rank 0 is up or time runs out).
-Both the name lookup and the connection are retried until --timeout, so a node that starts minutes
-before rank 0 waits for it (launch.sh passes --rdzv_wait, default 600 s) instead of failing.
+Both the name lookup and the connection are retried until --timeout (a lookup is never cut short before it: one
+dead nameserver makes each take over 5 s), so a node that starts minutes before rank 0 waits for it (launch.sh passes --rdzv_wait, default 600 s) instead of failing.
 Each failure is one line naming what to set. Exit 0 when every check passed, 1 otherwise.
 """
 
@@ -105,8 +105,11 @@ def check_reachable(ip: str, port: int, deadline: float) -> str | None:
 def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> list[str]:
     """Run the checks; return the failures (empty list = all good)."""
     deadline = time.monotonic() + timeout
-    while True:  # a rank-0 pod's DNS name often appears only once that pod is up: retry until the deadline
-        addresses = resolve(host, min(5.0, max(deadline - time.monotonic(), 0.1)))
+    # A rank-0 pod's DNS name often appears only once that pod is up: ask again after each failed answer, until the
+    # deadline. Each lookup may take the rest of the time: glibc waits 5 s per nameserver that does not answer, so one
+    # dead nameserver makes every lookup longer than any fixed cap (and a late answer is still an answer).
+    while True:
+        addresses = resolve(host, max(deadline - time.monotonic(), 0.1))
         if addresses or time.monotonic() >= deadline:
             break
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))

@@ -7,6 +7,9 @@ machine should hold reports `Num processes: <total>`, their `Process index` valu
 share (machine_rank x per-machine .. +per-machine-1), and the script exits 0. `accelerate test` alone prints
 "Test is a success" when N single-process runs ran side by side; this check fails then.
 
+`--timeout S` (default 900): no result by then (a rendezvous that never completes, a rank stuck in a collective) is
+a failure, and the launcher and every worker it started are stopped.
+
 Several machines: run it on every machine with that machine's --machine_rank and the rank-0
 --main_process_ip/--main_process_port (launch.sh --smoke-test does it from the platform variables).
 """
@@ -19,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -84,6 +88,46 @@ def layout(argv: list[str]) -> tuple[str, int, int, int, bool]:
     return known.config_file, total, machines, rank, cpu
 
 
+def copy_lines(stream, lines: list[str]) -> None:
+    for line in stream:
+        sys.stdout.write(line)
+        lines.append(line)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, by the parent links in /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(d.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def stop_tree(pid: int) -> None:
+    """SIGKILL the launcher (`pid`, leader of its own session) and everything below it. torch elastic starts each
+    worker in a session of its own, out of reach of the launcher's process group: the workers are found through
+    /proc while the launcher, stopped first so that it starts nothing new, is still their parent."""
+    def kill(how, target, sig):
+        try:
+            how(target, sig)
+        except OSError:  # (gone already, or not a group leader)
+            pass
+
+    kill(os.killpg, pid, signal.SIGSTOP)
+    for below in descendants(pid):
+        kill(os.killpg, below, signal.SIGKILL)  # a worker leads a group of its own (its DataLoader workers)
+        kill(os.kill, below, signal.SIGKILL)
+    kill(os.killpg, pid, signal.SIGKILL)
+
+
 def main_smoke(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())
@@ -101,26 +145,26 @@ def main_smoke(argv: list[str]) -> int:
     print(f"smoke: {' '.join(cmd)}{' (ACCELERATE_USE_CPU=1)' if cpu else ''}", flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    lines, timed_out = [], []
-
-    def stop(*_):
-        timed_out.append(True)
-        os.killpg(proc.pid, signal.SIGKILL)
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, own.timeout)
-    try:
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            lines.append(line)
+    lines: list[str] = []
+    reader = threading.Thread(target=copy_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    reader.join(own.timeout)
+    timed_out = reader.is_alive()
+    if timed_out:  # a rendezvous that never completes, a rank stuck in a collective: stop everything it started
+        stop_tree(proc.pid)
+        reader.join(5)  # (the pipe closes once its last writer is gone; no longer than that in any case)
+        try:
+            returncode = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            returncode = None
+    else:
         returncode = proc.wait()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
     sys.stdout.flush()
     problems = check("".join(lines), returncode, total, here)
     if timed_out:
-        problems.insert(0, f"no result within --timeout {own.timeout:.0f}s (a rendezvous that never completed?)")
+        problems = [f"no result within --timeout {own.timeout:.0f}s (a rendezvous that never completed, or a rank "
+                    "stuck in a collective?); the launcher and its workers were stopped",
+                    *(p for p in problems if not p.startswith("Accelerate's test script exited"))]
     name = Path(config_file).name
     if problems:
         print(f"smoke: FAILED for {name}: " + "; ".join(problems), file=sys.stderr, flush=True)

@@ -256,8 +256,9 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     mine = cached(key)
     if mine is None:
         mine = check(model, x, y, criterion, precision)
-        remember(key, mine)
     v = combine(gather_object([mine]))
+    if not v.cached:
+        remember(key, v)  # the ranks' verdict, not this rank's: ranks of one machine share the file
     name, shape = NAMES[precision], "x".join(map(str, x.shape))
     cost = "checked on an earlier start (cached)" if v.cached else f"{v.seconds:.1f} s, remembered for later starts"
     if v.ok:

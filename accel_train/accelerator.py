@@ -138,6 +138,8 @@ def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> Non
 def prepare_output_dir(path) -> Path:
     """Every rank checks it can write there before any work starts."""
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out} is a file, not a directory; pass a directory (it is created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

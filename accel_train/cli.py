@@ -23,7 +23,7 @@ import yaml
 from . import __version__
 from .config import TrainConfig, base_type, fields
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Parser, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts,
+                     Diverged, Parser, Preempted, end_progress_line, exit_rank, is_lost_peer, lost_peer, note_aborts,
                      process_group, report_status, says_shared_errors)
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
@@ -190,7 +190,9 @@ def cmd_train(argv: list[str]) -> int:
     created = missing_dirs(cfg.output_dir)
     from .loop import train  # heavy imports after the arguments are known to be good
     try:
-        train(cfg)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
+            train(cfg)
     except ConfigError:
         remove_if_empty(created)
         raise
@@ -201,7 +203,8 @@ def cmd_train(argv: list[str]) -> int:
         from accelerate import PartialState
         state = PartialState()
         if state.is_main_process:
-            print(f"\naccel-train: error: {e}", file=sys.stderr, flush=True)  # (after any progress bar)
+            end_progress_line()
+            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
         state.wait_for_everyone()  # the line is out before any rank exits (torchrun then stops the rest)
         return EXIT_DIVERGED
     except Exception as e:
@@ -241,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load chatter
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     try:
-        code = COMMANDS[command](argv)
+        try:
+            code = COMMANDS[command](argv)
+        finally:
+            end_progress_line()  # every final or error line below starts a line of its own
     except ConfigError as e:
         if not e.quiet and says_shared_errors():
             print(f"accel-train: error: {e}", file=sys.stderr, flush=True)

@@ -113,6 +113,20 @@ def note_backend(backend) -> None:
             pass
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 step', '3 steps', '1 class', '2 classes': a count in words, for the lines a user reads."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's'}"
+
+
+def end_progress_line() -> bool:
+    """A final or error line starts on a line of its own: an open progress bar (tqdm redraws its line after a
+    carriage return and ends it only when closed) is closed first, which ends its line. True if one was open."""
+    bars = list(getattr(getattr(sys.modules.get("tqdm.std"), "tqdm", None), "_instances", ()))
+    for bar in bars:
+        bar.close()
+    return any(not bar.disable for bar in bars)
+
+
 def lost_peer(error: Exception, cfg) -> None:
     """A collective failed: a peer died or stopped answering. One line, then exit without teardown
     (destroying a process group whose peer is gone can hang)."""
@@ -122,7 +136,8 @@ def lost_peer(error: Exception, cfg) -> None:
     detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
     found = checkpoint_dirs(cfg.output_dir)
     where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
-    print(f"\naccel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
+    end_progress_line()
+    print(f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
           f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
           "it) once every node is back", file=sys.stderr, flush=True)
     report_status(EXIT_LOST_PEER)

@@ -57,3 +57,21 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def nothing_to_resume(output_dir) -> str:
+    """The start-up line of a --resume auto that found no complete checkpoint, with the steps an earlier run logged
+    (a run killed before its first checkpoint): they are lost, and trained again."""
+    out, steps = Path(output_dir), []
+    try:
+        for line in (out / STEPS_FILE).read_text().splitlines():
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # (a line cut short by the kill)
+    except OSError:
+        pass
+    lost = (f"; the steps up to step {max(steps)} that an earlier run logged in {STEPS_FILE} are lost: it stopped "
+            "before its first checkpoint (--checkpoint_every N saves one every N steps)") if steps else ""
+    return (f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): training starts at "
+            f"step 1{lost}")

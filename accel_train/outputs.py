@@ -21,7 +21,7 @@ from .errors import ConfigError
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)
 from .metrics import MetricsLog
-from .model import bare_model, wrappers
+from .model import bare_model
 from .ranks import on_every_rank
 
 if TYPE_CHECKING:
@@ -166,6 +166,8 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
     if best.row is not None:
         summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
 
+    cfg.mixed_precision = accelerator.mixed_precision  # config.yaml reproduces the precision used, not 'auto'
+
     def write():
         path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
         if ema is not None:
@@ -188,9 +190,8 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
         best_at = f" (epoch {summary['best_epoch']})" if "best_epoch" in summary else ""
         logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, best "
                     f"{summary['best_test_acc'] or 0:.2%}{best_at}, {summary['images_per_sec'] or 0:.0f} img/s | "
-                    f"outputs in "
-                    f"{out}/: {', '.join(files)}" + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
-                    + f" | model {wrappers(model)}")
+                    f"outputs in {out}/: {', '.join(files)}"
+                    + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

@@ -27,7 +27,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list, gather_object
 
 from .changes import check_changes
-from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, step_dir
+from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, step_dir
 from .config import TrainConfig
 from .errors import ConfigError
 from .ranks import rank0s
@@ -161,6 +161,8 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     target, runs = _choose(cfg, reports)
 
     if target is None:
+        if cfg.resume == "auto":
+            log(nothing_to_resume(out))
         if runs and not cfg.overwrite:
             meta = _unfinished_alike(cfg, out)
             if meta is not None:  # most often the user's own interrupted run, started again with the same command

@@ -26,7 +26,7 @@ from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
-from .errors import ConfigError
+from .errors import ConfigError, counted
 from .gradcheck import check_run_precision
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
@@ -201,7 +201,7 @@ def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log)
         f"{run.data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
         f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch "
         f"{run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
-        f"{run.steps_per_epoch} steps/epoch, model {wrappers(run.model)}; checkpoints: "
+        f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     log(run.data.describe())
     log(resolved)

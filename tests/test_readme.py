@@ -3,6 +3,7 @@
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -22,7 +23,7 @@ def test_quick_start_is_exactly_two_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines(), "the README's test command must be what .ci/run runs"
-    assert commands[0].startswith("pip install -e . && accelerate launch --config_file accelerate_configs/cpu.yaml")
+    assert commands[0].startswith("pip install -e . && python -m accel_train ")  # (one process: the trainer's status)
 
 
 def test_every_trainer_flag_the_readme_names_exists():
@@ -33,11 +34,27 @@ def test_every_trainer_flag_the_readme_names_exists():
     assert table_flags and table_flags <= known, table_flags - known
 
 
+def test_quick_start_training_command_says_bad_input_in_one_line_with_status_2(tmp_path):
+    """Issue 26 item 4: where users start, bad input is one line and exit status 2 (accelerate launch's simple
+    launcher turns any failure into its own CalledProcessError traceback and status 1)."""
+    install, train = quick_start()[0].split(" && ", 1)
+    cmd = shlex.split(train)
+    cmd = [sys.executable if cmd[0] == "python" else cmd[0], *cmd[1:], "--epoch", "2", "--output_dir", tmp_path / "o"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "accel-train: error: unknown argument --epoch (did you mean --epochs?); see accel-train --help"]
+    # the README's other one-process commands are started the same way
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    assert not [line for block in blocks for line in block.splitlines() if "accelerate_configs/cpu.yaml -m" in line]
+
+
 @pytest.mark.slow
 def test_quick_start_training_command_runs(tmp_path):
     install, train = quick_start()[0].split(" && ", 1)
     cmd = shlex.split(train) + ["--output_dir", str(tmp_path / "out")]
-    assert cmd[:2] == ["accelerate", "launch"]
+    assert cmd[:3] == ["python", "-m", "accel_train"]
+    cmd[0] = sys.executable
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("model.safetensors", "model_config.json", "metrics.jsonl", "config.yaml", "training_curves.png"):

@@ -25,6 +25,16 @@ class UnreadableImage(DataError):
         self.path, self.reason = path, reason
 
 
+def why_unreadable(path, error: Exception) -> str:
+    """Pillow's reason in a few words; an empty file is called one (Pillow says "cannot identify image file")."""
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty file, 0 bytes"
+    except OSError:
+        pass
+    return str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+
+
 NAMED_BAD_IMAGES = 10  # an error names this many unreadable files, then counts the rest
 
 
@@ -52,6 +62,9 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tupl
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not found:
         raise DataError(f"{root} has no class folders; put each class's images in {root}/<class name>/")
+    if classes is None and len(found) == 1:  # it would train to 100% without learning anything
+        raise DataError(f"{root} has one class folder ({found[0]}); a classifier needs two or more classes: add a "
+                        f"folder per class in {root}/")
     if classes is None:
         classes = tuple(found)
     unknown = [c for c in found if c not in classes]
@@ -116,8 +129,7 @@ def decode_image(path, size: int) -> torch.Tensor:
             img = img.crop((left, top, left + size, top + size))
             array = np.asarray(img, dtype=np.uint8)
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
-        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        raise UnreadableImage(path, first) from None
+        raise UnreadableImage(path, why_unreadable(path, e)) from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).contiguous()
 
 
@@ -164,8 +176,7 @@ def check_images(files: list[Path]) -> None:
             with Image.open(path) as img:
                 img.size
         except Exception as e:  # Pillow raises many kinds for a broken file
-            first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-            return UnreadableImage(path, first)
+            return UnreadableImage(path, why_unreadable(path, e))
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         errors = [e for e in pool.map(one, files) if e is not None]

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import TrainConfig
+from ..errors import counted
 from .augment import Normalize, cpu_transforms, crop_flip, crop_flip_params
 from .images import decode_image
 from .info import CIFAR10, DataInfo
@@ -113,7 +114,7 @@ class Data:
     notes: list[str] = field(default_factory=list)  # which pipeline and why, decode rates, statistics
 
     def describe(self) -> str:
-        return f"data {self.info.name}: {self.info.num_classes} classes at {self.info.image_size}x" \
+        return f"data {self.info.name}: {counted(self.info.num_classes, 'class')} at {self.info.image_size}x" \
                f"{self.info.image_size}; pipeline {self.pipeline}: " + "; ".join(self.notes)
 
 

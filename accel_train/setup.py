@@ -157,10 +157,11 @@ def build_model(cfg: TrainConfig, accelerator, data: Data):
 def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: int):
     """The lr is a function of the global optimizer step and the current flags, set with step_update(step):
     no scheduler object is stepped per process, so num_processes never changes the schedule."""
-    peak = cfg.peak_lr(num_processes)
-    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-                                       min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
-                                       updates_per_epoch=steps_per_epoch)
+    peak = cfg.peak_lr(num_processes)  # warmup_prefix: the cosine starts at the peak where the warmup ends
+    cosine = cfg.epochs - cfg.warmup_epochs if cfg.epochs > cfg.warmup_epochs else cfg.epochs  # (all warmup: unused)
+    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cosine, warmup_epochs=cfg.warmup_epochs,
+                                       warmup_prefix=True, min_lr=cfg.min_lr, warmup_lr=peak / 100,
+                                       step_on_epochs=False, updates_per_epoch=steps_per_epoch)
     return scheduler
 
 

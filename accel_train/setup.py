@@ -30,8 +30,8 @@ from .errors import ConfigError
 from .gradcheck import check_run_precision
 from .hardware import channels_last_default
 from .metrics import check_trackers
-from .model import (bare_model, cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights,
-                    wrappers)
+from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_normalisation, init_stem,
+                    load_init_weights, wrappers)
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
 
@@ -145,7 +145,10 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
 def build_model(cfg: TrainConfig, accelerator, data: Data):
     """The timm model (--init_from's weights loaded, in the run's memory format) and its SGD optimizer."""
     with said_once(accelerator):
-        model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
+        model = create_model(cfg.model, cfg.stem, data.info.num_classes, cfg.image_size, **cfg.model_kwargs_dict())
+    if fixed_input_size(cfg.model) not in (None, cfg.image_size) and "img_size" not in cfg.model_kwargs_dict():
+        logger.info(f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: img_size={cfg.image_size} passed to "
+                    "timm.create_model")
     loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)

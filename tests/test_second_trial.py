@@ -4,11 +4,16 @@ each step used), and predict's machine-readable formats.
 
 Pure functions are tested in process; one-step runs go through run_cli (in this process)."""
 
+import pytest
 import torch
 
+from accel_train.commands.evaluate import load_exported
 from accel_train.config import TrainConfig
+from accel_train.errors import ConfigError
+from accel_train.model import create_model
 from accel_train.outputs import lr_curve, lr_of_step
 from accel_train.setup import schedule
+from conftest import run_cli
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,3 +48,32 @@ def test_the_lr_panel_keeps_the_logged_lr_before_a_resume():
     curve = lr_curve(scheduler, 16, logged=logged, since=8)
     assert curve[:2] == [{"step": 4, "lr": 0.02}, {"step": 8, "lr": 0.0001}]
     assert [p["step"] for p in curve[2:]] == list(range(9, 17)) and curve[2]["lr"] == 0.025
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 6: a timm model built for a fixed size trains at another
+# ---------------------------------------------------------------------------------------------
+
+def test_a_fixed_size_timm_model_is_built_for_the_runs_size(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "vit_tiny_patch16_224", "--image_size", "32", "--train_samples", "16", "--test_samples",
+                    "8", "--batch_size", "8", "--epochs", "1", "--max_steps", "1", "--mixed_precision", "no",
+                    "--output_dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]  # main: timm's AssertionError from the patch embedding, exit 1
+    assert "vit_tiny_patch16_224 is built for 224 px: img_size=32 passed to timm.create_model" in proc.stderr
+    model, meta = load_exported(out)  # evaluate and predict build it at the size it was trained at
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_a_fixed_size_model_without_img_size_is_refused_in_one_line(monkeypatch):
+    import timm
+    real = timm.create_model
+
+    def no_img_size(name, **kwargs):
+        if "img_size" in kwargs:
+            raise TypeError("__init__() got an unexpected keyword argument 'img_size'")
+        return real(name, **kwargs)
+    monkeypatch.setattr(timm, "create_model", no_img_size)
+    with pytest.raises(ConfigError, match=r"test_vit is built for 160 px and takes no img_size; train it with "
+                                          r"--image_size 160, or pick a model without a fixed input size"):
+        create_model("test_vit", "imagenet", image_size=32)

@@ -26,6 +26,7 @@ from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
+from .defaults import dropped_note
 from .errors import ConfigError
 from .gradcheck import check_run_precision
 from .hardware import channels_last_default
@@ -122,11 +123,13 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if mean is not None:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
             log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
-    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
+                         processes=accelerator.num_processes)
     if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
         cfg.stem = init_stem(cfg.init_from)
         log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
-    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model))  # image size, stem, mean/std, ...
+    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model), data.train_size,
+                           accelerator.num_processes)  # image size, stem, mean/std, pipeline, batch
     same_everywhere(accelerator, "the data (training / test samples, classes)",
                     (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):
@@ -139,6 +142,8 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if batches < cfg.grad_accum:
             raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
                               f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
+    if not decision.meta and (note := dropped_note(cfg, data.train_size, accelerator.num_processes)):
+        logger.warning(note)  # a given --batch_size that leaves much of the data out of every epoch
     return data, resolved
 
 

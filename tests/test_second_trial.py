@@ -6,14 +6,19 @@ Pure functions are tested in process; one-step runs go through run_cli (in this 
 
 import pytest
 import torch
+import yaml
 
 from accel_train.commands.evaluate import load_exported
 from accel_train.config import TrainConfig
+from accel_train.data import DataInfo
+from accel_train.defaults import dropped_note
 from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.outputs import lr_curve, lr_of_step
 from accel_train.setup import schedule
+from accel_train.resume import reconcile
 from conftest import run_cli
+from test_imagefolder import write_image_folder
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,3 +82,71 @@ def test_a_fixed_size_model_without_img_size_is_refused_in_one_line(monkeypatch)
     with pytest.raises(ConfigError, match=r"test_vit is built for 160 px and takes no img_size; train it with "
                                           r"--image_size 160, or pick a model without a fixed input size"):
         create_model("test_vit", "imagenet", image_size=32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 7: --stem auto says why it keeps timm's stem at a small size
+# ---------------------------------------------------------------------------------------------
+
+def info(size=32):
+    return DataInfo("imagefolder", ("a", "b", "c"), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), size)
+
+
+def test_auto_stem_says_why_a_model_keeps_timms_stem_at_32_px():
+    line = TrainConfig(model="efficientnet_b0").resolve(info(32), "device", cifar_fits=False)
+    assert "--stem imagenet (efficientnet_b0 has no ResNet conv1 + maxpool for the cifar stem to replace: timm's " \
+           "stem unchanged; --stem cifar fits resnet18-style models)" in line
+    assert "--stem cifar," in TrainConfig().resolve(info(32), "device")  # a ResNet: nothing to explain
+    assert "--stem imagenet," in TrainConfig().resolve(info(96), "device")  # above 64 px: the documented rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: the default batch follows the data's size; a given one that drops much is said
+# ---------------------------------------------------------------------------------------------
+
+def test_the_default_batch_fits_a_small_data_set():
+    cfg = TrainConfig(data="imagefolder")
+    assert cfg.batch_size is None  # automatic until the data is known
+    line = cfg.resolve(info(32), "device", train_size=240, num_processes=1)
+    assert cfg.batch_size == 16  # main: 128, one step an epoch and 112 of 240 images dropped
+    assert "--batch_size 16 (240 training samples: 15 steps an epoch, none dropped; 128 would give 1 step and " \
+           "drop 112)" in line
+    for samples, processes, grad_accum in ((240, 1, 1), (240, 2, 1), (1000, 1, 2), (50, 4, 1), (1300, 1, 1), (7, 1, 1)):
+        cfg = TrainConfig(grad_accum=grad_accum)
+        cfg.resolve(info(32), "device", train_size=samples, num_processes=processes)
+        step = cfg.batch_size * processes * grad_accum
+        assert samples % step <= 0.1 * samples and (samples // step >= 10 or cfg.batch_size == 1), (samples, step)
+    big = TrainConfig()
+    assert "--batch_size 128" in big.resolve(info(32), "device", train_size=50000, num_processes=2)
+    assert big.batch_size == 128  # a large data set keeps the recipe's batch
+    given = TrainConfig(batch_size=128)
+    assert "batch_size" not in given.resolve(info(32), "device", train_size=240) and given.batch_size == 128
+
+
+def test_a_given_batch_that_drops_much_of_the_data_is_said_in_one_line():
+    note = dropped_note(TrainConfig(batch_size=128), 240, 1)
+    assert note == "--batch_size 128 leaves 112 of the 240 training samples (47%) out of every epoch (an epoch is " \
+                   "whole global batches of 128); --batch_size 16 (the default for this data) drops none"
+    assert dropped_note(TrainConfig(batch_size=16), 240, 1) is None
+    assert dropped_note(TrainConfig(batch_size=64), 1000, 1) is None  # 40 of 1000: under 10%
+
+
+def test_a_small_image_folder_trains_at_the_default_batch_it_resolves(tmp_path):
+    root = write_image_folder(tmp_path / "d", train=30, val=4)  # 90 training images
+    proc = run_cli(["--data", "imagefolder", "--data_dir", root, "--model", "test_resnet", "--epochs", "1",
+                    "--max_steps", "1", "--mixed_precision", "no", "--output_dir", tmp_path / "out"])
+    assert proc.returncode == 0, proc.stderr[-3000:]  # main: 90 samples cannot fill one batch of 128
+    assert "--batch_size 8 (90 training samples: 11 steps an epoch, 2 dropped; 128 would not fill one batch)" in proc.stderr
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["batch_size"] == 8
+    given = run_cli(["--data", "imagefolder", "--data_dir", root, "--model", "test_resnet", "--epochs", "1",
+                     "--max_steps", "1", "--mixed_precision", "no", "--batch_size", "64", "--output_dir", tmp_path / "o2"])
+    assert given.returncode == 0, given.stderr[-3000:]  # kept, and said (main: nothing said)
+    assert "--batch_size 64 leaves 26 of the 90 training samples (29%) out of every epoch" in given.stderr
+
+
+def test_a_resume_keeps_the_checkpoints_global_batch():
+    old = dict(global_batch=16, batch_size=16, num_processes=1, num_machines=1, grad_accum=1, epochs=2, seed=42)
+    for processes, per in ((1, 16), (2, 8)):
+        cfg = TrainConfig()  # the default batch: not re-derived from the data, the checkpoint's global batch kept
+        reconcile({"step": 4, "run": old}, cfg, processes, print)
+        assert cfg.batch_size == per

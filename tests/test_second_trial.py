@@ -4,6 +4,8 @@ each step used), and predict's machine-readable formats.
 
 Pure functions are tested in process; one-step runs go through run_cli (in this process)."""
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -150,3 +152,50 @@ def test_a_resume_keeps_the_checkpoints_global_batch():
         cfg = TrainConfig()  # the default batch: not re-derived from the data, the checkpoint's global batch kept
         reconcile({"step": 4, "run": old}, cfg, processes, print)
         assert cfg.batch_size == per
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 10: predict --format json|csv, unambiguous for any file name
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def exported(tmp_path):
+    from accel_train.outputs import export_model
+    out = tmp_path / "out"
+    out.mkdir()
+    export_model(create_model("test_resnet", "imagenet", num_classes=3), out,
+                 {"architecture": "test_resnet", "stem": "imagenet", **info(16).model_config(), "model_kwargs": {}})
+    images = write_image_folder(tmp_path / "d", train=1, val=1) / "val"
+    odd = images / "apple" / 'a, "b".png'  # a comma, a space and quotes: ambiguous in the text format
+    next((images / "apple").glob("*.png")).rename(odd)
+    (images / "apple" / "broken.png").write_bytes(b"not a png")
+    return out, images, odd
+
+
+def test_predict_json_is_one_object_per_image(exported, capsys):
+    from accel_train.commands.predict import main_predict
+    out, images, odd = exported
+    code = main_predict(["--checkpoint", str(out), "--top", "2", "--format", "json", str(images)])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 2 and len(records) == 4  # every file, the unreadable one too (exit 2 as in text)
+    by_file = {r["file"]: r for r in records}
+    assert "not a readable image" in by_file[str(images / "apple" / "broken.png")]["error"]
+    top = by_file[str(odd)]["top"]
+    assert [set(t) for t in top] == [{"class", "probability"}] * 2 and top[0]["class"] in ("a", "b", "c")
+    assert top[0]["probability"] >= top[1]["probability"] and sum(t["probability"] for t in top) <= 1 + 1e-6
+
+
+def test_predict_csv_quotes_what_needs_it(exported, capsys):
+    import csv
+    import io
+    from accel_train.commands.predict import main_predict
+    out, images, odd = exported
+    code = main_predict(["--checkpoint", str(out), "--format", "csv", str(images)])
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert code == 2 and len(rows) == 4
+    assert list(rows[0]) == ["file", "class_1", "probability_1", "class_2", "probability_2", "class_3",
+                             "probability_3", "error"]  # --top 5 of 3 classes: 3
+    row = next(r for r in rows if r["file"] == str(odd))  # the name survives its comma and quotes
+    assert row["error"] == "" and {row[f"class_{n}"] for n in (1, 2, 3)} == {"a", "b", "c"}
+    assert sum(float(row[f"probability_{n}"]) for n in (1, 2, 3)) == pytest.approx(1, abs=1e-5)
+    assert "not a readable image" in next(r for r in rows if r["file"].endswith("broken.png"))["error"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, resolve_batch
 from .errors import ConfigError
 
 
@@ -25,6 +26,7 @@ from .errors import ConfigError
 CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
 MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resnet input size)
 SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
+AUTO = (None, "auto")  # the values that stand for an automatic default
 
 
 def opt(default, help, group, **extra):
@@ -82,7 +84,8 @@ class TrainConfig:
     epochs: int = opt(30, "training epochs (the schedule's length)", "optimisation")
     max_steps: int | None = opt(None, "stop after N optimizer steps (smoke runs); the schedule stays the "
                                 "full run's", "optimisation")
-    batch_size: int = opt(128, "batch size per process", "optimisation")
+    batch_size: int | None = opt(None, f"batch size per process; default {BATCH_SIZE}, less for a small data set: the "
+                                 f"largest power of two that gives an epoch {MIN_STEPS} steps", "optimisation")
     lr: float | None = opt(None, "peak learning rate; default: --lr_base x global batch / 256", "optimisation")
     lr_base: float = opt(0.2, "learning rate per 256 images of global batch (0.1 at batch 128)",
                          "optimisation")
@@ -150,12 +153,11 @@ class TrainConfig:
 
     def validate(self) -> None:
         self._check_types_and_choices()
-        positive = ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "log_every", "timeout_s",
-                    "ddp_bucket_cap_mb")
+        positive = ("epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s", "ddp_bucket_cap_mb")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "train_samples", "test_samples"):
+        for name in ("batch_size", "max_steps", "train_samples", "test_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {value}")
@@ -234,20 +236,23 @@ class TrainConfig:
             return self.stem
         return "cifar" if image_size <= CIFAR_STEM_MAX and cifar_fits else "imagenet"
 
-    def resolve(self, info, pipeline: str, cifar_fits: bool = True) -> str:
+    def resolve(self, info, pipeline: str, cifar_fits: bool = True, train_size: int | None = None,
+                num_processes: int = 1) -> str:
         """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
-        DataInfo: image size, mean/std) and the machine (the pipeline chosen) gave, so the log, config.yaml,
-        model_config.json and the checkpoints all say the values the run used. Returns the log line."""
-        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline")
-                if getattr(self, name) in (None, "auto")]
+        DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen) gave, so the log,
+        config.yaml, model_config.json and the checkpoints all say the values the run used. Returns the log line."""
+        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline") if getattr(self, name) in AUTO]
+        why = {"stem": auto_stem_said(self.model)} if self.stem == "auto" and not cifar_fits \
+            and info.image_size <= CIFAR_STEM_MAX else {}
         self.image_size = info.image_size
         self.stem = self.stem_for(info.image_size, cifar_fits)
         self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
         self.pipeline = pipeline
         if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
             self.num_workers = 0
-        said = ", ".join(f"--{name} {getattr(self, name)}" for name in auto)
-        return "resolved defaults: " + (said or "none (all given)")
+        said = [why.get(name, f"--{name} {getattr(self, name)}") for name in auto]
+        said.append(resolve_batch(self, train_size, num_processes))  # (None: given, or no data size to follow)
+        return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) from --mean/--std, each three floats or None."""

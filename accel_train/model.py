@@ -30,17 +30,34 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
     return model
 
 
-def create_model(name: str, stem: str = "cifar", num_classes: int = 10, **kwargs) -> nn.Module:
-    """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's."""
+def create_model(name: str, stem: str = "cifar", num_classes: int = 10, image_size: int | None = None,
+                 **kwargs) -> nn.Module:
+    """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's. `image_size`: the run's; a model built
+    for one size (a ViT's patch grid and position embeddings) is built for this one through timm's `img_size`."""
     if not timm.is_model(name):
         near = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
         raise ConfigError(f"unknown timm model {name!r}; " + (f"did you mean {', '.join(near)}? " if near else "")
                           + "timm.list_models() lists them all, e.g. resnet18")
+    fixed = fixed_input_size(name)
+    resized = bool(image_size and fixed and fixed != image_size and "img_size" not in kwargs)
+    size = {"img_size": image_size} if resized else {}
     try:
-        model = timm.create_model(name, num_classes=num_classes, **kwargs)
+        model = timm.create_model(name, num_classes=num_classes, **kwargs, **size)
     except (TypeError, ValueError, KeyError, AssertionError) as e:
+        if resized:
+            why = "takes no img_size" if isinstance(e, TypeError) and "img_size" in str(e) else \
+                f"timm could not build it for {image_size} px ({e})"
+            raise ConfigError(f"{name} is built for {fixed} px and {why}; train it with --image_size {fixed}, or pick "
+                              "a model without a fixed input size (e.g. resnet18)") from None
         raise ConfigError(f"timm could not build {name!r} with {kwargs} ({e}); check --model_kwargs") from None
     return apply_cifar_stem(model) if stem == "cifar" else model
+
+
+def fixed_input_size(name: str) -> int | None:
+    """The size a timm model is built for when it takes no other without being told (timm's pretrained_cfg
+    `fixed_input_size`: ViTs, Swin, ... whose patch grid is fixed at creation), else None."""
+    cfg = timm.models.get_pretrained_cfg(name) if timm.is_model(name) else None
+    return cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size and cfg.input_size else None
 
 
 def _names(keys: list[str], limit: int = 4) -> str:

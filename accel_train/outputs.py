@@ -128,10 +128,13 @@ def lr_of_step(scheduler, step: int) -> float:
     return scheduler._get_lr(step - 1)[0]
 
 
-def lr_curve(scheduler, total_steps: int, points: int = 2000) -> list[dict]:
-    """The lr each step trained with (lr_of_step). At most `points` points."""
-    stride = max(1, total_steps // points)
-    return [{"step": k, "lr": lr_of_step(scheduler, k)} for k in range(1, total_steps + 1, stride)]
+def lr_curve(scheduler, total_steps: int, logged: list[dict] = (), since: int = 0, points: int = 2000) -> list[dict]:
+    """The lr each step trained with: up to `since` (the step a resume started from, when the schedule may have been
+    another: an extension, a new --lr) the lr steps.jsonl's rows logged; after it every step's from the schedule,
+    which has not changed since (lr_of_step). At most `points` points of the schedule."""
+    stride = max(1, (total_steps - since) // points)
+    return [{"step": r["step"], "lr": r["lr"]} for r in logged if r["step"] <= since] + \
+        [{"step": k, "lr": lr_of_step(scheduler, k)} for k in range(since + 1, total_steps + 1, stride)]
 
 
 def compile_summary() -> str:
@@ -175,7 +178,8 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
         cfg.save_yaml(out / CONFIG_FILE)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(
             metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
-            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"]))
+            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"], metrics.steps(),
+                              run.decision.meta["step"] if run.decision.resume_from else 0))
     written = main_process_writes(accelerator, write, out)
     if accelerator.is_main_process:
         path, curves = written
@@ -202,8 +206,8 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
 
     Per-step points (steps.jsonl) are drawn where there are any: the loss faintly. The lr is drawn from
-    `lr_steps` (every step's lr, from the schedule: warmup and cosine decay even on a short run), else from
-    the logged points. Epoch ticks are whole numbers.
+    `lr_steps` (the lr each step trained with, lr_curve: warmup and cosine decay even on a short run, and the jump
+    where a resume changed the schedule), else from the logged points. Epoch ticks are whole numbers.
     """
     try:
         import matplotlib
@@ -226,7 +230,7 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     axes[1].set_title("accuracy (%)")
     if lr_steps and steps_per_epoch:
         axes[2].plot([s["step"] / steps_per_epoch for s in lr_steps], [s["lr"] for s in lr_steps], "-",
-                     label="lr (schedule, per step)")
+                     label="lr (per step)")
     elif at:
         axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
     else:

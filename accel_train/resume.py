@@ -29,6 +29,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from .changes import check_changes
 from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, step_dir
 from .config import TrainConfig
+from .defaults import BATCH_SIZE
 from .errors import ConfigError
 from .ranks import rank0s
 
@@ -224,12 +225,14 @@ def _unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process batch when the
-    number of processes changed. Changes cfg.batch_size in place."""
+    number of processes changed or --batch_size is left to its default (the checkpoint's global batch is kept, never
+    re-derived from the data). Changes cfg.batch_size in place."""
     old = meta.get("run")
     if not old:  # a checkpoint of an older accel_train: only its process count was recorded
         if meta.get("num_processes", num_processes) != num_processes:
             raise ConfigError(f"the checkpoint was written by an older accel_train on {meta['num_processes']} "
                               f"processes and records no global batch; resume it on {meta['num_processes']} processes")
+        cfg.batch_size = cfg.batch_size or BATCH_SIZE  # (its default then)
         return
     if cfg.grad_accum != old["grad_accum"]:
         raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
@@ -237,15 +240,15 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     keep_run_math(old, cfg)
     check_changes(old.get("settings") or {}, cfg)
     glob = old["global_batch"]
-    if num_processes != old["num_processes"]:
+    if num_processes != old["num_processes"] or cfg.batch_size is None:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)
         if rest or per < 1:
             works = [n for n in range(1, glob // cfg.grad_accum + 1) if (glob // cfg.grad_accum) % n == 0][:12]
             raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over {num_processes} processes x "
                               f"--grad_accum {cfg.grad_accum}; resume on one of {works} processes")
-        if per != cfg.batch_size:
+        if num_processes != old["num_processes"] and per != cfg.batch_size:
             log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process batch "
-                f"{cfg.batch_size} -> {per} keeps the checkpoint's global batch {glob}")
+                f"{cfg.batch_size or old['batch_size']} -> {per} keeps the checkpoint's global batch {glob}")
         cfg.batch_size = per
     elif cfg.batch_size * num_processes * cfg.grad_accum != glob:
         raise ConfigError(f"--batch_size {cfg.batch_size} x {num_processes} processes x --grad_accum {cfg.grad_accum} "

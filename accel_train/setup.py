@@ -26,12 +26,13 @@ from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
 from .data import Data, build_data, device_budget
+from .defaults import dropped_note
 from .errors import ConfigError, counted
 from .gradcheck import check_run_precision
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
-from .model import (bare_model, cifar_stem_fits, create_model, init_normalisation, init_stem, load_init_weights,
-                    wrappers)
+from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_normalisation, init_stem,
+                    load_init_weights, wrappers)
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
 
@@ -123,11 +124,13 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if mean is not None:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
             log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
-    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget)
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
+                         processes=accelerator.num_processes)
     if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
         cfg.stem = init_stem(cfg.init_from)
         log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
-    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model))  # image size, stem, mean/std, ...
+    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model), data.train_size,
+                           accelerator.num_processes)  # image size, stem, mean/std, pipeline, batch
     same_everywhere(accelerator, "the data (training / test samples, classes)",
                     (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):
@@ -140,13 +143,18 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if batches < cfg.grad_accum:
             raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
                               f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
+    if not decision.meta and (note := dropped_note(cfg, data.train_size, accelerator.num_processes)):
+        logger.warning(note)  # a given --batch_size that leaves much of the data out of every epoch
     return data, resolved
 
 
 def build_model(cfg: TrainConfig, accelerator, data: Data):
     """The timm model (--init_from's weights loaded, in the run's memory format) and its SGD optimizer."""
     with said_once(accelerator):
-        model = create_model(cfg.model, cfg.stem, num_classes=data.info.num_classes, **cfg.model_kwargs_dict())
+        model = create_model(cfg.model, cfg.stem, data.info.num_classes, cfg.image_size, **cfg.model_kwargs_dict())
+    if fixed_input_size(cfg.model) not in (None, cfg.image_size) and "img_size" not in cfg.model_kwargs_dict():
+        logger.info(f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: img_size={cfg.image_size} passed to "
+                    "timm.create_model")
     loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -158,10 +166,11 @@ def build_model(cfg: TrainConfig, accelerator, data: Data):
 def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: int):
     """The lr is a function of the global optimizer step and the current flags, set with step_update(step):
     no scheduler object is stepped per process, so num_processes never changes the schedule."""
-    peak = cfg.peak_lr(num_processes)
-    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-                                       min_lr=cfg.min_lr, warmup_lr=peak / 100, step_on_epochs=False,
-                                       updates_per_epoch=steps_per_epoch)
+    peak = cfg.peak_lr(num_processes)  # warmup_prefix: the cosine starts at the peak where the warmup ends
+    cosine = cfg.epochs - cfg.warmup_epochs if cfg.epochs > cfg.warmup_epochs else cfg.epochs  # (all warmup: unused)
+    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cosine, warmup_epochs=cfg.warmup_epochs,
+                                       warmup_prefix=True, min_lr=cfg.min_lr, warmup_lr=peak / 100,
+                                       step_on_epochs=False, updates_per_epoch=steps_per_epoch)
     return scheduler
 
 

@@ -20,10 +20,11 @@ ARGS = ["--train_samples", "128", "--test_samples", "16", "--batch_size", "16", 
 
 
 def schedule_lr(step):
-    """The lr optimizer step `step` runs with: timm's cosine schedule, 8 steps per epoch, 4 warmup steps."""
+    """The lr optimizer step `step` runs with: timm's cosine schedule, 8 steps per epoch, 4 warmup steps, then the
+    cosine from the peak (warmup_prefix) over the other 12."""
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=100)
-    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=0.5, min_lr=0.0, warmup_lr=1,
-                                   step_on_epochs=False, updates_per_epoch=8)
+    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=1.5, warmup_epochs=0.5, warmup_prefix=True, min_lr=0.0,
+                                   warmup_lr=1, step_on_epochs=False, updates_per_epoch=8)
     sched.step_update(step - 1)
     return opt.param_groups[0]["lr"]
 

@@ -166,12 +166,13 @@ def test_lr_panel_is_drawn_from_the_schedule_with_whole_epoch_ticks(tmp_path, mo
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    scheduler, _ = create_scheduler_v2(opt, "cosine", num_epochs=3, warmup_epochs=1, warmup_lr=0.001,
-                                       step_on_epochs=False, updates_per_epoch=4)
+    scheduler, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=1, warmup_prefix=True,
+                                       warmup_lr=0.001, step_on_epochs=False, updates_per_epoch=4)
     curve = lr_curve(scheduler, 12)
     lrs = [p["lr"] for p in curve]
     assert [p["step"] for p in curve] == list(range(1, 13)) and lrs[0] == pytest.approx(0.001)
-    assert lrs[:4] == sorted(lrs[:4]) and lrs[3:] == sorted(lrs[3:], reverse=True)  # the warmup, then the decay
+    assert lrs[:5] == sorted(lrs[:5]) and lrs[4:] == sorted(lrs[4:], reverse=True)  # the warmup, then the decay
+    assert lrs[4] == pytest.approx(0.1)  # from the peak (warmup_prefix, as the trainer's schedule)
     assert lrs == [scheduler._get_lr(k)[0] for k in range(12)]  # the lr step k + 1 trained with
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

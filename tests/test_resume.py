@@ -151,16 +151,17 @@ def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path, one_epoch):
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "2", "--resume", "auto"))
     assert "--epochs 1 -> 2: the lr schedule is rebuilt for 2 epochs" in proc.stderr
     lrs = [json.loads(r)["lr"] for r in (out / "steps.jsonl").read_text().splitlines()]
-    # steps 9..16 follow the 2-epoch schedule (warmup 1 epoch, cosine to 0 at step 16), not the old one's min_lr
+    # steps 9..16 follow the 2-epoch schedule (warmup 1 epoch, then the cosine from the peak to 0 at step 16), not
+    # the old one's min_lr
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.025)
-    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=1, min_lr=0, warmup_lr=0.025 / 100,
-                                   step_on_epochs=False, updates_per_epoch=8)
+    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=1, warmup_epochs=1, warmup_prefix=True, min_lr=0,
+                                   warmup_lr=0.025 / 100, step_on_epochs=False, updates_per_epoch=8)
     expected = []
     for step in range(8, 16):  # the lr the optimizer steps with at step s+1 was set by step_update(s)
         sched.step_update(step)
         expected.append(opt.param_groups[0]["lr"])
     assert len(lrs) == 16 and lrs[8:] == pytest.approx(expected, rel=1e-9), (lrs[8:], expected)
-    assert lrs[8] > 0.01  # the old 1-epoch schedule had ended at min_lr 0
+    assert lrs[8] == pytest.approx(0.025)  # the peak (the old 1-epoch schedule had ended at min_lr 0)
 
 
 def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):

@@ -87,7 +87,7 @@ def test_a_resume_applies_and_logs_each_optimisation_setting(stopped, tmp_path):
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.01]  # (norm and bias parameters: no decay)
     # the step trained with the lr of the new schedule (--lr, --min_lr, --warmup_epochs)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
-    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=2, warmup_epochs=0.5, min_lr=0.001,
+    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=1.5, warmup_epochs=0.5, warmup_prefix=True, min_lr=0.001,
                                    warmup_lr=0.05 / 100, step_on_epochs=False, updates_per_epoch=8)
     sched.step_update(3)
     step4 = [json.loads(r) for r in (out / "steps.jsonl").read_text().splitlines()][-1]

@@ -35,8 +35,8 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
         raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
                           "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
     meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
-    model = create_model(meta["architecture"], meta["stem"], num_classes=meta["num_classes"],
-                         **meta.get("model_kwargs", {}))
+    model = create_model(meta["architecture"], meta["stem"], meta["num_classes"], int(meta["input_size"][-1]),
+                         **meta.get("model_kwargs", {}))  # (a model of a fixed input size: built for the run's)
     try:
         model.load_state_dict(plain_state_dict(load_file(weights)))  # (a checkpoint's: written from the prepared model)
     except Exception as e:

@@ -3,11 +3,14 @@ or one of its checkpoints.
 
     accel-train predict --checkpoint output_dir cat.png ship.jpg
     accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
+    accel-train predict --checkpoint output_dir --format json my_photos/   # one JSON object per image (or csv)
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import sys
 from pathlib import Path
 
@@ -44,8 +47,8 @@ def image_paths(args: list[str]) -> list[Path]:
 
 
 def predict_lines(model, meta: dict, paths: list[Path], top: int, batch: int = 64):
-    """Yields (path, 'class p%, ...' or None, error or None) per image, in order: a file that cannot be read is
-    named, and the others are still predicted."""
+    """Yields (path, [(class, probability), ...] or None, error or None) per image, in order: a file that cannot be
+    read is named, and the others are still predicted."""
     classes = meta["classes"]
     for start in range(0, len(paths), batch):
         chunk, good, errors = paths[start:start + batch], [], {}
@@ -63,7 +66,35 @@ def predict_lines(model, meta: dict, paths: list[Path], top: int, batch: int = 6
                 yield path, None, errors[path]
                 continue
             values, indices = next(probs).topk(min(top, len(classes)))
-            yield path, ", ".join(f"{classes[i]} {v:.1%}" for v, i in zip(values.tolist(), indices.tolist())), None
+            yield path, [(classes[i], v) for v, i in zip(values.tolist(), indices.tolist())], None
+
+
+class Printer:
+    """--format: 'text' (`file: class p%, ...`; an unreadable file named on stderr), 'json' (one object per line:
+    file and top classes with probabilities, or file and error) or 'csv' (a header, then a row per file: its top
+    classes and probabilities, or its error; fields quoted by the csv module where they hold a comma or a quote)."""
+
+    def __init__(self, form: str, top: int):
+        self.form, self.top = form, top
+        self.csv = csv.writer(sys.stdout, lineterminator="\n") if form == "csv" else None
+        if self.csv:
+            self.csv.writerow(["file", *(f"{k}_{n}" for n in range(1, top + 1) for k in ("class", "probability")),
+                               "error"])
+
+    def __call__(self, path: Path, top: list | None, error: str | None) -> None:
+        if self.form == "text":
+            if error:
+                print(error, file=sys.stderr, flush=True)
+            else:
+                print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in top), flush=True)
+        elif self.form == "json":
+            record = {"error": error} if error else {"top": [{"class": name, "probability": round(p, 6)}
+                                                             for name, p in top]}
+            print(json.dumps({"file": str(path), **record}), flush=True)
+        else:
+            cells = [c for name, p in (top or []) for c in (name, f"{p:.6f}")]
+            self.csv.writerow([str(path), *cells, *[""] * (2 * self.top - len(cells)), error or ""])
+            sys.stdout.flush()
 
 
 def main_predict(argv: list[str]) -> int:
@@ -74,6 +105,10 @@ def main_predict(argv: list[str]) -> int:
                    "(<output_dir>/checkpoints/step_N)")
     p.add_argument("--ema", action="store_true", help="use model_ema.safetensors")
     p.add_argument("--top", type=int, default=5)
+    p.add_argument("--format", default="text", choices=("text", "json", "csv"),
+                   help="text: 'file: class p%%, ...' per image; json: one object per line ({\"file\", \"top\": "
+                        "[{\"class\", \"probability\"}, ...]} or {\"file\", \"error\"}); csv: a header, then a row "
+                        "per image (file, class_1, probability_1, ..., error), quoted where a field needs it")
     p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
                    "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
     args = p.parse_args(argv)
@@ -81,13 +116,10 @@ def main_predict(argv: list[str]) -> int:
     paths = image_paths(args.images)
     if not paths:
         raise ConfigError(f"no image files in {' '.join(args.images)}")
-    bad = []
-    for path, line, error in predict_lines(model, meta, paths, args.top):
-        if error:
-            bad.append(path)
-            print(error, file=sys.stderr, flush=True)
-        else:
-            print(f"{path}: {line}", flush=True)
+    bad, say = [], Printer(args.format, min(args.top, len(meta["classes"])))
+    for path, top, error in predict_lines(model, meta, paths, args.top):
+        bad += [path] if error else []
+        say(path, top, error)
     if bad:
         print(f"{len(bad)} of {len(paths)} images could not be read: {', '.join(map(str, bad[:10]))}"
               + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""), file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import TrainConfig
+from ..defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
 from .augment import Normalize, cpu_transforms, crop_flip, crop_flip_params
 from .images import decode_image
@@ -119,9 +120,10 @@ class Data:
 
 
 def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = None, eval_only: bool = False,
-               budget: int | None = None) -> Data:
+               budget: int | None = None, processes: int = 1) -> Data:
     """The loaders. `splits` ({'train'|'test': (uint8 images, labels)}) replaces reading from disk (tests);
-    `budget`: bytes the device pipeline may use (rank 0's measure under several ranks, see device_budget)."""
+    `budget`: bytes the device pipeline may use (rank 0's measure under several ranks, see device_budget);
+    `processes`: the ranks the training set is sharded over (an automatic --batch_size follows the data's size)."""
     if splits is None:
         info, splits, pipeline, notes = load_data(cfg, device, info, eval_only, budget)
     else:
@@ -159,7 +161,8 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
 
     # On an accelerator, batches are pinned so that Accelerate's copy to the device (non_blocking=True, see
     # accelerator.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
-    common = dict(batch_size=cfg.batch_size, num_workers=workers, collate_fn=collate,
+    batch = cfg.batch_size or (BATCH_SIZE if train is None else auto_batch(len(train), processes * cfg.grad_accum))
+    common = dict(batch_size=batch, num_workers=workers, collate_fn=collate,
                   worker_init_fn=_leave_signals_to_the_trainer if workers else None, pin_memory=torch.device(device).type != "cpu")
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common) \

@@ -1,0 +1,68 @@
+"""The rules behind automatic defaults (TrainConfig keeps the values; its resolve() applies these): the per-process
+batch a small data set can fill without leaving much of it out of every epoch, the one line said when a given
+--batch_size does, and why --stem auto keeps timm's stem at a small size.
+
+An epoch is whole global batches (batch_size x processes x grad_accum): the loaders drop the incomplete last batch
+(drop_last) and the micro-batches of an incomplete accumulation window, so `samples % global batch` samples (all of
+them, when they cannot fill one) are left out of every epoch.
+"""
+
+from __future__ import annotations
+
+BATCH_SIZE = 128  # the recipe's per-process batch, kept wherever the data has MIN_STEPS global batches of it
+MIN_STEPS = 10    # the default batch gives an epoch at least this many steps: under 1/MIN_STEPS of the samples dropped
+MAX_DROP = 0.1    # a given --batch_size that leaves more than this share out of every epoch is said
+
+
+def dropped(samples: int, global_batch: int) -> int:
+    """Training samples left out of every epoch."""
+    return samples % global_batch if samples >= global_batch else samples
+
+
+def auto_batch(samples: int, replicas: int = 1) -> int:
+    """The default per-process batch: the largest power of two up to BATCH_SIZE whose epoch has MIN_STEPS steps
+    (`replicas`: processes x grad_accum), so at most a tenth of the samples is dropped; 1 below that."""
+    batch = BATCH_SIZE
+    while batch > 1 and samples // (batch * replicas) < MIN_STEPS:
+        batch //= 2
+    return batch
+
+
+def auto_batch_said(samples: int, batch: int, replicas: int) -> str:
+    """The resolved-defaults entry for an automatic batch: what it gives, and what the recipe's would have."""
+    if batch == BATCH_SIZE:
+        return f"--batch_size {batch}"
+    steps, full = samples // (batch * replicas), samples // (BATCH_SIZE * replicas)
+    lost = dropped(samples, BATCH_SIZE * replicas)
+    instead = f"{BATCH_SIZE} would give {full} step{'s' * (full != 1)} and drop {lost}" if full else \
+        f"{BATCH_SIZE} would not fill one batch"
+    return (f"--batch_size {batch} ({samples} training samples: {steps} steps an epoch, "
+            f"{dropped(samples, batch * replicas) or 'none'} dropped; {instead})")
+
+
+def resolve_batch(cfg, train_size: int | None, num_processes: int) -> str | None:
+    """An automatic --batch_size (None) becomes auto_batch's for the training set's size; returns what the
+    resolved-defaults line says of it (None when given, or before the data's size is known). data/pipeline.py
+    built the loaders with the same auto_batch."""
+    if cfg.batch_size is not None or train_size is None:
+        return None
+    cfg.batch_size = auto_batch(train_size, num_processes * cfg.grad_accum)
+    return auto_batch_said(train_size, cfg.batch_size, num_processes * cfg.grad_accum)
+
+
+def dropped_note(cfg, samples: int, num_processes: int) -> str | None:
+    """One line when a given --batch_size leaves more than MAX_DROP of the training samples out of every epoch."""
+    replicas = num_processes * cfg.grad_accum
+    lost = dropped(samples, cfg.batch_size * replicas)
+    if lost <= MAX_DROP * samples:
+        return None
+    better = auto_batch(samples, replicas)
+    return (f"--batch_size {cfg.batch_size} leaves {lost} of the {samples} training samples ({lost / samples:.0%}) out "
+            f"of every epoch (an epoch is whole global batches of {cfg.batch_size * replicas}); --batch_size {better} "
+            f"(the default for this data) drops {dropped(samples, better * replicas) or 'none'}")
+
+
+def auto_stem_said(model: str) -> str:
+    """The resolved-defaults entry for --stem auto at a small size on a model the cifar stem does not fit."""
+    return (f"--stem imagenet ({model} has no ResNet conv1 + maxpool for the cifar stem to replace: timm's stem "
+            "unchanged; --stem cifar fits resnet18-style models)")

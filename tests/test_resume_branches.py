@@ -31,9 +31,9 @@ def rows(path):
 @pytest.fixture(scope="module")
 def stopped_mid_epoch(tmp_path_factory):
     """The same run uninterrupted ("full") and stopped by --max_steps 12 (4 steps into epoch 2), then resumed
-    ("part"); --lr 1.0 --seed 16: the partial epoch 2 evaluates better than epoch 1, the whole epoch 2 does not."""
+    ("part"); --lr 1.0 --seed 11: the partial epoch 2 evaluates better than epoch 1, the whole epoch 2 does not."""
     root = tmp_path_factory.mktemp("stopped")
-    args = ["--lr", "1.0", "--seed", "16", "--log_every", "5"]
+    args = ["--lr", "1.0", "--seed", "11", "--log_every", "5"]  # (found by trying seeds, fp32 facts)
     full = ok(run_cli(small(root / "full", *args)))
     ok(run_cli(small(root / "part", *args, "--max_steps", "12")))
     stopped = rows(root / "part" / "metrics.jsonl"), rows(root / "part" / "steps.jsonl")

@@ -8,7 +8,8 @@ every rank all the reports, and each rank computes the same answers from them:
 - who writes checkpoints: one process per storage (the main process for a shared --output_dir, each
   machine's local main process when every machine has its own disk);
 - which checkpoint the job resumes from (`--resume auto`: the newest complete one that any machine
-  holds, of the one run found there), and that it belongs to the run in --output_dir;
+  holds, of the one run found there; with --overwrite, under launch.sh's relaunch, only of the run that
+  --overwrite started), and that it belongs to the run in --output_dir;
 - a machine whose disk lacks it receives its files from a machine that has it (transfer.py);
 - whether the checkpoint's run math (global batch, model, seed, data) allows this resume, and the
   per-process batch on a different number of processes (elastic resume).
@@ -17,6 +18,7 @@ every rank all the reports, and each rank computes the same answers from them:
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +30,13 @@ from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, step_dir
 from .config import TrainConfig
 from .errors import ConfigError
 from .ranks import rank0s
-from .runs import AUTOMATIC, RUN_MATH, refuse_fresh_run, unfinished_alike
+from .runs import AUTOMATIC, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
 
 PROBE = ".accel_train-probe-"
+# the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches, so that a relaunch
+# of an --overwrite run (--overwrite with --resume auto) resumes that run's checkpoints only, never the replaced run's
+RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
                "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}
@@ -75,7 +80,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
             "listing": listing, "explicit": explicit, "probes": probes, "out": str(out),
-            "alike": alike and (alike["step"], alike.get("epoch", 0))}
+            "alike": alike and (alike["step"], alike.get("epoch", 0)), "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -109,6 +114,14 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     runs = {run for r in reports for _, run in r["listing"]}
     if not cfg.resume:
         return None, runs
+    if cfg.resume == "auto" and cfg.overwrite:  # launch.sh's relaunch of an --overwrite run: that run's only
+        ours = {r["launch"] for r in reports} - {None}
+        if not ours:
+            raise ConfigError("--overwrite true starts a new run (setting the checkpoints in --output_dir aside), "
+                              "--resume auto continues one: pass one of them (launch.sh --max_restarts relaunches an "
+                              "--overwrite run with both and resumes only that run's own checkpoints)")
+        found = [entry for r in reports for entry in r["listing"] if entry[1] in ours]
+        return (max(found) if found else None), runs
     if cfg.resume == "auto":
         if len(runs) > 1:
             raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
@@ -145,11 +158,15 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     if target is None:
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)
-        run_id = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
-        return Decision(writer, shared, machines, None, None, run_id, checkpoint_dirs(out) if runs and writer else [])
+        run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
+        return Decision(writer, shared, machines, None, None, run_id, others(out, run_id) if runs and writer else [])
 
     step, run_id = target
-    if runs - {run_id}:
+    replacing = cfg.overwrite and cfg.resume == "auto"  # (launch.sh's relaunch: the other runs are set aside)
+    if replacing:
+        log(f"--overwrite with --resume auto (launch.sh's relaunch): resuming the new run {run_id}; the checkpoints "
+            "of other runs are set aside")
+    elif runs - {run_id}:
         raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but {out}/{CKPT_DIR} holds "
                           f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
@@ -172,7 +189,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
         send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
-    return Decision(writer, shared, machines, local, meta, run_id)
+    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [])
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:

@@ -18,6 +18,12 @@ RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean
 AUTOMATIC = (None, "auto")
 
 
+def others(out: Path, run_id: str) -> list[Path]:
+    """--overwrite: the checkpoints on this disk that are not of the run `run_id`."""
+    own = checkpoint_dirs(out, run_id)
+    return [p for p in checkpoint_dirs(out) if p not in own]
+
+
 def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
     """A fresh run where a machine's --output_dir holds checkpoints: one line, said about the first machine that
     holds them (by that machine's facts: its folder, its checkpoints' run)."""

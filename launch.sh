@@ -34,8 +34,9 @@
 #   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named config for
 #                         one machine also gives the processes (its num_processes, at most one per visible
 #                         GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
-#   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint
-#                         (or ACCEL_MAX_RESTARTS=N); only a lost peer or a killed rank is relaunched:
+#   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint of
+#                         the run it started (or ACCEL_MAX_RESTARTS=N; after --overwrite never the run
+#                         that --overwrite replaces); only a lost peer or a killed rank is relaunched:
 #                         bad input (2), an error (1) or divergence (5) never are
 #   --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this script
 #                         (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is passed to the
@@ -436,6 +437,9 @@ abort_backends() {  # one line per rank that ended by SIGABRT: its process group
 aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
 crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
+# One run id for every attempt (the trainer's ACCEL_TRAIN_RUN_ID: a fresh run takes it): a relaunch of an --overwrite
+# run (then --overwrite with --resume auto) resumes that run's own checkpoints only, never the run it replaces.
+run_id="$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
 attempt=0
 while true; do
   run_preflight
@@ -443,7 +447,7 @@ while true; do
   stopped_before_start || true
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
-  run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" "${cmd[@]}" || status=$?
+  run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" ACCEL_TRAIN_RUN_ID="$run_id" "${cmd[@]}" || status=$?
   reported="$(trainer_status "$status_dir")"
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
     echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2

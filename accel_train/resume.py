@@ -8,9 +8,9 @@ every rank all the reports, and each rank computes the same answers from them:
 - who writes checkpoints: one process per storage (the main process for a shared --output_dir, each
   machine's local main process when every machine has its own disk);
 - which checkpoint the job resumes from (`--resume auto`: the newest complete one that any machine
-  holds, of the one run found there), and that it belongs to the run in --output_dir;
-- a machine whose disk lacks it receives its files from a machine that has it (broadcast_object_list)
-  and writes a whole copy, so it can be lost again later;
+  holds, of the one run found there; with --overwrite, under launch.sh's relaunch, only of the run that
+  --overwrite started), and that it belongs to the run in --output_dir;
+- a machine whose disk lacks it receives its files from a machine that has it (transfer.py);
 - whether the checkpoint's run math (global batch, model, seed, data) allows this resume, and the
   per-process batch on a different number of processes (elastic resume).
 """
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 
 from .changes import check_changes
 from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, step_dir
@@ -32,16 +31,16 @@ from .config import TrainConfig
 from .defaults import BATCH_SIZE
 from .errors import ConfigError
 from .ranks import rank0s
+from .runs import AUTOMATIC, RUN_MATH, others, refuse_fresh_run, unfinished_alike
+from .transfer import send_checkpoint
 
 PROBE = ".accel_train-probe-"
+# the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches, so that a relaunch
+# of an --overwrite run (--overwrite with --resume auto) resumes that run's checkpoints only, never the replaced run's
+RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
                "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}
-# the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
-# size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
-# the checkpoint's.
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
-AUTOMATIC = (None, "auto")
 
 
 @dataclass
@@ -78,8 +77,11 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # the resume mode must agree (the path itself may be each machine's own), and so must init_from's presence
     flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
     flags["init_from"] = "a weights file" if cfg.init_from else None
+    # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
+    alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
-            "listing": listing, "explicit": explicit, "probes": probes}
+            "listing": listing, "explicit": explicit, "probes": probes, "out": str(out),
+            "alike": alike and (alike["step"], alike.get("epoch", 0)), "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -113,6 +115,14 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     runs = {run for r in reports for _, run in r["listing"]}
     if not cfg.resume:
         return None, runs
+    if cfg.resume == "auto" and cfg.overwrite:  # launch.sh's relaunch of an --overwrite run: that run's only
+        ours = {r["launch"] for r in reports} - {None}
+        if not ours:
+            raise ConfigError("--overwrite true starts a new run (setting the checkpoints in --output_dir aside), "
+                              "--resume auto continues one: pass one of them (launch.sh --max_restarts relaunches an "
+                              "--overwrite run with both and resumes only that run's own checkpoints)")
+        found = [entry for r in reports for entry in r["listing"] if entry[1] in ours]
+        return (max(found) if found else None), runs
     if cfg.resume == "auto":
         if len(runs) > 1:
             raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
@@ -124,21 +134,6 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
         raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no {STATE_FILE} / "
                           f"{MODEL_FILE}); pass a {CKPT_DIR}/step_N directory or --resume auto")
     return held[0], runs
-
-
-def _read_files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
-
-
-def _write_copy(files: dict[str, bytes], final: Path) -> None:
-    """A received checkpoint, written the way save_checkpoint writes one: .tmp-, then rename."""
-    tmp = final.parent / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, data in files.items():
-        (tmp / name).write_bytes(data)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
 
 
 def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
@@ -165,18 +160,16 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         if cfg.resume == "auto":
             log(nothing_to_resume(out))
         if runs and not cfg.overwrite:
-            meta = _unfinished_alike(cfg, out)
-            if meta is not None:  # most often the user's own interrupted run, started again with the same command
-                raise ConfigError(f"{out}/{CKPT_DIR} holds an unfinished run with these settings (newest checkpoint: "
-                                  f"step {meta['step']}, epoch {meta['epoch'] + 1}); continue it with --resume auto "
-                                  "(or start over: --overwrite true deletes its checkpoints, or another --output_dir)")
-            raise ConfigError(f"{out}/{CKPT_DIR} already holds checkpoints of another run; pass --resume auto to "
-                              "continue it, another --output_dir, or --overwrite true to delete them")
-        run_id = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
-        return Decision(writer, shared, machines, None, None, run_id, checkpoint_dirs(out) if runs and writer else [])
+            refuse_fresh_run(reports, shared)
+        run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
+        return Decision(writer, shared, machines, None, None, run_id, others(out, run_id) if runs and writer else [])
 
     step, run_id = target
-    if runs - {run_id}:
+    replacing = cfg.overwrite and cfg.resume == "auto"  # (launch.sh's relaunch: the other runs are set aside)
+    if replacing:
+        log(f"--overwrite with --resume auto (launch.sh's relaunch): resuming the new run {run_id}; the checkpoints "
+            "of other runs are set aside")
+    elif runs - {run_id}:
         raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but {out}/{CKPT_DIR} holds "
                           f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
@@ -197,30 +190,9 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     if missing:
         source = next(r for r in range(len(reports)) if at_path[r] or in_out[r])
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
-        here = Path(cfg.resume) if at_path[rank] else step_dir(out, step)
-        files = broadcast_object_list([_read_files(here) if rank == source else None], from_process=source)[0]
-        if rank in missing:
-            _write_copy(files, step_dir(out, step))
-        del files
-        accelerator.wait_for_everyone()
+        send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
-    return Decision(writer, shared, machines, local, meta, run_id)
-
-
-def _unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
-    """The newest checkpoint's trainer_state.json if its run has not exported its model yet and has the run math
-    of these flags (what a resume would accept; an automatic value takes the checkpoint's), else None."""
-    found = checkpoint_dirs(out)
-    if not found or (out / MODEL_FILE).is_file():
-        return None
-    try:
-        meta = json.loads((found[-1] / STATE_FILE).read_text())
-        old = meta.get("run") or {}
-        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
-        alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)  # (auto: whatever it was)
-        return meta if alike and "step" in meta else None
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
+    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [])
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:

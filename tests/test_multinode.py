@@ -6,12 +6,14 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, trainer_pids, wait_all, wait_for, write_cifar
+from conftest import ROOT, TINY, launch, trainer_pids, wait_all, wait_for, write_cifar
 
 pytestmark = pytest.mark.slow
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -164,3 +166,119 @@ def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
     assert len(errors) == 1 and "the machines disagree on the data" in errors[0], text[0][-2000:]
     # (--resume auto on one machine only, a replaced machine started without it: the same flag check,
     # test_resume.py's test_the_flags_every_machine_must_share_...)
+
+
+# ---------------------------------------------------------------------------------------------
+# An earlier run on the machines' own disks (issue 28 items 11, 13, 14): one two-host fixture, short jobs that stop
+# at start-up, and one --overwrite job relaunched by launch.sh. Run A: one process in this test process (a copy of
+# its checkpoint placed on each machine's disk as each job needs it).
+# ---------------------------------------------------------------------------------------------
+
+SMALL = [*TINY, "--train_samples", "64", "--test_samples", "8", "--plot", "false"]
+
+
+def rank0_trainer(tag: str) -> int | None:
+    """The pid of the trainer's rank 0 (a worker torchrun started: RANK=0 in its environment), not launch.sh's
+    own `python -m accel_train` checks."""
+    for pid in trainer_pids(tag).values():
+        try:
+            if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def errors_in(text: str) -> list[str]:
+    return [line[line.index("accel-train: error:"):] for line in text.splitlines() if "accel-train: error:" in line]
+
+
+def test_an_earlier_run_on_the_machines_own_disks(two_hosts, tmp_path):
+    run_a = tmp_path / "run_a"
+    launch("cpu.yaml", [*SMALL, "--batch_size", "16", "--epochs", "2", "--max_steps", "4", "--checkpoint_every", "4",
+                        "--output_dir", run_a])
+    ckpt_a = run_a / "checkpoints" / "step_00000004"
+    id_a = json.loads((ckpt_a / "trainer_state.json").read_text())["run_id"]
+
+    def place(out):  # a copy of run A's checkpoint on a machine's disk
+        shutil.copytree(ckpt_a, out / "checkpoints" / ckpt_a.name)
+
+    def job(name, outs, extra=(), restarts=0, tags=("", ""), wait=True):
+        port, procs, paths = random.randint(20000, 40000), [], []
+        for node in (0, 1):
+            env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0],
+                                MASTER_PORT=str(port), ACCEL_TEST_TAG=tags[node], ACCEL_RESTART_DELAY="1")
+            args = ["--max_restarts", restarts, *SMALL, "--batch_size", "8", "--timeout_s", "60", "--output_dir",
+                    outs[node], *extra]
+            paths.append(tmp_path / f"{name}-node{node}.log")
+            procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", *args], env, paths[-1]))
+        if not wait:
+            return procs, paths
+        codes = wait_all(procs, timeout=180)
+        return codes, [p.read_text() for p in paths]
+
+    def stopped_at_start(codes, text):
+        assert codes == [2, 2], "\n\n".join(t[-3000:] for t in text)
+        assert not re.search(r'File ".*accel_train/', text[0] + text[1]), text  # (torchrun's own summary only)
+        assert "relaunching" not in text[0] + text[1]
+        errors = errors_in(text[0]) + errors_in(text[1])
+        assert len(errors) == 1, errors  # said once, by rank 0
+        return errors[0]
+
+    # 14. only machine 1's disk holds run A (an unfinished run with these settings): the line names machine 1's
+    # folder and says what it holds, not rank 0's (empty) folder
+    outs = [tmp_path / "j14" / f"node{node}" for node in (0, 1)]
+    place(outs[1])
+    line = stopped_at_start(*job("j14", outs))
+    assert f"{outs[1]}/checkpoints holds an unfinished run with these settings" in line, line
+    assert "rank 1" in line and str(outs[0]) not in line and "--resume auto" in line, line
+
+    # 13. machine 1 cannot store the copy machine 0 sends (a full disk): one line, exit 2 on both, nothing partial
+    outs = [tmp_path / "j13" / "node0", tmp_path / "j13" / "small"]
+    place(outs[0])
+    outs[1].mkdir(parents=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(outs[1])], capture_output=True,
+                           text=True, timeout=30)
+    if mount.returncode != 0:
+        pytest.skip(f"mount refused here: {mount.stderr.strip()}")
+    try:
+        line = stopped_at_start(*job("j13", outs, ["--resume", "auto"]))
+        assert "cannot store" in line and "step_00000004" in line and "rank 1" in line, line
+        assert "No space left on device" in line and str(outs[1]) in line, line
+        assert not any(outs[1].rglob("*step_*")), list(outs[1].rglob("*"))
+    finally:
+        subprocess.run(["umount", "-l", str(outs[1])], capture_output=True, timeout=30)
+    # ... nor a sender that cannot read its files (an I/O error: /proc/self/mem at offset 0 reads EIO)
+    outs = [tmp_path / "j13r" / f"node{node}" for node in (0, 1)]
+    place(outs[0])
+    broken = outs[0] / "checkpoints" / ckpt_a.name / "optimizer.bin"
+    broken.unlink()
+    broken.symlink_to("/proc/self/mem")
+    line = stopped_at_start(*job("j13r", outs, ["--resume", "auto"]))
+    assert "cannot read" in line and "optimizer.bin" in line and "rank 0" in line, line
+    assert not (outs[1] / "checkpoints").exists() or not any((outs[1] / "checkpoints").iterdir())
+
+    # 11. launch.sh --max_restarts 1 ... --overwrite true, a trainer killed during start-up (before run A is set
+    # aside): the relaunch (launch.sh adds --resume auto) starts the new run afresh, never continuing run A
+    outs = [tmp_path / "j11" / f"node{node}" for node in (0, 1)]
+    for out in outs:
+        place(out)
+    tags = (uuid.uuid4().hex, uuid.uuid4().hex)
+    # (killed before its group exists: machine 1's trainer notices at --timeout_s)
+    procs, paths = job("j11", outs, ["--overwrite", "true", "--lr", "0.05", "--epochs", "3", "--timeout_s", "15"],
+                       restarts=1, tags=tags, wait=False)
+    try:
+        pid = wait_for(lambda: rank0_trainer(tags[0]), timeout=120, interval=0.02)
+        os.kill(pid, signal.SIGKILL)
+        assert (outs[0] / "checkpoints" / ckpt_a.name).is_dir()  # killed before run A was set aside
+    finally:
+        codes = wait_all(procs, timeout=300)
+    text = logs(paths)
+    assert codes == [0, 0], "\n\n".join(t[-4000:] for t in text)
+    assert "relaunching" in text[0] and "relaunching" in text[1]
+    assert "resumed from" not in text[0] + text[1], text[0][-3000:]
+    for out in outs:
+        states = [json.loads((p / "trainer_state.json").read_text()) for p in (out / "checkpoints").glob("step_*")]
+        assert states and all(s["run_id"] != id_a for s in states), states
+        assert not list((out / "checkpoints").glob(".overwritten-*"))
+    assert (outs[0] / "model.safetensors").is_file()

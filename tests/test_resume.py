@@ -15,7 +15,7 @@ from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.resume import check_data, reconcile
 
-from conftest import TINY, launch, reference_args, run_cli
+from conftest import TINY, clean_env, launch, reference_args, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -191,14 +191,20 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     one_line_error(run_cli([*small(out, "--batch_size", "32", "--overwrite"), "--model", "resnet1800"]), "resnet1800")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
     # ... a first step that fails (a model that builds but cannot run): the earlier run is set aside, not deleted,
-    # so that a relaunch (--resume auto) starts afresh as --overwrite asked
-    crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model_kwargs", '{"drop_rate": 2.0}'))
+    # so that a relaunch (launch.sh's: --resume auto added, the same run id) starts afresh as --overwrite asked
+    as_launched = clean_env(ACCEL_TRAIN_RUN_ID="0123456789ab")  # (what launch.sh gives every attempt)
+    crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model_kwargs", '{"drop_rate": 2.0}'),
+                    env=as_launched)
     assert crash.returncode == 1 and "dropout probability" in crash.stderr, crash.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".overwritten-step_00000008"]
+    # (by hand, the two flags contradict each other: refused in one line)
+    one_line_error(run_cli(small(out, "--batch_size", "32", "--overwrite", "--resume", "auto")), "pass one of them")
     relaunch = run_cli(small(out, "--batch_size", "32", "--epochs", "1", "--overwrite", "--resume", "auto",
-                             "--max_steps", "1", "--checkpoint_every", "1"))
+                             "--max_steps", "1", "--checkpoint_every", "1"), env=as_launched)
     assert relaunch.returncode == 0 and "resumed from" not in relaunch.stderr, relaunch.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]  # its first: the earlier go
+    assert json.loads((out / "checkpoints" / "step_00000001" / "trainer_state.json").read_text())["run_id"] == \
+        "0123456789ab"  # the run the relaunch continues (had it saved before the crash) is the one launch.sh named
     # --overwrite with the earlier run's step (8) as its first checkpoint: the new run's is kept
     shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
     shutil.rmtree(out / "checkpoints" / "step_00000001")

@@ -1,0 +1,56 @@
+"""The runs an output directory holds. Every checkpoint records its run's id (trainer_state.json): a fresh run where
+another run's checkpoints are is refused in one line, said with the facts of the machine that holds them;
+--overwrite sets the other runs' checkpoints aside (checkpoint.set_aside); a resume keeps the run's math."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs
+
+# the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
+# size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
+# the checkpoint's.
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
+AUTOMATIC = (None, "auto")
+
+
+def others(out: Path, run_id: str) -> list[Path]:
+    """--overwrite: the checkpoints on this disk that are not of the run `run_id`."""
+    own = checkpoint_dirs(out, run_id)
+    return [p for p in checkpoint_dirs(out) if p not in own]
+
+
+def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
+    """A fresh run where a machine's --output_dir holds checkpoints: one line, said about the first machine that
+    holds them (by that machine's facts: its folder, its checkpoints' run)."""
+    holder = next(r for r in reports if r["listing"])
+    where = f"{holder['out']}/{CKPT_DIR}"
+    if not shared:
+        where = f"on rank {holder['rank']}'s machine, {where}"
+    if holder["alike"]:  # most often the user's own interrupted run, started again with the same command
+        step, epoch = holder["alike"]
+        raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, epoch "
+                          f"{epoch + 1}); continue it with --resume auto (or start over: --overwrite true deletes its "
+                          "checkpoints, or another --output_dir)")
+    raise ConfigError(f"{where} already holds checkpoints of another run; pass --resume auto to continue it, another "
+                      "--output_dir, or --overwrite true to delete them")
+
+
+def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
+    """The newest checkpoint's trainer_state.json if its run has not exported its model yet and has the run math
+    of these flags (what a resume would accept; an automatic value takes the checkpoint's), else None."""
+    found = checkpoint_dirs(out)
+    if not found or (out / MODEL_FILE).is_file():
+        return None
+    try:
+        meta = json.loads((found[-1] / STATE_FILE).read_text())
+        old = meta.get("run") or {}
+        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
+        alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)  # (auto: whatever it was)
+        return meta if alike and "step" in meta else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None

@@ -199,6 +199,32 @@ def test_kubeflow(hw):
 KUBEFLOW_WORKER1 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
 
 
+# An elastic PyTorchJob (elasticPolicy), as the operator writes it: elastic.go (Generate) and its test elastic_test.go
+# (TestElasticGenerate: minReplicas 1, maxReplicas 3, rdzvBackend c10d, rdzvHost localhost, rdzvPort 1234 give
+# PET_NNODES=1:3, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT=localhost:1234, PET_RDZV_ID, PET_RDZV_CONF,
+# PET_MAX_RESTARTS, and the elastic policy's nprocPerNode); no PET_NODE_RANK, MASTER_ADDR or MASTER_PORT on a job of
+# workers only (envvar.go sets those with a Master replica). Without min/max replicas PET_NNODES is the worker count.
+KUBEFLOW_ELASTIC = {"PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "localhost:1234",
+                    "PET_RDZV_ID": "rdzv-id", "PET_RDZV_CONF": "rdzv-conf-name=rdzv-conf-value,"
+                                                              "rdzv-conf-name-1=rdzv-conf-value-1",
+                    "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1"}
+
+
+@pytest.mark.parametrize("nnodes", ["1:3", "2:2", "3"])
+def test_an_elastic_kubeflow_job_is_refused_in_one_line_naming_the_fixed_form(hw, nnodes):
+    proc = dry_run({**KUBEFLOW_ELASTIC, "PET_NNODES": nnodes}, bindir=hw(gpus=2))
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: an elastic PyTorchJob "), lines
+    assert f"PET_NNODES={nnodes}, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT=localhost:1234" in lines[0]
+    assert "remove the job's elasticPolicy and give it Master and Worker replicas" in lines[0]
+    assert "PET_NNODES=N, PET_NODE_RANK, MASTER_ADDR, MASTER_PORT" in lines[0]
+    # the same machines given explicitly: launched as a fixed job
+    _, opts, _ = parse(dry_run({**KUBEFLOW_ELASTIC, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h0"},
+                               bindir=hw(gpus=2)))
+    multinode(opts, 2, 1, "h0", 29500, 2, "2node_gpu.yaml")
+
+
 def test_kubeflow_default_nproc_per_node_auto_counts_the_visible_devices(hw):
     _, opts, _ = parse(dry_run({**KUBEFLOW_WORKER1, "PET_NPROC_PER_NODE": "auto"}, bindir=hw(gpus=4)))
     multinode(opts, 2, 1, "job-master-0", 23456, 8, "2node_gpu.yaml")

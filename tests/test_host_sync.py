@@ -53,12 +53,13 @@ if _out:
         except (TypeError, RuntimeError):
             return False
 
-    _to = torch.Tensor.to
+    _to, _NOT_SYNCS = torch.Tensor.to, ("torch/utils/data/", "accelerate/utils/operations.py")
 
     def _to_maybe_counted(self, *args, **kwargs):
-        # (accelerate's send_to_device moves each batch to the run's device: on an accelerator a host-to-device copy)
+        # (accelerate/utils/operations.py: send_to_device moves each batch to the run's device, a host-to-device copy
+        # on an accelerator)
         caller = sys._getframe(1).f_code.co_filename
-        if _to_host(args, kwargs) and not any(p in caller for p in ("torch/utils/data/", "accelerate/utils/operations.py")):
+        if _to_host(args, kwargs) and not any(p in caller for p in _NOT_SYNCS):
             key = str(_state["step"])
             _state["syncs"][key] = _state["syncs"].get(key, 0) + 1
         return _to(self, *args, **kwargs)

@@ -114,9 +114,9 @@ def test_sgd_is_nesterov_and_norm_and_bias_parameters_have_no_weight_decay(tmp_p
         decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
         named = dict(bare(run.model).named_parameters())
         assert {id(p) for p in named.values()} == set(decay)  # every parameter trained, once
+        norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
         norm_or_bias = {f"{name}.{pname}" if name else pname for name, m in bare(run.model).named_modules()
-                        for pname, _ in m.named_parameters(recurse=False)
-                        if isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)) or pname == "bias"}
+                        for pname, _ in m.named_parameters(recurse=False) if isinstance(m, norms) or pname == "bias"}
         assert norm_or_bias and any(n.startswith("bn") or ".bn" in n for n in norm_or_bias)
         assert {n for n, p in named.items() if decay[id(p)] == 0.0} == norm_or_bias, norm_or_bias
         assert {decay[id(p)] for n, p in named.items() if n not in norm_or_bias} == {cfg.weight_decay} == {5e-4}

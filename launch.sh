@@ -12,7 +12,8 @@
 #                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
 #                  --init_method tcp://HOST:PORT --rank N --world_size N
 #   3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE (a number, or the
-#                  operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs; cpu: one CPU process)
+#                  operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs; cpu: one CPU process);
+#                  an elastic PyTorchJob (PET_NNODES=MIN:MAX, PET_RDZV_BACKEND) is refused: no elasticPolicy
 #   4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST (else SLURM_NODELIST,
 #                  SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
 #   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
@@ -125,6 +126,13 @@ first_set() { local v; for v in "$@"; do if [[ -n "$v" ]]; then echo "$v"; retur
 nnodes="$(first_set "${NNODES:-}" "${MA_NUM_HOSTS:-}" "${VC_WORKER_NUM:-}" "$ma_world_size" \
   "${PET_NNODES:-}" "${SLURM_NNODES:-}" 1)"
 node_rank="$(first_set "${NODE_RANK:-}" "${VC_TASK_INDEX:-}" "$ma_rank" "${PET_NODE_RANK:-}" "${SLURM_NODEID:-}" 0)"
+# Kubeflow's elastic PyTorchJob (an elasticPolicy): PET_NNODES "MIN:MAX" (or the worker count), PET_RDZV_BACKEND
+# (c10d), PET_RDZV_ENDPOINT, and no node rank: torchrun's c10d rendezvous would rank the pods (training-operator
+# pkg/controller.v1/pytorch envvar.go, elastic.go, elastic_test.go). launch.sh starts a fixed set of machines with a
+# static rendezvous: refused in one line that names the form it runs, unless NNODES is given explicitly.
+if [[ -z "${NNODES:-}" && ( "${PET_NNODES:-}" == *:* || -n "${PET_RDZV_BACKEND:-}${PET_RDZV_ENDPOINT:-}" ) ]]; then
+  die "an elastic PyTorchJob (PET_NNODES=${PET_NNODES:-}, PET_RDZV_BACKEND=${PET_RDZV_BACKEND:-}, PET_RDZV_ENDPOINT=${PET_RDZV_ENDPOINT:-}) is not supported: launch.sh runs a fixed number of machines; remove the job's elasticPolicy and give it Master and Worker replicas (the operator then sets PET_NNODES=N, PET_NODE_RANK, MASTER_ADDR, MASTER_PORT)"
+fi
 master_addr="$(first_set "${MASTER_ADDR:-}" "$vc_first_host" "$ma_host" "$slurm_first_host")"
 master_port="$(first_set "${MASTER_PORT:-}" "$ma_port" "")"
 # MA_NUM_GPUS=0 / SLURM_GPUS_ON_NODE=0 (CPU-only flavours, CPU jobs) say "no devices", not "0 processes".

@@ -365,6 +365,34 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
     raise AssertionError(f"timed out after {timeout}s waiting for {getattr(predicate, '__name__', predicate)}")
 
 
+def check_best(out: Path) -> dict:
+    """A finished run's model_best.safetensors: its metadata names the metrics rows' best epoch (highest test_acc,
+    the first of equals), its weights are finite and are exactly that epoch's checkpoint's model weights (the
+    trained model's, not the EMA's). Needs that epoch's checkpoint kept (--keep_checkpoints). Returns the row."""
+    import torch
+    from safetensors.torch import load_file
+
+    from accel_train.files import BEST_FILE, EMA_FILE
+    from accel_train.model import plain_state_dict
+    from accel_train.outputs import best_row, exported_best
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    best = best_row(rows)
+    assert best is not None and best == next(r for r in rows if r["test_acc"] == max(r["test_acc"] for r in rows))
+    assert exported_best(out) == {k: best[k] for k in ("epoch", "step", "test_acc")}, (exported_best(out), rows)
+    weights = load_file(Path(out) / BEST_FILE)
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    assert weights and not bad, f"non-finite weights in {BEST_FILE}: {bad[:5]}"
+    ckpt = Path(out) / "checkpoints" / f"step_{best['step']:08d}"
+    saved = plain_state_dict(load_file(ckpt / "model.safetensors"))
+    assert weights.keys() == saved.keys(), (sorted(weights.keys() ^ saved.keys())[:5], ckpt)
+    differ = [k for k in saved if not torch.equal(weights[k], saved[k])]
+    assert not differ, f"{BEST_FILE} is not {ckpt.name}'s model weights: {differ[:5]}"
+    if (ckpt / EMA_FILE).exists():
+        ema = plain_state_dict(load_file(ckpt / EMA_FILE))
+        assert any(not torch.equal(weights[k], ema[k]) for k in ema if k in weights and weights[k].is_floating_point())
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # The model the multi-process runs train
 # ---------------------------------------------------------------------------------------------

@@ -16,37 +16,31 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, ROOT, clean_env, steps_logged, wait_for
+from conftest import CONFIGS, ROOT, TINY, clean_env, steps_logged, wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def start(tmp_path, args):
+def start(tmp_path, args, **env):
     status = tmp_path / "status"
     status.mkdir()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "2proc_cpu.yaml"),
            "-m", "accel_train", *map(str, args), "--log_every", "1", "--output_dir", str(tmp_path / "out")]
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env=clean_env(ACCEL_TRAIN_STATUS_DIR=str(status)))
+                            env=clean_env(ACCEL_TRAIN_STATUS_DIR=str(status), **env))
     return proc, status
 
 
 NOTICE = "accel-train: Ctrl-C: every rank stops at its next agreed check and saves a checkpoint; Ctrl-C again"
 
 
-def ctrl_c(proc, log, out, after_steps, times=1):
-    """Ctrl-C half a second after step `after_steps` is logged (its agreed check follows the line at once, the next
-    one is a step later); a second one once the main process has said it got the first, and torchrun's agent has had
-    time to pass it on to the other rank too (it signals the ranks one by one)."""
+def ctrl_c(proc, log, out, after_steps):
+    """Ctrl-C half a second after step `after_steps` is logged (its agreed check follows the line at once)."""
     try:
         wait_for(lambda: steps_logged(out) >= after_steps, timeout=240)
         time.sleep(0.5)
-        for i in range(times):
-            if i:
-                wait_for(lambda: NOTICE in log.read_text(), timeout=60, interval=0.01)
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
         return proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -81,14 +75,70 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     assert_no_trainer_traceback(text)
 
 
+# test only: every rank holds inside its optimizer step ACCEL_TEST_HOLD_AT_STEP (after the previous step was logged
+# and agreed on, before the next agreed check can come) until 120 s pass; while it holds, each stop signal it gets
+# leaves a mark (<signal>-<rank> in ACCEL_TEST_MARKS) before the trainer's own handler runs. Both Ctrl-Cs then land
+# while no rank can reach an agreed check, however fast its steps are.
+HOLD_HOOK = """\
+import os
+if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
+    import signal, time
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    _marks, _steps = os.environ["ACCEL_TEST_MARKS"], [0]
+
+    def _mark(name):
+        open(os.path.join(_marks, f"{name}-{os.environ.get('RANK', '0')}"), "w").close()
+
+    def _marked(previous, name):
+        def handler(signum, frame):
+            _mark(name)
+            return previous(signum, frame)
+        return handler
+
+    def _hold(optimizer, args, kwargs):
+        _steps[0] += 1
+        if _steps[0] == int(os.environ["ACCEL_TEST_HOLD_AT_STEP"]):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _marked(signal.getsignal(sig), sig.name))
+            _mark("holding")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+    register_optimizer_step_post_hook(_hold)
+"""
+
+
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
-    out = tmp_path / "out"
-    # resnet18 at 128 images per rank, steps of seconds: both Ctrl-Cs come within a second after the agreed check of
-    # step 1, well before the next one (the end of step 2: step 1's warm-up makes the interval one step)
-    proc, status = start(tmp_path, ["--train_samples", "1024", "--test_samples", "8", "--batch_size", "128",
-                                    "--epochs", "1"])
-    ctrl_c(proc, tmp_path / "run.log", out, after_steps=1, times=2)
-    text = (tmp_path / "run.log").read_text()
+    out, hooks, marks = tmp_path / "out", tmp_path / "hooks", tmp_path / "marks"
+    hooks.mkdir()
+    marks.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOLD_HOOK)
+    # both ranks hold inside step 2 (step 1 logged, its agreed check done): no agreed check can answer the first
+    # Ctrl-C before the second comes, on any machine (issue 29 item 7: with steps that took seconds, a fast CPU
+    # reached the next check first and the run exited 4)
+    proc, status = start(tmp_path, [*TINY, "--train_samples", "1024", "--test_samples", "8", "--batch_size", "4",
+                                    "--epochs", "1"], ACCEL_TEST_HOLD_AT_STEP="2", ACCEL_TEST_MARKS=str(marks),
+                         PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    log = tmp_path / "run.log"
+
+    def marked(*names):
+        return lambda: all((marks / name).exists() for name in names)
+    try:
+        wait_for(marked("holding-0", "holding-1"), timeout=240)
+        assert steps_logged(out) == 1
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
+        # the first one reached both ranks (torchrun's agent passes it on rank by rank), the main process said so
+        wait_for(marked("SIGINT-0", "SIGINT-1"), timeout=60, interval=0.01)
+        wait_for(lambda: NOTICE in log.read_text(), timeout=60, interval=0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # the agent answers the second with SIGTERM to the ranks
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert sorted(p.name for p in marks.iterdir()) == ["SIGINT-0", "SIGINT-1", "SIGTERM-0", "SIGTERM-1", "holding-0",
+                                                       "holding-1"], text[-3000:]
     assert trainer_statuses(status) == [130, 130], text[-3000:]
     assert text.count("accel-train: interrupted: a second Ctrl-C stopped the run at once") == 1, text[-3000:]
     assert "preempted" not in text and not (out / "checkpoints").exists()

@@ -1,11 +1,17 @@
 """No host sync and no extra collective in a plain training step (issue 14 item 1).
 
-A sitecustomize.py, written into a temp dir put first on PYTHONPATH, wraps the Tensor methods that read
-a value on the host (item, __bool__, tolist, cpu, numpy) and torch.distributed's Python collectives (DDP's
-gradient all-reduce runs in C++ and is not counted), and counts them per window between two optimizer steps
-(a global optimizer step post-hook marks the boundaries). It also records the steps at which the ranks
-ran an agreed check (accel_train.preempt.AgreedChecks.agree, where it exists). Every window of a run
-without logging or checkpoint steps must then be empty unless it held an agreed check.
+A sitecustomize.py, written into a temp dir put first on PYTHONPATH, wraps what reads a device value on the host
+(Tensor.item, __bool__, __float__, __int__, __index__, __complex__, tolist, cpu, numpy, a `.to(...)` whose
+destination is the CPU, torch.equal / torch.allclose / torch.is_nonzero and their Tensor methods) and
+torch.distributed's Python collectives (DDP's gradient all-reduce runs in C++ and is not counted), and counts them
+per window between two optimizer steps (a global optimizer step post-hook marks the boundaries). It also records
+the steps at which the ranks ran an agreed check (accel_train.preempt.AgreedChecks.agree, where it exists). Every
+window of a run without logging or checkpoint steps must then be empty unless it held an agreed check.
+
+The agreed checks' clock is the step count (issue 29 item 7): AgreedChecks reads time.perf_counter, which the hook
+replaces, in accel_train.preempt only, by a clock that advances exactly STEP_S per optimizer step. The checks then
+fall at steps 1 and 21 of 30 by construction (step 1, then TARGET_S / STEP_S = 20 steps later) on any machine,
+however loaded; with the real clock a step over ~0.67 s on a busy machine made a check every step or two.
 """
 
 import json
@@ -13,8 +19,10 @@ import re
 
 from conftest import TINY, clean_env, launch
 
+STEP_S = 0.1  # seconds of work per step, as the agreed checks see it: checks at steps 1 and 1 + 2.0 / 0.1
 SITECUSTOMIZE = r'''
 import atexit, json, os, sys
+STEP_S = %r
 _out = os.environ.get("ACCEL_SYNC_LOG")
 if _out:
     import torch
@@ -30,8 +38,32 @@ if _out:
             return fn(*args, **kwargs)
         return inner
 
-    for _name in ("item", "__bool__", "tolist", "cpu", "numpy"):
+    for _name in ("item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "tolist", "cpu", "numpy",
+                  "equal", "allclose", "is_nonzero"):
         setattr(torch.Tensor, _name, _counted("syncs", getattr(torch.Tensor, _name)))
+    for _name in ("equal", "allclose", "is_nonzero"):
+        setattr(torch, _name, _counted("syncs", getattr(torch, _name)))
+
+    def _to_host(args, kwargs):  # t.to("cpu"), t.to(torch.device("cpu")), t.to(device="cpu"), t.to(other_cpu_tensor)
+        where = kwargs.get("device", args[0] if args else None)
+        if isinstance(where, torch.Tensor):
+            where = where.device
+        try:
+            return where is not None and not isinstance(where, torch.dtype) and torch.device(where).type == "cpu"
+        except (TypeError, RuntimeError):
+            return False
+
+    _to, _NOT_SYNCS = torch.Tensor.to, ("torch/utils/data/", "accelerate/utils/operations.py")
+
+    def _to_maybe_counted(self, *args, **kwargs):
+        # (accelerate/utils/operations.py: send_to_device moves each batch to the run's device, a host-to-device copy
+        # on an accelerator)
+        caller = sys._getframe(1).f_code.co_filename
+        if _to_host(args, kwargs) and not any(p in caller for p in _NOT_SYNCS):
+            key = str(_state["step"])
+            _state["syncs"][key] = _state["syncs"].get(key, 0) + 1
+        return _to(self, *args, **kwargs)
+    torch.Tensor.to = _to_maybe_counted
     for _name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
                   "broadcast_object_list", "gather", "reduce", "barrier", "all_to_all"):
         if hasattr(dist, _name):
@@ -49,6 +81,18 @@ if _out:
                     return agree(self, accelerator, step, *a, **k)
                 checks.agree = recorded
 
+    # the agreed checks' clock: STEP_S per optimizer step (accel_train.preempt's `time` only)
+    import time as _time
+    import accel_train.preempt as _preempt
+
+    class _StepClock:
+        def perf_counter(self):
+            return _state["step"] * STEP_S
+
+        def __getattr__(self, name):
+            return getattr(_time, name)
+    _preempt.time = _StepClock()
+
     from torch.optim.optimizer import register_optimizer_step_post_hook
     register_optimizer_step_post_hook(_on_step)
 
@@ -57,7 +101,7 @@ if _out:
             with open(f"{_out}.{os.environ.get('RANK', '0')}", "w") as f:
                 json.dump(_state, f)
     atexit.register(_write)
-'''
+''' % STEP_S
 
 
 def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):
@@ -83,8 +127,8 @@ def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):
             stray = {int(k): n for k, n in rec[kind].items() if 0 < int(k) < steps and int(k) not in checks}
             assert not stray, f"rank {rank}: {kind} in steps without an agreed check (step: count): {stray}; " \
                               f"agreed checks at {sorted(checks)}"
-        # checks every few seconds of work: far fewer than steps (a slow machine checks more often)
-        assert 1 <= len(checks) <= steps // 3, sorted(checks)
+        # a check at step 1 (its time then known), the next one TARGET_S of (step-clock) work later: step 21
+        assert rec["checks"] == [1, 21], rec["checks"]
     assert ranks[0]["checks"] == ranks[1]["checks"]  # every rank checks at the same steps
 
 

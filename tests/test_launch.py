@@ -1,5 +1,7 @@
 """launch.sh: platform environment -> the exact `accelerate launch` command (--dry-run), and its errors."""
 
+import atexit
+import functools
 import json
 import os
 import shlex
@@ -8,8 +10,10 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,13 +60,38 @@ def hw(tmp_path):
     return make
 
 
+# The programs launch.sh runs (besides its device probes): a PATH made of these alone, plus a test's fakes, is the
+# same on every host; the host's own nvidia-smi / npu-smi are never on it (issue 29 item 8: on a GPU host the CPU
+# fixtures skipped, and a probe test that puts no nvidia-smi first found the real one)
+LAUNCH_TOOLS = ("bash", "sh", "env", "dirname", "grep", "sed", "head", "awk", "timeout", "cat", "setsid", "sleep",
+                "mkdir", "rm", "tr", "cut", "sort", "wc", "date", "kill", "basename", "mktemp", "ls")
+
+
+@functools.lru_cache(maxsize=None)
+def tool_dir() -> str:
+    """A bin dir of symlinks to exactly LAUNCH_TOOLS, and a `python3` that is this interpreter on a host without
+    GPUs (its torch sees none: CUDA_VISIBLE_DEVICES empty in its own environment only, not launch.sh's)."""
+    bindir = Path(tempfile.mkdtemp(prefix="launch-tools-"))
+    atexit.register(shutil.rmtree, bindir, True)
+    for name in LAUNCH_TOOLS:
+        found = shutil.which(name)
+        if found:
+            (bindir / name).symlink_to(found)
+    (bindir / "python3").write_text(f"#!/bin/sh\nCUDA_VISIBLE_DEVICES= exec {shlex.quote(sys.executable)} \"$@\"\n")
+    (bindir / "python3").chmod(0o755)
+    assert not {"nvidia-smi", "npu-smi"} & {p.name for p in bindir.iterdir()}
+    return str(bindir)
+
+
+def tool_path(bindir=None) -> str:
+    """PATH for launch.sh: the test's fakes (if any) first, then the tools; nothing of the host's PATH."""
+    return f"{bindir}:{tool_dir()}" if bindir is not None else tool_dir()
+
+
 def dry_run(env_extra, args=(), bindir=None):
     env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS and k != "ACCEL_TRAIN_DEVICE_FACTS"}
-    if bindir is not None:
-        env["PATH"] = f"{bindir}:{env['PATH']}"
-    else:
-        if shutil.which("nvidia-smi") or shutil.which("npu-smi"):
-            pytest.skip("this host has accelerators; the CPU fixtures assume none")
+    env["PATH"] = tool_path(bindir)
+    if bindir is None:
         env["ACCEL_TRAIN_DEVICE_FACTS"] = PLAIN_CPU  # a CPU host: its facts stated, not this machine's flags
     env.update(env_extra)
     return subprocess.run(["bash", str(LAUNCH), "--dry-run", *args], capture_output=True, text=True, env=env,
@@ -168,6 +197,32 @@ def test_kubeflow(hw):
 # pytorch_defaults.go: DefaultNprocPerNode = "auto" when the job leaves nprocPerNode unset, and "gpu" / "cpu" are
 # allowed values too). torchrun reads the words itself (torch/distributed/run.py, determine_local_world_size).
 KUBEFLOW_WORKER1 = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+
+
+# An elastic PyTorchJob (elasticPolicy), as the operator writes it: elastic.go (Generate) and its test elastic_test.go
+# (TestElasticGenerate: minReplicas 1, maxReplicas 3, rdzvBackend c10d, rdzvHost localhost, rdzvPort 1234 give
+# PET_NNODES=1:3, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT=localhost:1234, PET_RDZV_ID, PET_RDZV_CONF,
+# PET_MAX_RESTARTS, and the elastic policy's nprocPerNode); no PET_NODE_RANK, MASTER_ADDR or MASTER_PORT on a job of
+# workers only (envvar.go sets those with a Master replica). Without min/max replicas PET_NNODES is the worker count.
+KUBEFLOW_ELASTIC = {"PET_NNODES": "1:3", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "localhost:1234",
+                    "PET_RDZV_ID": "rdzv-id", "PET_RDZV_CONF": "rdzv-conf-name=rdzv-conf-value,"
+                                                              "rdzv-conf-name-1=rdzv-conf-value-1",
+                    "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1"}
+
+
+@pytest.mark.parametrize("nnodes", ["1:3", "2:2", "3"])
+def test_an_elastic_kubeflow_job_is_refused_in_one_line_naming_the_fixed_form(hw, nnodes):
+    proc = dry_run({**KUBEFLOW_ELASTIC, "PET_NNODES": nnodes}, bindir=hw(gpus=2))
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("launch.sh: error: an elastic PyTorchJob "), lines
+    assert f"PET_NNODES={nnodes}, PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT=localhost:1234" in lines[0]
+    assert "remove the job's elasticPolicy and give it Master and Worker replicas" in lines[0]
+    assert "PET_NNODES=N, PET_NODE_RANK, MASTER_ADDR, MASTER_PORT" in lines[0]
+    # the same machines given explicitly: launched as a fixed job
+    _, opts, _ = parse(dry_run({**KUBEFLOW_ELASTIC, "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h0"},
+                               bindir=hw(gpus=2)))
+    multinode(opts, 2, 1, "h0", 29500, 2, "2node_gpu.yaml")
 
 
 def test_kubeflow_default_nproc_per_node_auto_counts_the_visible_devices(hw):
@@ -373,7 +428,7 @@ def run_rank1(tmp_path, port, args, listen_after=None, statuses=(0,)):
     log = tmp_path / "accelerate_calls"
     fake_accelerate(bindir, log, statuses)
     env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
-    env.update(PATH=f"{bindir}:{env['PATH']}", NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
+    env.update(PATH=tool_path(bindir), NNODES="2", NODE_RANK="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(port), ACCEL_RESTART_DELAY="0")
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -430,7 +485,7 @@ def test_bad_input_is_not_relaunched(tmp_path):
     bindir.mkdir()
     fake_accelerate(bindir, log, statuses=(1, 1, 1), reported=2)
     env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
-    env.update(PATH=f"{bindir}:{env['PATH']}", ACCEL_RESTART_DELAY="0")
+    env.update(PATH=tool_path(bindir), ACCEL_RESTART_DELAY="0")
     proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "2", "--epochs", "1"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -18,15 +18,16 @@ import pytest
 import timm
 from safetensors.torch import load_file
 
-from accel_train.files import EMA_FILE
+from accel_train.files import BEST_FILE, EMA_FILE
 from accel_train.cli import parse_train_args
 from accel_train.model import create_model
-from conftest import CONFIGS, TINY, launch, run_cli, wait_all
+from conftest import CONFIGS, TINY, check_best, launch, run_cli, wait_all
 
 SMALL = [*TINY, "--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--epochs", "1",
          "--log_every", "1"]
 RUN_A = ["--compile", "--channels_last", "--ema", "--tta", "--force_precision",  # bf16 whatever the CPU has
-         "--epochs", "2", "--test_samples", "11", "--log_all_ranks"]  # (the last --test_samples given wins)
+         "--epochs", "2", "--test_samples", "11", "--log_all_ranks",  # (the last --test_samples given wins)
+         "--keep_checkpoints", "3"]  # epoch 1's too (the stop at step 9 makes a third): check_best compares with it
 RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0", "--pipeline", "cpu",
          "--num_workers", "2"]
 HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last",
@@ -86,6 +87,8 @@ def check_run(out: Path, *, ranks: int, grad_accum: int = 1, ema: bool = False, 
         assert ("test_acc_ema" in row) == ema
     row = rows[-1]
     load_clean(out / "model.safetensors")
+    load_clean(out / BEST_FILE)
+    check_best(out)  # the best epoch's finite weights, its checkpoint's (the model's, not the EMA's)
     meta = json.loads((out / "model_config.json").read_text())
     assert meta["metrics"]["final_test_acc"] == row["test_acc"]
     if ema:

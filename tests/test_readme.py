@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from accel_train.cli import train_parser
-from conftest import ROOT, clean_env
+from conftest import ROOT, check_best, clean_env
 
 README = (ROOT / "README.md").read_text()
 
@@ -57,8 +57,21 @@ def test_quick_start_training_command_runs(tmp_path):
     cmd[0] = sys.executable
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("model.safetensors", "model_config.json", "metrics.jsonl", "config.yaml", "training_curves.png"):
-        assert (tmp_path / "out" / name).is_file(), name
+    # every output the README lists after the quick start (matplotlib comes with the test extra: the curves too)
+    listed = quick_start_outputs()
+    assert {"model.safetensors", "model_best.safetensors", "checkpoints/", "training_curves.png"} <= set(listed)
+    for name in listed:
+        path = tmp_path / "out" / name
+        assert (path.is_dir() and any(path.iterdir())) if name.endswith("/") else path.is_file(), name
+    check_best(tmp_path / "out")  # the one epoch's finite weights, its checkpoint's
+
+
+def quick_start_outputs() -> list[str]:
+    """The files the README says the quick start's first command writes (the paragraph after the commands)."""
+    text = README.split("## Quick start", 1)[1].split("```", 2)[2].split("The test suite", 1)[0]
+    assert "The first command writes" in text, text
+    return [name.removeprefix("output_dir/") for name in re.findall(r"`([\w./]+)`", text)
+            if re.search(r"\.(safetensors|json|jsonl|yaml|png)$|/$", name)]
 
 
 def test_ci_tests_the_lower_bounds_of_pyproject():

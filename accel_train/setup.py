@@ -59,6 +59,11 @@ class Run:
     history: dict | None         # metrics rows of the checkpoint resumed from
 
     @property
+    def precision(self) -> str:
+        """The autocast precision the run trains in (no | fp16 | bf16), after the start-up check."""
+        return self.accelerator.mixed_precision
+
+    @property
     def batches_per_epoch(self) -> int:
         """Micro-batches per rank and epoch: whole accumulation windows only (the rest is dropped)."""
         return self.steps_per_epoch * self.accelerator.gradient_accumulation_steps

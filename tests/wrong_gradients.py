@@ -1,0 +1,56 @@
+"""Models whose gradient is wrong in the reduced precision only, for tests/test_gradcheck.py (in the test process,
+and imported by a sitecustomize hook in the ranks of its 2-rank test): registered as timm models."""
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.models import register_model
+
+FORWARDS: list[bool] = []  # per forward of the registered models: was autocast on?
+
+
+class Corrupt(torch.autograd.Function):
+    """Identity on a weight whose gradient is garbage (x1e15) where the forward ran under autocast: a kernel that is
+    wrong in the reduced precision only."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.low = torch.is_autocast_enabled(w.device.type)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1e15 if ctx.low else g
+
+
+class Net(nn.Module):
+    def __init__(self, bad: bool = True, num_classes: int = 10, **kwargs):
+        super().__init__()
+        self.bad = bad
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        FORWARDS.append(torch.is_autocast_enabled(x.device.type))
+        w = Corrupt.apply(self.conv.weight) if self.bad else self.conv.weight
+        x = F.relu(self.bn(F.conv2d(x, w, self.conv.bias, padding=1)))
+        return self.fc(self.drop(x.mean((2, 3))))
+
+
+@register_model
+def gradcheck_wrong_in_bf16(pretrained=False, **kwargs):
+    return Net(bad=True, **kwargs)
+
+
+@register_model
+def gradcheck_right_in_bf16(pretrained=False, **kwargs):
+    return Net(bad=False, **kwargs)
+
+
+@register_model
+def gradcheck_wrong_on_rank_1(pretrained=False, **kwargs):
+    return Net(bad=os.environ.get("RANK") == "1", **kwargs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 BATCH_SIZE = 128  # the recipe's per-process batch, kept wherever the data has MIN_STEPS global batches of it
 MIN_STEPS = 10    # the default batch gives an epoch at least this many steps: under 1/MIN_STEPS of the samples dropped
 MAX_DROP = 0.1    # a given --batch_size that leaves more than this share out of every epoch is said
+MIN_BATCH = 2     # BatchNorm needs 2 samples per process in training: a smaller data set is refused, not run at 1
 
 
 def dropped(samples: int, global_batch: int) -> int:
@@ -21,9 +22,10 @@ def dropped(samples: int, global_batch: int) -> int:
 
 def auto_batch(samples: int, replicas: int = 1) -> int:
     """The default per-process batch: the largest power of two up to BATCH_SIZE whose epoch has MIN_STEPS steps
-    (`replicas`: processes x grad_accum), so at most a tenth of the samples is dropped; 1 below that."""
+    (`replicas`: processes x grad_accum), so at most a tenth of the samples is dropped; MIN_BATCH below that (a data
+    set that cannot fill it is refused at start-up, in one line)."""
     batch = BATCH_SIZE
-    while batch > 1 and samples // (batch * replicas) < MIN_STEPS:
+    while batch > MIN_BATCH and samples // (batch * replicas) < MIN_STEPS:
         batch //= 2
     return batch
 
@@ -36,7 +38,7 @@ def auto_batch_said(samples: int, batch: int, replicas: int) -> str:
     lost = dropped(samples, BATCH_SIZE * replicas)
     instead = f"{BATCH_SIZE} would give {full} step{'s' * (full != 1)} and drop {lost}" if full else \
         f"{BATCH_SIZE} would not fill one batch"
-    return (f"--batch_size {batch} ({samples} training samples: {steps} steps an epoch, "
+    return (f"--batch_size {batch} ({samples} training samples: {steps} step{'s' * (steps != 1)} an epoch, "
             f"{dropped(samples, batch * replicas) or 'none'} dropped; {instead})")
 
 

@@ -157,7 +157,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     target, runs = _choose(cfg, reports)
 
     if target is None:
-        if cfg.resume == "auto":
+        if cfg.resume == "auto" and not runs:  # (an --overwrite relaunch: the earlier run's are set aside, said then)
             log(nothing_to_resume(out))
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)

@@ -123,6 +123,7 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
     """The data (the same on every machine, enough for one batch per rank) and the defaults it resolves: image
     size, stem, mean/std, pipeline. Returns the data and the line saying what was resolved."""
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
+    batch_given = cfg.batch_size is not None  # (resolve() fills in an automatic one from the data)
     budget = rank0s(device_budget(cfg, accelerator.device))  # rank 0's: one pipeline choice
     if cfg.init_from and (cfg.mean is None or cfg.std is None):  # fine-tuning keeps the weights' normalisation
         mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
@@ -148,7 +149,7 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if batches < cfg.grad_accum:
             raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per process and epoch, "
                               f"but there are {batches}; lower --grad_accum or --batch_size, or add data")
-    if not decision.meta and (note := dropped_note(cfg, data.train_size, accelerator.num_processes)):
+    if not decision.meta and batch_given and (note := dropped_note(cfg, data.train_size, accelerator.num_processes)):
         logger.warning(note)  # a given --batch_size that leaves much of the data out of every epoch
     return data, resolved
 

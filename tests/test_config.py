@@ -136,7 +136,8 @@ def test_non_finite_lr_exits_2_before_anything_is_written(tmp_path):
 def test_custom_data_never_silently_overrides_an_explicit_data(tmp_path):
     # the seed's alias and --data that disagree on the command line: one line, exit 2, nothing trained
     from test_imagefolder import write_image_folder
-    tiny = ["--model", "test_resnet", "--batch_size", "4", "--epochs", "1", "--max_steps", "1", "--test_samples", "4"]
+    tiny = ["--model", "test_resnet", "--batch_size", "4", "--epochs", "1", "--max_steps", "1", "--test_samples", "4",
+            "--mixed_precision", "no"]  # (bf16: test_resnet at 16 px meets issue 27's bad kernel, refused as asked)
     proc = run_cli([*tiny, "--custom_data", "false", "--data", "imagefolder", "--output_dir", tmp_path / "x"])
     errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]

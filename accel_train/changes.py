@@ -35,7 +35,10 @@ def check_changes(old: dict, cfg) -> None:
 def log_changes(meta: dict, cfg, precision: str, log) -> None:
     """One line naming each applied setting that differs from the checkpoint's run (--epochs: resume.reconcile)."""
     old = (meta.get("run") or {}).get("settings")
-    if not old:  # a checkpoint of an older accel_train: its settings are not recorded
+    if not old:  # a checkpoint of an older accel_train: its settings are not recorded, and its schedule was older
+        log(f"resume: a checkpoint of an earlier accel_train, whose cosine ran from step 1 under the warmup: from step "
+            f"{meta['step'] + 1} on the lr follows this version's schedule (the cosine starts at the peak, after the "
+            "warmup), a little higher than before")
         return
     now = settings(cfg, precision)
     changed = [f"--{k} {_said(old[k])} -> {_said(now[k])}" for k in APPLIED if k != "epochs" and k in old

@@ -98,3 +98,17 @@ def test_a_resume_applies_and_logs_each_optimisation_setting(stopped, tmp_path):
     # config.yaml says the values the run used
     conf = yaml.safe_load((out / "config.yaml").read_text())
     assert (conf["momentum"], conf["weight_decay"], conf["lr"]) == (0.5, 0.01, 0.05)
+
+
+def test_a_checkpoint_of_an_earlier_version_says_its_schedule_changes(stopped, tmp_path):
+    """Checkpoints written before the warmup_prefix schedule (issue 26 item 8) record no settings: a resume of one says
+    in a line that the lr now follows the new schedule (a review found it silent: +5% at epoch 15 of 30)."""
+    out = shutil.copytree(stopped, tmp_path / "out")
+    state = out / "checkpoints" / "step_00000003" / "trainer_state.json"
+    meta = json.loads(state.read_text())
+    del meta["run"]["settings"]
+    state.write_text(json.dumps(meta))
+    proc = run_cli([*small(out, "--resume", "auto", "--max_steps", "4")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [ln for ln in proc.stderr.splitlines() if "a checkpoint of an earlier accel_train" in ln]
+    assert len(said) == 1 and "from step 4 on the lr follows this version's schedule" in said[0], proc.stderr[-3000:]

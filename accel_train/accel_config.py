@@ -11,9 +11,10 @@ Nothing else is cached, and a cache that cannot be written or read only means th
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
+
+from .files import cache_dir
 
 
 def marker(path: str) -> Path | None:
@@ -24,10 +25,10 @@ def marker(path: str) -> Path | None:
         digest = hashlib.sha256(Path(path).read_bytes())
         digest.update(f"\0json {path.endswith('.json')}\0accelerate {version('accelerate')}\0pyyaml "
                       f"{version('pyyaml')}".encode())
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")  # (no home: RuntimeError/KeyError)
     except Exception:
         return None
-    return root / "accel_train" / "valid_accelerate_configs" / digest.hexdigest()
+    root = cache_dir("valid_accelerate_configs")
+    return root / digest.hexdigest() if root is not None else None
 
 
 def problem(path: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 # --output_dir
@@ -75,3 +76,13 @@ def nothing_to_resume(output_dir) -> str:
             "before its first checkpoint (--checkpoint_every N saves one every N steps)") if steps else ""
     return (f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): training starts at "
             f"step 1{lost}")
+
+
+def cache_dir(name: str) -> Path | None:
+    """~/.cache/accel_train/<name> ($XDG_CACHE_HOME): what a start remembers for the next (accel_config: configs that
+    loaded; gradcheck: precision verdicts). None where there is no home: nothing is remembered."""
+    try:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (RuntimeError, KeyError):
+        return None
+    return root / "accel_train" / name

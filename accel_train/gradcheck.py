@@ -29,6 +29,7 @@ from accelerate.utils import gather_object, send_to_device
 
 from .accelerator import fall_back_to_fp32
 from .errors import ConfigError
+from .files import cache_dir
 from .hardware import NAMES
 from .ranks import said_once
 
@@ -123,7 +124,8 @@ def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
     start = time.perf_counter()
     probe = copy.deepcopy(model).to(x.device).train()
     layers = {}  # each convolution and linear layer, with the shape and memory format of its input
-    hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(name, (m, args[0])) and None)
+    hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(  # (the input's shape and
+        name, (m, torch.empty_like(args[0], device="meta"))) and None)  # strides only: no activation kept)
              for name, m in probe.named_modules() if isinstance(m, LAYERS)]
     ref = gradients(probe, x, y, criterion, None)
     for h in hooks:
@@ -159,7 +161,7 @@ def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]
         key = (repr(module), shape, fmt, str(module.weight.dtype))
         if key not in seen:
             layer = copy.deepcopy(module)
-            xi = torch.randn(shape, device=inp.device).contiguous(memory_format=fmt)
+            xi = torch.randn(shape, device=module.weight.device).contiguous(memory_format=fmt)
             ref, found = gradients(layer, xi, None, sum_all, None), {}
             for _ in range(repeats):
                 for n, e in errors(ref, gradients(layer, xi, None, sum_all, DTYPES[precision])).items():
@@ -202,12 +204,9 @@ def cache_key(cfg, num_classes: int, shape, precision: str, facts) -> dict:
 
 
 def cache_file(key: dict) -> Path | None:
-    try:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    except Exception:
-        return None
+    root = cache_dir("precision_checks")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return root / "accel_train" / "precision_checks" / f"{digest}.json"
+    return root / f"{digest}.json" if root is not None else None
 
 
 def cached(key: dict) -> Verdict | None:

@@ -21,6 +21,8 @@
 # RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node (without npu-smi:
 # RANK_SIZE / machines of them); the other copies exit 0 at once.
 # NPUs: HCCL_CONNECT_TIMEOUT and HCCL_EXEC_TIMEOUT are set below the trainer's --timeout_s unless set.
+# A failed collective raises in the trainer instead of ending the rank, unless you set these yourself:
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs), TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs).
 # Devices: nvidia-smi (or, without it, torch.cuda.device_count()), npu-smi; CUDA_VISIBLE_DEVICES and
 # ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one CPU process).
 #
@@ -282,14 +284,26 @@ hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC a
   exec=$((exec < 68 ? 68 : (exec > HCCL_EXEC_TIMEOUT_MAX ? HCCL_EXEC_TIMEOUT_MAX : exec)))
   echo "$connect" "$exec"
 }
+# A failed collective reaches the trainer as an exception instead of ending the rank (docs/failures.md): NCCL's
+# watchdog aborts the communicator without SIGABRT (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, PyTorch's default 3 tears the
+# rank down); HCCL leaves the collective to HCCL_EXEC_TIMEOUT ({TORCH_,}HCCL_ASYNC_ERROR_HANDLING=0, default 1). A
+# value the user set under either name is kept (accel_train/accelerator.py FAILURE_ENV: the same; torchrun passes
+# this environment to every rank).
+set_unless_given() {  # VALUE NAME...: every NAME=VALUE, unless one of the NAMEs is set
+  local value="$1" name; shift
+  for name in "$@"; do [[ -n "${!name:-}" ]] && return; done
+  for name in "$@"; do env_vars+=("$name=$value"); done
+}
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
 case "$device" in
   cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
+  gpu) [[ -n "${NCCL_ASYNC_ERROR_HANDLING:-}" ]] || set_unless_given 2 TORCH_NCCL_ASYNC_ERROR_HANDLING ;;
   npu) read -r hccl_connect hccl_exec <<< "$(hccl_timeouts "$(trainer_timeout_s)")"
        if [[ -z "${HCCL_EXEC_TIMEOUT:-}" ]] && ((hccl_exec == HCCL_EXEC_TIMEOUT_MAX)); then
          echo "launch.sh: HCCL_EXEC_TIMEOUT=$hccl_exec: capped at CANN's upper bound (Atlas training series), below three quarters of --timeout_s" >&2
        fi
-       env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}") ;;
+       env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}")
+       set_unless_given 0 TORCH_HCCL_ASYNC_ERROR_HANDLING HCCL_ASYNC_ERROR_HANDLING ;;
 esac
 if ((ascend_per_card)); then  # they describe the one card this copy was started for, not the job's ranks
   unset ASCEND_DEVICE_ID RANK_ID RANK_SIZE

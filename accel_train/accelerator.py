@@ -18,7 +18,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKw
 
 from .config import TrainConfig
 from .errors import ConfigError, note_backend
-from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, has_accelerator
+from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, device_kind, has_accelerator
 from .ranks import said_once
 
 logger = get_logger("accel_train")
@@ -39,13 +39,14 @@ def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
 def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
     if is_npu_available():
         hccl_timeouts(cfg.timeout_s)
+    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
+    cpu = not has_accelerator()
+    failure_env(device_kind(cpu))  # read when the process group is made: in Accelerator() (accelerate's PartialState)
     trackers = cfg.trackers()
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
         raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
                           f"{', '.join(LoggerType.list())}")
-    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
-    cpu = not has_accelerator()
     facts = facts or device_facts(cpu=True if cpu else None)
     choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # README: Precision
     refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
@@ -121,6 +122,40 @@ def hccl_timeouts(timeout_s: int, env=os.environ) -> None:
                               f"would be found by HCCL's timeout or not at all; raise --timeout_s above {value}"
                               + (f" or set {name} below {timeout_s}" if text else ""))
         env[name] = str(value)
+
+
+# A failed collective must reach the training thread as an exception (errors.is_lost_peer), not end the process
+# (docs/failures.md has the sources). NCCL's default (3) tears the rank down with SIGABRT; 2 (CleanUpOnly) makes the
+# watchdog abort the communicator at the collective timeout or on an NCCL error, which ends the stuck kernel, and the
+# next collective call raises. HCCL's default (1) tears down too; 0 leaves it to HCCL_EXEC_TIMEOUT, HCCL's own timeout
+# on the device, whose task error the next call raises (torch_npu up to v2.10.0-26.1.0 reads only
+# HCCL_ASYNC_ERROR_HANDLING and takes 0 or 1; later ones read TORCH_HCCL_ASYNC_ERROR_HANDLING first). Each entry: the
+# names a backend reads, the value, the names set. A value the user gave under any of the names is kept, and nothing
+# is set then. launch.sh sets the same (tests/test_device_copy.py checks they agree).
+FAILURE_ENV = {
+    "cuda": (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"), "2",
+             ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)),
+    "npu": (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING"), "0",
+            ("TORCH_HCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING")),
+}
+TORCHRUN_DEFAULT = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # set by torchrun's agent for every worker that lacks it
+
+
+def failure_env(kind: str, env=os.environ) -> dict[str, str]:
+    """Before the process group exists: the backend of `kind` raises a failed collective in the calling thread.
+    Sets what the user did not set (torchrun's own default, TORCH_NCCL_ASYNC_ERROR_HANDLING=1 in every worker of an
+    agent whose environment lacks it, local_elastic_agent.py _start_workers, counts as not set); returns what it set."""
+    if kind not in FAILURE_ENV:
+        return {}
+    names, value, to_set = FAILURE_ENV[kind]
+    given = {n: env[n] for n in names if env.get(n, "").strip()}
+    if "TORCHELASTIC_RUN_ID" in env and given == dict([TORCHRUN_DEFAULT]):
+        given = {}
+    if given:
+        return {}
+    chosen = dict.fromkeys(to_set, value)
+    env.update(chosen)
+    return chosen
 
 
 def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:

@@ -68,8 +68,15 @@ def report_status(code: int) -> None:
 
 
 LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError")
+# NCCL's texts, at the next collective once the watchdog saw a timeout or (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) aborted
+# the communicator on an NCCL error. nccl2, the default "nccl" from torch 2.15: nccl2/WorkNCCL.cpp setTerminalStatus
+# ("Watchdog caught ...: NCCL operation timed out"), nccl2/ProcessGroupNCCLUtils.cpp checkAndAbortIfTimedOutOrError
+# ("NCCL operation timed out"; "... aborted after a previous error": the watchdog's communicator error, which a
+# fault of this rank's own device can also be). The stock backend's "NCCL communicator was aborted on rank N. Original
+# reason ..." (NCCLUtils.cpp getNcclComm) counts only by the reason it quotes, matched by the other patterns.
 LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|ncclRemoteError|ncclSystemError|remote process exited|"
-                               r"Watchdog caught collective operation timeout|HCCL.*(timeout|heartbeat)", re.I)
+                               r"Watchdog caught collective operation timeout|NCCL operation timed out|"
+                               r"NCCL communicator was aborted after a previous error|HCCL.*(timeout|heartbeat)", re.I)
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -1,0 +1,87 @@
+"""The survivor save's copy of the training state into host memory, without a collective and without waiting on the
+training stream (docs/failures.md: why, and the PyTorch and torch_npu sources it rests on).
+
+On CUDA and NPU the host runs ahead of the device: DDP's gradient all-reduce never blocks the host (its future is
+marked complete when the collective is queued: ProcessGroupNCCL WorkNCCL::getFuture, nccl2 and stock alike), so when
+a collective hangs, the host has already queued the step's optimizer update, and often more, behind it on the
+training stream. While the collective is stuck, device memory holds the state of the last step whose kernels ran
+before it, and a copy on another stream reads exactly that. Once the communicator is aborted (the NCCL watchdog at
+the collective timeout under TORCH_NCCL_ASYNC_ERROR_HANDLING=2), the stuck kernel ends early and everything queued
+behind it runs on a partly reduced gradient: the device state then belongs to no step. On CPU (gloo) the collective
+runs in the calling thread and nothing is queued behind it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+COPY_TIMEOUT_S = 60.0  # a copy of a few GB at PCIe speed takes seconds; past this the device itself is not answering
+POLL_S = 0.01
+
+
+class DeviceCopyTimeout(RuntimeError):
+    """The device did not finish the copy within the timeout: it is hung or faulted (an Xid, an ECC error, a kernel
+    that never ends); nothing can be read from it."""
+
+
+def state_to_host(state, timeout_s: float = COPY_TIMEOUT_S):
+    """`state` (nested dicts, lists and tuples of tensors and plain values: a model's or an optimizer's state_dict,
+    an EMA's, a GradScaler's) with every tensor copied into host memory; the structure and every other value as they
+    are. The survivor save writes what this returns.
+
+    Contract:
+    - No collective call, and no wait on any stream the training thread used: each device's tensors are copied on one
+      fresh stream of that device (torch.Stream: a pool stream, which does not synchronise with the default stream)
+      into pinned host memory, and only that stream's completion is awaited, by polling an event for at most
+      `timeout_s` (then DeviceCopyTimeout). So it returns while the training stream still holds a stuck collective.
+    - It copies what device memory holds at that moment. The caller must know which step that is: on CUDA/NPU it is
+      the last step whose kernels all ran before the first failed collective (when the communicator has not been
+      aborted yet), which can be earlier than the host's last completed step; after the abort it is no step at all
+      (see the module's docstring). A value that the training stream itself updates once per step (a step counter
+      tensor in the state) copied along says which step it is; the host's own count does not.
+    - Host tensors are cloned (detached), so the result does not change when training code later mutates them.
+    """
+    streams: dict = {}
+    copied = _copy(state, streams)
+    deadline = time.monotonic() + timeout_s
+    for device, stream in streams.items():
+        done = stream.record_event()
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise DeviceCopyTimeout(f"copying the training state off {device} did not finish within {timeout_s:g} "
+                                        "s: the device is not answering")
+            time.sleep(POLL_S)
+    return copied
+
+
+def to_host(tensor: torch.Tensor, timeout_s: float = COPY_TIMEOUT_S) -> torch.Tensor:
+    """One tensor, as state_to_host copies it."""
+    return state_to_host(tensor, timeout_s)
+
+
+def _copy(value, streams: dict):
+    if isinstance(value, torch.Tensor):
+        if _on_host(value):
+            return value.detach().clone()
+        device = value.device
+        stream = streams.get(device) or streams.setdefault(device, torch.Stream(device=device))
+        with stream:  # the current stream of `device` while the copy is queued: the copy runs on it
+            host = _pinned_like(value)
+            host.copy_(value.detach(), non_blocking=True)  # pinned: asynchronous, its end marked by the stream's event
+        return host
+    if isinstance(value, dict):
+        return type(value)((k, _copy(v, streams)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        items = [_copy(v, streams) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # (a namedtuple: by field)
+    return value
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

@@ -1,0 +1,199 @@
+"""Issue 23 item 6: on NCCL and HCCL a failed collective reaches the training thread as an exception (the settings,
+set by the trainer and by launch.sh, a user's own kept), NCCL's own failure texts are lost peers, and the survivor
+save's copy off the device waits on nothing but its own side stream (docs/failures.md). No GPU here: the device side
+is mocked, as torch and torch_npu would present it."""
+
+import collections
+import os
+
+import pytest
+import torch
+from torch.distributed import DistBackendError
+
+from accel_train import accelerator, device_copy, hardware
+from accel_train.config import TrainConfig
+from accel_train.errors import is_lost_peer
+from test_launch import dry_run, hw, parse  # noqa: F401  (hw is a fixture)
+
+NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING",
+         "HCCL_ASYNC_ERROR_HANDLING", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture
+def clean_env():
+    """os.environ without the settings (failure_env writes to the real one, as it must before the process group)."""
+    saved = {n: os.environ.pop(n) for n in NAMES if n in os.environ}
+    yield os.environ
+    for n in NAMES:
+        os.environ.pop(n, None)
+    os.environ.update(saved)
+
+
+def test_failure_env_sets_what_the_user_did_not():
+    env = {}
+    assert accelerator.failure_env("cuda", env) == env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    env = {}
+    assert accelerator.failure_env("npu", env) == env == {"TORCH_HCCL_ASYNC_ERROR_HANDLING": "0",
+                                                          "HCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert accelerator.failure_env("cpu", env := {}) == env == {}  # gloo raises in the calling thread already
+    for kind, given in (("cuda", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}),  # the user's own, under either name
+                        ("cuda", {"NCCL_ASYNC_ERROR_HANDLING": "1"}),
+                        ("npu", {"HCCL_ASYNC_ERROR_HANDLING": "1"}),  # (torch_npu would read a TORCH_HCCL_ one first)
+                        ("npu", {"TORCH_HCCL_ASYNC_ERROR_HANDLING": "3"}),
+                        ("cuda", {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})):
+        env = dict(given)
+        assert accelerator.failure_env(kind, env) == {} and env == given
+    # torchrun's agent gives every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 when its own environment lacks the name
+    env = {"TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    accelerator.failure_env("cuda", env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # not under torchrun: the user's
+    assert accelerator.failure_env("cuda", env) == {} and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+@pytest.mark.parametrize("kind", ["cuda", "npu"])
+def test_the_trainer_sets_them_before_the_process_group_exists(monkeypatch, clean_env, kind):
+    """Accelerate makes the process group inside Accelerator() (state.py PartialState: init_process_group), where
+    the backend reads these variables; make_accelerator sets them before, on the device accelerate would use."""
+    import accelerate.utils
+    seen = {}
+
+    class Capture:  # the Accelerator: what the process group would see when it is made
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            seen.update({n: os.environ.get(n) for n in NAMES})
+
+    monkeypatch.setattr(accelerator, "Accelerator", Capture)
+    monkeypatch.setattr(accelerator, "logger", type("Quiet", (), {"info": lambda self, *a, **k: None})())
+    monkeypatch.setattr(accelerator, "has_accelerator", lambda: True)
+    monkeypatch.setattr(accelerator, "is_npu_available", lambda: kind == "npu")  # as torch_npu reports it
+    monkeypatch.setattr(accelerate.utils, "is_npu_available", lambda *a, **k: kind == "npu")  # (hardware.device_kind)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda")
+    facts = hardware.DeviceFacts(kind, "NVIDIA H100" if kind == "cuda" else "Ascend910B1",
+                                 (9, 0) if kind == "cuda" else None)
+    accelerator.make_accelerator(TrainConfig(), facts)
+    names, value, to_set = accelerator.FAILURE_ENV[kind]
+    assert {n: seen[n] for n in names} == {n: (value if n in to_set else None) for n in names}
+    other = "npu" if kind == "cuda" else "cuda"
+    assert all(seen[n] is None for n in accelerator.FAILURE_ENV[other][0])
+    for n in names:  # a value the user set is what the group sees
+        os.environ.pop(n, None)
+    os.environ[names[-1]] = "1"
+    accelerator.make_accelerator(TrainConfig(), facts)
+    assert {n: seen[n] for n in names} == {n: ("1" if n == names[-1] else None) for n in names}
+
+
+def test_launch_sh_exports_what_the_trainer_sets(hw):
+    for kind, devices in (("cuda", {"gpus": 2}), ("npu", {"npus": 8})):
+        names, value, to_set = accelerator.FAILURE_ENV[kind]
+        env, _, _ = parse(dry_run({}, bindir=hw(**devices)))
+        assert {n: env.get(n) for n in names} == {n: (value if n in to_set else None) for n in names}, kind
+        for name in names:  # the user's own value, under any of the names: launch.sh adds none (theirs passes on)
+            env, _, _ = parse(dry_run({name: "1"}, bindir=hw(**devices)))
+            assert not set(names) & set(env), (kind, name, env)
+    env, _, _ = parse(dry_run({}))  # a CPU machine: gloo, nothing to set
+    assert not {n for names, _, _ in accelerator.FAILURE_ENV.values() for n in names} & set(env)
+
+
+def test_nccls_own_failure_texts_are_lost_peers():
+    # torch 2.15's default "nccl" (nccl2): WorkNCCL::State::setTerminalStatus builds the work's exception, and
+    # checkAndAbortIfTimedOutOrError raises at the next collective once the watchdog saw the failure
+    assert is_lost_peer(DistBackendError("Watchdog caught collective operation timeout: NCCL operation timed out"))
+    assert is_lost_peer(RuntimeError("NCCL operation timed out\nException raised from checkAndAbortIfTimedOutOrError "
+                                     "at /pytorch/torch/csrc/distributed/c10d/nccl2/ProcessGroupNCCLUtils.cpp:322"))
+    assert is_lost_peer(RuntimeError("NCCL communicator was aborted after a previous error"))
+    # the stock ProcessGroupNCCL (TORCH_DIST_USE_NCCL2=0, "nccl-legacy", and torch before 2.15)
+    assert is_lost_peer(DistBackendError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, "
+                                         "OpType=ALLREDUCE, NumelIn=2797610, NumelOut=2797610, Timeout(ms)=300000) "
+                                         "ran for 300012 milliseconds before timing out."))
+    assert is_lost_peer(DistBackendError("NCCL communicator was aborted on rank 1. Original reason for failure was: "
+                                         "[PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread "
+                                         "terminated with exception: NCCL error: remote process exited or there was a "
+                                         "network error, NCCL version 2.27.3"))  # (NCCLUtils.cpp getNcclComm)
+    assert not is_lost_peer(DistBackendError("NCCL communicator was aborted on rank 1. Original reason for failure "
+                                             "was: CUDA error: an illegal memory access was encountered"))
+    assert not is_lost_peer(DistBackendError("NCCL operation failed"))  # any work error, a local CUDA one included
+    assert not is_lost_peer(RuntimeError("NCCL Async Error: invalid usage (run with NCCL_DEBUG=WARN for details)"))
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def state():
+    return {"model": collections.OrderedDict(w=torch.arange(6.0).reshape(2, 3), b=torch.ones(2)),
+            "optimizer": {"state": {0: {"momentum_buffer": torch.full((2, 3), 0.5)}},
+                          "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+            "pair": Point(torch.tensor(3), "x"), "steps": (7, [torch.zeros(1, dtype=torch.int64)])}
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.device.type == "cpu" and a.dtype == b.dtype and torch.equal(a, b.cpu())
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and all(assert_same(a[k], b[k]) is None for k in a)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b) and all(assert_same(x, y) is None for x, y in zip(a, b))
+    else:
+        assert a == b
+
+
+def test_state_to_host_on_the_cpu_is_a_copy_and_starts_no_stream(monkeypatch):
+    monkeypatch.setattr(torch, "Stream", None)  # would raise if one were made
+    original = state()
+    copied = device_copy.state_to_host(original)
+    assert_same(copied, original)
+    original["model"]["w"].add_(1)  # training goes on mutating its tensors: the copy keeps the step it was taken at
+    assert copied["model"]["w"][0, 0] == 0 and device_copy.to_host(original["model"]["w"])[0, 0] == 1
+
+
+class FakeStream:
+    """A torch.Stream of an accelerator: records where the copies were queued and when the copy is done."""
+    made, entered, done_after = [], [], 2
+
+    def __init__(self, device):
+        FakeStream.made.append(device)
+        self.queries = 0
+
+    def __enter__(self):
+        FakeStream.entered.append(True)
+
+    def __exit__(self, *exc):
+        FakeStream.entered.append(False)
+
+    def record_event(self):
+        return self
+
+    def query(self):  # (the event recorded on it)
+        self.queries += 1
+        return self.queries > FakeStream.done_after
+
+
+def fake_device(monkeypatch, done_after=2):
+    FakeStream.made, FakeStream.entered, FakeStream.done_after = [], [], done_after
+    queued = []
+    monkeypatch.setattr(torch, "Stream", FakeStream)
+    monkeypatch.setattr(device_copy, "_on_host", lambda t: False)  # every tensor is on the device
+    monkeypatch.setattr(device_copy, "_pinned_like",
+                        lambda t: queued.append(FakeStream.entered[-1]) or torch.empty_like(t))
+    for sync in ("synchronize",):  # never a wait on the whole device or the training stream
+        monkeypatch.setattr(torch.accelerator, sync, lambda *a: pytest.fail("waited on the whole device"))
+        monkeypatch.setattr(torch.cuda, sync, lambda *a: pytest.fail("waited on the whole device"))
+    return queued
+
+
+def test_state_to_host_on_a_device_copies_on_one_side_stream_and_waits_for_it_only(monkeypatch):
+    queued = fake_device(monkeypatch)
+    original = state()
+    copied = device_copy.state_to_host(original)
+    assert_same(copied, original)
+    assert len(FakeStream.made) == 1  # one fresh stream for the device (its tensors share it), not the current one
+    assert queued and all(queued)  # every copy queued while that stream was the current one
+    assert FakeStream.entered.count(True) == FakeStream.entered.count(False)  # and the current stream given back
+
+
+def test_a_copy_the_device_never_finishes_is_a_device_copy_timeout(monkeypatch):
+    fake_device(monkeypatch, done_after=10**9)
+    with pytest.raises(device_copy.DeviceCopyTimeout, match="did not finish within 0.05 s"):
+        device_copy.state_to_host(state(), timeout_s=0.05)

@@ -425,7 +425,7 @@ fi
 
 # The trainer's own exit status (accelerate launch returns 1 for any failed worker): every rank writes
 # it to a file in ACCEL_TRAIN_STATUS_DIR; the most telling one decides what happens next.
-# A rank that ended by SIGABRT wrote none: NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the default)
+# A rank that ended by SIGABRT wrote none: NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING 1 or 3, the user's own)
 # aborts a rank at the process-group timeout without a Python exception. Each rank's faulthandler notes
 # the abort in ACCEL_TRAIN_STATUS_DIR/faults/; such a rank counts as a lost peer (3), and the SIGTERM that
 # torchrun then sends the other ranks does not make their exit a preemption. Not in a gloo group (the note's

@@ -85,14 +85,15 @@ def test_the_trainer_sets_them_before_the_process_group_exists(monkeypatch, clea
 
 
 def test_launch_sh_exports_what_the_trainer_sets(hw):
+    unset = dict.fromkeys(NAMES, "")  # (empty is unset, to both; an in-process trainer test may have set them here)
     for kind, devices in (("cuda", {"gpus": 2}), ("npu", {"npus": 8})):
         names, value, to_set = accelerator.FAILURE_ENV[kind]
-        env, _, _ = parse(dry_run({}, bindir=hw(**devices)))
+        env, _, _ = parse(dry_run(unset, bindir=hw(**devices)))
         assert {n: env.get(n) for n in names} == {n: (value if n in to_set else None) for n in names}, kind
         for name in names:  # the user's own value, under any of the names: launch.sh adds none (theirs passes on)
-            env, _, _ = parse(dry_run({name: "1"}, bindir=hw(**devices)))
+            env, _, _ = parse(dry_run({**unset, name: "1"}, bindir=hw(**devices)))
             assert not set(names) & set(env), (kind, name, env)
-    env, _, _ = parse(dry_run({}))  # a CPU machine: gloo, nothing to set
+    env, _, _ = parse(dry_run(unset))  # a CPU machine: gloo, nothing to set
     assert not {n for names, _, _ in accelerator.FAILURE_ENV.values() for n in names} & set(env)
 
 

@@ -3,6 +3,7 @@
     python bench/cuda_checks.py syncs  --json F --output_dir D [--device cuda]   host syncs per optimizer step
     python bench/cuda_checks.py compile --json F --output_dir D                  graphs torch.compile compiled
     python bench/cuda_checks.py resume --json F --output_dir D                   stopped + resumed == uninterrupted
+    python bench/cuda_checks.py side_copy --json F --output_dir D [--device cuda] the survivor copy skips a stuck stream
     python bench/cuda_checks.py deterministic-train -- <trainer arguments>       (used by resume)
 
 Each runs the real trainer (accel_train.cli.main) in this process. `syncs` turns on
@@ -109,6 +110,34 @@ def check_resume(a) -> dict:
     return {"check": "resume", "ok": diff <= 1e-6, "exits": codes, "max_abs_diff": diff}
 
 
+def check_side_copy(a) -> dict:
+    """accel_train.device_copy.state_to_host, the survivor save's copy (docs/failures.md), on a device whose training
+    stream is stuck: a ~10 s kernel (torch.cuda._sleep, 2e10 cycles at ~2 GHz) holds the current stream, with an
+    update of the weights queued behind it, as a hung collective holds the next optimizer step. The copy must return
+    while the stream is still busy, with the weights from before the update; the update then runs as queued."""
+    import time
+
+    import torch
+
+    from accel_train.device_copy import state_to_host
+    device = torch.device(a.device)
+    weights = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    before = weights.cpu().clone()  # (on the cpu, .cpu() is the tensor itself)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2 * 10**10)  # the stuck collective
+    weights.add_(1)  # the step queued behind it
+    start = time.monotonic()
+    copied = state_to_host({"weights": weights}, timeout_s=30)["weights"]
+    seconds = time.monotonic() - start
+    stuck = not torch.cuda.current_stream().query() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    same = torch.equal(copied, before) if device.type == "cuda" else torch.equal(copied, before + 1)
+    return {"check": "side_copy", "ok": bool(same and stuck is not False and torch.equal(weights.cpu(), before + 1)),
+            "copy_seconds": round(seconds, 3), "stream_still_busy_after_copy": stuck, "copy_is_pre_update": same}
+
+
 def deterministic_train(args: list[str]) -> int:
     import os
 
@@ -118,7 +147,7 @@ def deterministic_train(args: list[str]) -> int:
     return train(args)
 
 
-CHECKS = {"syncs": check_syncs, "compile": check_compile, "resume": check_resume}
+CHECKS = {"syncs": check_syncs, "compile": check_compile, "resume": check_resume, "side_copy": check_side_copy}
 
 
 def main() -> int:

@@ -7,6 +7,7 @@
 #   syncs     host syncs per optimizer step (torch.cuda.set_sync_debug_mode): none outside the agreed checks
 #   compile   graphs torch.compile compiled over 2 epochs with a partial last evaluation batch: 2 (train, eval)
 #   resume    a run stopped at --max_steps and resumed equals the uninterrupted one (deterministic kernels)
+#   side_copy the survivor save's copy reads the device while the training stream is stuck (docs/failures.md)
 # Text goes to stdout, figures to $OUT/gpu_check/<check>.json and a summary to $OUT/gpu_check/summary.json.
 # A new check: write a function check_<name> and add <name> and its time limit to CHECKS.
 # Paste what it prints, the date and the hardware into bench/RESULTS.md.
@@ -16,7 +17,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MINI
 out="${OUT:-/tmp}/gpu_check"
 dry=0
 if [[ "${1:-}" == --dry-run ]]; then dry=1; fi
-CHECKS=("precision 20" "bench_eager 60" "train 50" "syncs 40" "compile 90" "resume 60")  # name, time limit (s)
+CHECKS=("precision 20" "bench_eager 60" "train 50" "syncs 40" "compile 90" "resume 60"
+        "side_copy 40")  # name, time limit (s)
 
 limit=60
 run() {  # run a command within the check's time limit (or, with --dry-run, print it)
@@ -43,6 +45,7 @@ cuda_check() { run python bench/cuda_checks.py "$1" --json "$out/$1.json" --outp
 check_syncs() { cuda_check syncs; }
 check_compile() { cuda_check compile; }
 check_resume() { cuda_check resume; }
+check_side_copy() { cuda_check side_copy; }
 
 mkdir -p "$out"
 if ((!dry)); then

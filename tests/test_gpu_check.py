@@ -13,8 +13,9 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60,
                           env=clean_env(OUT=str(tmp_path)))
     assert proc.returncode == 0, proc.stderr
-    for check in ("syncs", "compile", "resume"):
+    for check in ("syncs", "compile", "resume", "side_copy"):
         assert f"bench/cuda_checks.py {check} --json {tmp_path}/gpu_check/{check}.json" in proc.stdout
     assert "python -m accel_train.hardware --config_precision bf16" in proc.stdout  # the chosen precision
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
-    assert list(summary) == ["precision", "bench_eager", "train", "syncs", "compile", "resume"]
+    assert list(summary) == ["precision", "bench_eager", "train", "syncs", "compile", "resume",
+                             "side_copy"]

@@ -13,12 +13,11 @@ runs in the calling thread and nothing is queued behind it.
 
 from __future__ import annotations
 
-import time
+import threading
 
 import torch
 
 COPY_TIMEOUT_S = 60.0  # a copy of a few GB at PCIe speed takes seconds; past this the device itself is not answering
-POLL_S = 0.01
 
 
 class DeviceCopyTimeout(RuntimeError):
@@ -32,10 +31,13 @@ def state_to_host(state, timeout_s: float = COPY_TIMEOUT_S):
     are. The survivor save writes what this returns.
 
     Contract:
-    - No collective call, and no wait on any stream the training thread used: each device's tensors are copied on one
-      fresh stream of that device (torch.Stream: a pool stream, which does not synchronise with the default stream)
-      into pinned host memory, and only that stream's completion is awaited, by polling an event for at most
-      `timeout_s` (then DeviceCopyTimeout). So it returns while the training stream still holds a stuck collective.
+    - No collective call, and no wait on any stream the training thread used: each device's tensors are copied by
+      `tensor.to("cpu")` with a fresh stream of that device as the current one (torch.Stream: a pool stream, created
+      non-blocking, so it does not wait for the default stream), which waits for that stream alone. Into pageable
+      memory: a page-locked allocation may wait for all work in flight on the device (CUDA C Programming Guide,
+      "Implicit Synchronization"). The copies run in a helper thread, awaited for at most `timeout_s`, then
+      DeviceCopyTimeout (the thread is left behind: a daemon). So it returns while the training stream still holds
+      a stuck collective.
     - It copies what device memory holds at that moment. The caller must know which step that is: on CUDA/NPU it is
       the last step whose kernels all ran before the first failed collective (when the communicator has not been
       aborted yet), which can be earlier than the host's last completed step; after the abort it is no step at all
@@ -43,17 +45,23 @@ def state_to_host(state, timeout_s: float = COPY_TIMEOUT_S):
       tensor in the state) copied along says which step it is; the host's own count does not.
     - Host tensors are cloned (detached), so the result does not change when training code later mutates them.
     """
-    streams: dict = {}
-    copied = _copy(state, streams)
-    deadline = time.monotonic() + timeout_s
-    for device, stream in streams.items():
-        done = stream.record_event()
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise DeviceCopyTimeout(f"copying the training state off {device} did not finish within {timeout_s:g} "
-                                        "s: the device is not answering")
-            time.sleep(POLL_S)
-    return copied
+    done: dict = {}
+
+    def copy():
+        try:
+            done["state"] = _copy(state, {})
+        except BaseException as e:  # raised in the caller's thread below
+            done["error"] = e
+
+    worker = threading.Thread(target=copy, name="accel_train-state-to-host", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise DeviceCopyTimeout(f"copying the training state off the device did not finish within {timeout_s:g} s: "
+                                "the device is not answering")
+    if "error" in done:
+        raise done["error"]
+    return done["state"]
 
 
 def to_host(tensor: torch.Tensor, timeout_s: float = COPY_TIMEOUT_S) -> torch.Tensor:
@@ -67,10 +75,8 @@ def _copy(value, streams: dict):
             return value.detach().clone()
         device = value.device
         stream = streams.get(device) or streams.setdefault(device, torch.Stream(device=device))
-        with stream:  # the current stream of `device` while the copy is queued: the copy runs on it
-            host = _pinned_like(value)
-            host.copy_(value.detach(), non_blocking=True)  # pinned: asynchronous, its end marked by the stream's event
-        return host
+        with stream:  # this thread's current stream of `device` while the copy is queued and awaited
+            return _device_to_host(value)
     if isinstance(value, dict):
         return type(value)((k, _copy(v, streams)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
@@ -83,5 +89,5 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+def _device_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)  # on the current stream, then a wait for that stream

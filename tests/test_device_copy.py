@@ -5,6 +5,7 @@ is mocked, as torch and torch_npu would present it."""
 
 import collections
 import os
+import time
 
 import pytest
 import torch
@@ -150,12 +151,11 @@ def test_state_to_host_on_the_cpu_is_a_copy_and_starts_no_stream(monkeypatch):
 
 
 class FakeStream:
-    """A torch.Stream of an accelerator: records where the copies were queued and when the copy is done."""
-    made, entered, done_after = [], [], 2
+    """A torch.Stream of an accelerator: records that the copies ran while it was the current stream."""
+    made, entered = [], []
 
     def __init__(self, device):
         FakeStream.made.append(device)
-        self.queries = 0
 
     def __enter__(self):
         FakeStream.entered.append(True)
@@ -163,38 +163,37 @@ class FakeStream:
     def __exit__(self, *exc):
         FakeStream.entered.append(False)
 
-    def record_event(self):
-        return self
 
-    def query(self):  # (the event recorded on it)
-        self.queries += 1
-        return self.queries > FakeStream.done_after
-
-
-def fake_device(monkeypatch, done_after=2):
-    FakeStream.made, FakeStream.entered, FakeStream.done_after = [], [], done_after
+def fake_device(monkeypatch, copy_seconds=0.0):
+    FakeStream.made, FakeStream.entered = [], []
     queued = []
+
+    def device_to_host(t):  # tensor.to("cpu") on the current stream: here, after a while
+        queued.append(FakeStream.entered[-1])
+        time.sleep(copy_seconds)
+        return t.detach().clone()
+
     monkeypatch.setattr(torch, "Stream", FakeStream)
     monkeypatch.setattr(device_copy, "_on_host", lambda t: False)  # every tensor is on the device
-    monkeypatch.setattr(device_copy, "_pinned_like",
-                        lambda t: queued.append(FakeStream.entered[-1]) or torch.empty_like(t))
-    for sync in ("synchronize",):  # never a wait on the whole device or the training stream
-        monkeypatch.setattr(torch.accelerator, sync, lambda *a: pytest.fail("waited on the whole device"))
-        monkeypatch.setattr(torch.cuda, sync, lambda *a: pytest.fail("waited on the whole device"))
+    monkeypatch.setattr(device_copy, "_device_to_host", device_to_host)
+    for module in (torch.accelerator, torch.cuda):  # never a wait on the whole device
+        monkeypatch.setattr(module, "synchronize", lambda *a: pytest.fail("waited on the whole device"))
     return queued
 
 
-def test_state_to_host_on_a_device_copies_on_one_side_stream_and_waits_for_it_only(monkeypatch):
+def test_state_to_host_on_a_device_copies_on_one_side_stream(monkeypatch):
     queued = fake_device(monkeypatch)
     original = state()
     copied = device_copy.state_to_host(original)
     assert_same(copied, original)
     assert len(FakeStream.made) == 1  # one fresh stream for the device (its tensors share it), not the current one
-    assert queued and all(queued)  # every copy queued while that stream was the current one
+    assert len(queued) == 5 and all(queued)  # every tensor copied while that stream was the current one
     assert FakeStream.entered.count(True) == FakeStream.entered.count(False)  # and the current stream given back
 
 
 def test_a_copy_the_device_never_finishes_is_a_device_copy_timeout(monkeypatch):
-    fake_device(monkeypatch, done_after=10**9)
+    fake_device(monkeypatch, copy_seconds=1.0)
+    start = time.monotonic()
     with pytest.raises(device_copy.DeviceCopyTimeout, match="did not finish within 0.05 s"):
         device_copy.state_to_host(state(), timeout_s=0.05)
+    assert time.monotonic() - start < 0.9  # the caller is back at the deadline, the copy still running

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import Diverged
+from .errors import Diverged, of_step
 from .files import checkpoint_dirs
 
 
@@ -67,9 +67,9 @@ class NonFiniteWatch:
         weights_ok = torch.ones((), device=self.first.device, dtype=torch.long)
         if model is not None:
             weights_ok = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all().long()
-        found = accelerator.gather(torch.stack([self.first, weights_ok, self.jumped]).reshape(1, 3)).reshape(-1, 3)
-        found = found.tolist()
-        self.verdict([f for f, _, _ in found], all(ok for _, ok, _ in found), step, [j for _, _, j in found])
+        mine = torch.stack([self.first, weights_ok, self.jumped, torch.full_like(self.jumped, step)]).reshape(1, 4)
+        found = of_step(accelerator.gather(mine).reshape(-1, 4).tolist(), step, "the divergence check")
+        self.verdict([f for f, _, _, _ in found], all(ok for _, ok, _, _ in found), step, [j for _, _, j, _ in found])
 
     def verdict(self, firsts: list[int], weights_ok: bool, step: int, jumps: list[int] = ()) -> None:
         """From every rank's first non-finite step (0: none), the weights' state and the first weight jump (0:

@@ -37,6 +37,11 @@ class Diverged(Exception):
     """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
 
 
+class LostPeer(RuntimeError):
+    """A collective's result shows a peer is gone though the backend raised nothing (yet): on NCCL an all-gather that
+    the watchdog aborted returns whatever its output held (docs/failures.md). A lost peer (exit 3)."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports errors as one line (ConfigError) instead of usage + exit; every command's
     parser (cli, evaluate, predict, preflight) is one of these."""
@@ -67,7 +72,16 @@ def report_status(code: int) -> None:
             pass
 
 
-LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError")
+def of_step(rows: list, step: int, what: str) -> list:
+    """The rows an all-gather returned, each ending with the step every rank called it at: as they are, or LostPeer
+    when a row is of no such step (what an all-gather that NCCL's watchdog aborted leaves: docs/failures.md)."""
+    if any(r[-1] != step for r in rows):
+        raise LostPeer(f"{what} at step {step} read rows of no rank (steps {sorted({r[-1] for r in rows})}): its "
+                       "all-gather was aborted, a peer is gone (docs/failures.md)")
+    return rows
+
+
+LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError", "LostPeer")
 # NCCL's texts, at the next collective once the watchdog saw a timeout or (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) aborted
 # the communicator on an NCCL error. nccl2, the default "nccl" from torch 2.15: nccl2/WorkNCCL.cpp setTerminalStatus
 # ("Watchdog caught ...: NCCL operation timed out"), nccl2/ProcessGroupNCCLUtils.cpp checkAndAbortIfTimedOutOrError

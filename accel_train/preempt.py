@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from .errors import EXIT_INTERRUPTED, Preempted, report_status
+from .errors import EXIT_INTERRUPTED, Preempted, of_step, report_status
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -95,7 +95,7 @@ class AgreedChecks:
 
     Bound: a stop is seen after at most max(MAX_S of work, one step) plus the check itself, then the
     checkpoint is written: well inside the 30 s torchrun gives workers after forwarding SIGTERM
-    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 5 numbers
+    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 6 numbers
     per rank and one host read (which drains the device queue); the interval is at least 100x the
     measured cost of the previous check (<= 1% of the time), and about TARGET_S of work otherwise."""
 
@@ -115,11 +115,11 @@ class AgreedChecks:
         import torch  # (this module is imported by the command line before torch is needed)
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
-        mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost, 0.0]],
+        mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost, 0.0, float(step)]],
                             dtype=torch.float64, device=accelerator.device)
         if watch is not None:
             mine[0, 1], mine[0, 4] = watch.first, watch.jumped  # stay on the device until the one read below
-        rows = accelerator.gather(mine).reshape(-1, 5).tolist()
+        rows = of_step(accelerator.gather(mine).reshape(-1, 6).tolist(), step, "the agreed check")
         if watch is not None:
             watch.verdict([int(r[1]) for r in rows], True, step, [int(r[4]) for r in rows])
         self.next = step + self.interval(max(r[2] for r in rows), max(r[3] for r in rows))

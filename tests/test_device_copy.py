@@ -197,3 +197,33 @@ def test_a_copy_the_device_never_finishes_is_a_device_copy_timeout(monkeypatch):
     with pytest.raises(device_copy.DeviceCopyTimeout, match="did not finish within 0.05 s"):
         device_copy.state_to_host(state(), timeout_s=0.05)
     assert time.monotonic() - start < 0.9  # the caller is back at the deadline, the copy still running
+
+
+def test_a_check_that_reads_an_aborted_all_gather_is_a_lost_peer_not_a_decision(tmp_path):
+    """Under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 an all-gather queued behind a hung collective returns, once the
+    watchdog aborted the communicator, whatever its output held: a stale row must not stop the job as diverged or
+    preempted. Each row carries the step the ranks called the check at."""
+    from accel_train.divergence import NonFiniteWatch
+    from accel_train.errors import LostPeer
+    from accel_train.preempt import AgreedChecks, StopRequest
+
+    class Gathered:  # two ranks' rows, the second one stale
+        device = torch.device("cpu")
+
+        def __init__(self, stale):
+            self.stale = stale
+
+        def gather(self, mine):
+            other = mine.clone()
+            other[0, 0] = 1  # a stop flag, or a first non-finite step
+            other[0, -1] += self.stale
+            return torch.cat([mine, other])
+
+    checks = AgreedChecks(StopRequest(), step=0)
+    with pytest.raises(LostPeer, match="the agreed check at step 7 read rows of no rank") as raised:
+        checks.agree(Gathered(stale=-3), 7)
+    assert is_lost_peer(raised.value)
+    assert checks.agree(Gathered(stale=0), 7)  # rows of this step: the other rank's stop request is acted on
+    watch = NonFiniteWatch(torch.device("cpu"), tmp_path)
+    with pytest.raises(LostPeer, match="the divergence check at step 9"):
+        watch.check(Gathered(stale=5), 9)

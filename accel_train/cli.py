@@ -16,12 +16,12 @@ import re
 import sys
 import traceback
 import typing
-from pathlib import Path
 
 import yaml
 
 from . import __version__
 from .config import TrainConfig, base_type, fields
+from .files import missing_dirs, remove_if_empty
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
                      Diverged, Parser, Preempted, end_progress_line, exit_rank, is_lost_peer, lost_peer, note_aborts,
                      process_group, report_status, says_shared_errors)
@@ -165,25 +165,6 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
 
 # A lost peer, by exception type and by where the message comes from (the transport layer of the
 # collective library), never by loose words: a DataLoader timeout or an NCCL usage error is a bug to show.
-def missing_dirs(path) -> list[Path]:
-    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
-    out, missing = Path(path).absolute(), []
-    while not out.exists() and out != out.parent:
-        missing.append(out)
-        out = out.parent
-    return missing
-
-
-def remove_if_empty(dirs: list[Path]) -> None:
-    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
-    long as they are empty (rmdir never removes content, whoever wrote it)."""
-    for d in dirs:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     note_aborts()

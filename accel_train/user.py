@@ -4,10 +4,12 @@ before the first step (README: Your own model)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -34,6 +36,16 @@ def name_of(model) -> str:
     """The import path a module or factory given to train() is recorded under (config.yaml, model_config.json)."""
     kind = model if callable(model) and not isinstance(model, nn.Module) else type(model)
     return f"{getattr(kind, '__module__', '__main__')}:{getattr(kind, '__qualname__', type(kind).__name__)}"
+
+
+def code_digest(name) -> str | None:
+    """The contents of the file that defines an import path's module (imported by then), as a digest: a cached result
+    about the model (gradcheck) is not taken for a changed model. None for a timm name or a file not found."""
+    module = sys.modules.get(name.partition(":")[0]) if is_import_path(name) else None
+    try:
+        return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16] if module else None
+    except (OSError, TypeError, AttributeError):
+        return None
 
 
 def one_line(e: BaseException) -> str:

@@ -46,3 +46,74 @@ def test_a_bad_model_is_one_line_and_touches_nothing(case, tmp_path, existing_ru
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and fragment in errors[0], proc.stderr
     assert snapshot(existing_run) == before
+
+
+class Items(Dataset):
+    """A Dataset whose item is `item` (a bad one), 32 of them."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return self.item
+
+
+def in_process_train(*args, **kwargs):
+    """accel_train.train() here, as a script would call it; Accelerate's state and the signal handlers restored."""
+    import signal
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accel_train import train
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        return train(*args, **kwargs)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("item,said", [
+    ((torch.zeros(3, 8, 8), 1.5), "train_set[0] is (a torch.float32 tensor of shape (3, 8, 8), a float); each item"),
+    (torch.zeros(3, 8, 8), "train_set[0] is a torch.float32 tensor of shape (3, 8, 8); each item must be (image"),
+    ((torch.zeros(8, 8, dtype=torch.uint8), 1), "(a torch.uint8 tensor of shape (8, 8), a int)")])
+def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(item, said, tmp_path, existing_run):  # noqa: F811
+    from accel_train import TrainConfig
+    before = snapshot(existing_run)
+    good = Items((torch.zeros(3, 8, 8), 1))
+    with pytest.raises(ConfigError) as e:
+        in_process_train(TrainConfig(output_dir=str(existing_run), epochs=1), model="tests_pkg.mod:build",
+                         train_set=Items(item), test_set=good)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    assert snapshot(existing_run) == before
+
+
+def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, monkeypatch):
+    # gradcheck runs on your module as on timm's; its cached verdict belongs to the model file's contents (a changed
+    # model is checked again), not only to the name --model gives it
+    import importlib
+    import shutil
+    import sys
+
+    from accel_train.config import TrainConfig
+    from accel_train.gradcheck import cache_key, check
+    from accel_train.hardware import DeviceFacts
+    shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = importlib.import_module("user_pkg.mod").build(10)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    assert check(model, x, y, torch.nn.CrossEntropyLoss(), "bf16").limit > 0
+    cfg, facts = TrainConfig(model="user_pkg.mod:build"), DeviceFacts("cpu", "cpu")
+    before = cache_key(cfg, 10, x.shape, "bf16", facts)
+    (tmp_path / "user_pkg" / "mod.py").write_text((tmp_path / "user_pkg" / "mod.py").read_text() + "\n# changed\n")
+    assert cache_key(cfg, 10, x.shape, "bf16", facts)["code"] != before["code"] is not None
+    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts)["code"] is None  # a timm name
+    sys.modules.pop("user_pkg.mod")
+    sys.modules.pop("user_pkg")

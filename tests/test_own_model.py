@@ -2,13 +2,25 @@
 file, every bad model or data set as one line (exit 2) with the output dir untouched, and train() from Python."""
 
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
+import tests_pkg.mod
 from accel_train.errors import ConfigError
-from conftest import ROOT, clean_env, run_cli
+from conftest import (CONFIGS, ROOT, clean_env, launch, run, run_cli, steps_logged, trainer_pids, wait_for,
+                      write_cifar)
+from test_resume import worst
 from test_bad_input import existing_run, snapshot  # noqa: F401 (a fixture)
 
 TESTS = ROOT / "tests"
@@ -117,3 +129,103 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts)["code"] is None  # a timm name
     sys.modules.pop("user_pkg.mod")
     sys.modules.pop("user_pkg")
+
+
+def python_path(*extra) -> str:
+    return os.pathsep.join([*map(str, extra), os.environ.get("PYTHONPATH", "")])
+
+
+def test_images(data, folder):
+    """The test split of a CIFAR-10 tree as PNG files, and their labels."""
+    from PIL import Image
+
+    from accel_train.data import read_cifar10
+    images, labels = read_cifar10(data, ("test",))["test"]
+    folder.mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:03d}.png")
+    return labels.tolist()
+
+
+@pytest.mark.slow
+def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_evaluated(tmp_path):
+    # --model tests_pkg.mod:build (GroupNorm, no dropout: comparable across process counts), 256 learnable CIFAR-10
+    # samples, 2 ranks x 8: 16 steps an epoch, 2 epochs. The uninterrupted run, then the same run stopped by SIGTERM
+    # to both ranks mid-epoch 1 and resumed on 2 ranks (the same weights, 1e-6) and, from a copy of its checkpoint,
+    # on 1 rank (1e-5: another reduction order).
+    data = write_cifar(tmp_path / "in", rows=(52, 52, 52, 50, 50), test_rows=40, learnable=True)
+    args = ["--model", "tests_pkg.mod:build", "--data", "cifar10", "--data_dir", data, "--epochs", "2",
+            "--batch_size", "8", "--log_every", "1"]
+    env = clean_env(PYTHONPATH=python_path(TESTS))
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    launch("2proc_cpu.yaml", [*args, "--output_dir", ref], env=env)
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml", "-m",
+           "accel_train", *args, "--output_dir", out]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**env, "ACCEL_TEST_TAG": tag, "TESTS_PKG_DELAY": "0.2"}, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 3, timeout=120)
+        for pid in wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30).values():
+            os.kill(pid, signal.SIGTERM)  # what a platform sends every process of the job
+        text = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    step = int(re.findall(r"stopped by SIGTERM at step (\d+)", text)[0])
+    assert 3 <= step < 16, text[-3000:]
+    one = shutil.copytree(out, tmp_path / "one")
+    resumed = launch("2proc_cpu.yaml", [*args, "--output_dir", out, "--resume", "auto"], env=env)
+    assert f"step {step}, {step} batches into the epoch" in resumed.stderr, resumed.stderr[-3000:]
+    a = load_file(ref / "model.safetensors")
+    assert worst(a, load_file(out / "model.safetensors")) <= 1e-6
+    on_one = launch("cpu.yaml", [*args, "--output_dir", one, "--resume", "auto"], env=env)
+    assert "2 -> 1 processes; per-process batch 8 -> 16" in on_one.stderr, on_one.stderr[-3000:]
+    assert worst(a, load_file(one / "model.safetensors")) <= 1e-5
+    assert worst(a, tests_pkg.mod.build(10).state_dict()) > 1e-3  # (and training moved the weights far more)
+    meta = json.loads((ref / "model_config.json").read_text())
+    assert (meta["architecture"], meta["model_kwargs"]) == ("tests_pkg.mod:build", {})
+    acc = [json.loads(r) for r in (ref / "metrics.jsonl").read_text().splitlines()][-1]["test_acc"]
+    assert acc >= 0.2  # learnable data: the export is a trained model, not chance (0.1)
+
+    # evaluate / predict of the export: nothing imported without --trust_model_code (the module marks its import),
+    # one line naming the path; with it, the training's test accuracy
+    marker, images = tmp_path / "imported", tmp_path / "images"
+    labels = test_images(data, images)
+    for command in (["evaluate", "--data_dir", data], ["predict", images]):
+        sys.modules.pop("tests_pkg.mod", None)
+        proc = run_cli([command[0], "--checkpoint", ref, *command[1:]], env=clean_env(TESTS_PKG_IMPORTED=str(marker)))
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            f"accel-train: error: {ref}/model_config.json names the model code tests_pkg.mod:build: importing it runs "
+            "that code; if you trust it, pass --trust_model_code (or --model tests_pkg.mod:build)"), proc.stderr
+        assert not marker.exists() and "tests_pkg.mod" not in sys.modules
+    proc = run_cli(["evaluate", "--checkpoint", ref, "--data_dir", data, "--trust_model_code"])
+    assert float(re.search(r"test accuracy ([\d.]+)% on 40 samples", proc.stdout)[1]) / 100 == pytest.approx(acc)
+    proc = run_cli(["predict", "--checkpoint", ref, "--format", "json", "--model", "tests_pkg.mod:build", images])
+    top = [json.loads(line)["top"][0]["class"] for line in proc.stdout.splitlines()]
+    classes = meta["classes"]
+    assert sum(classes.index(c) == y for c, y in zip(top, labels)) / len(labels) == pytest.approx(acc, abs=1 / 40)
+
+
+@pytest.mark.slow
+def test_the_examples_train_on_two_ranks(tmp_path):
+    # a model in a local file trained with --model (its folder is the working directory), and a script calling
+    # train() with its own Dataset under accelerate launch: it returns the run's metrics and outputs
+    env = clean_env(PYTHONPATH=python_path(ROOT))
+    proc = run(["bash", ROOT / "examples" / "train_my_model.sh", "--epochs", "1", "--output_dir", tmp_path / "m"],
+               240, env, tmp_path)
+    assert proc.returncode == 0 and "2 process(es)" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "m" / "model_config.json").read_text())["architecture"] == "my_model:build"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml",
+           ROOT / "examples" / "train_own_data.py", "--epochs", "2", "--output_dir", tmp_path / "d"]
+    proc = run(list(map(str, cmd)), 240, env, tmp_path)
+    assert proc.returncode == 0 and "2 process(es)" in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # printed once, by the main process
+    rows = [json.loads(r) for r in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
+    assert result["final_test_acc"] == rows[-1]["test_acc"] and result["epochs_run"] == 2
+    assert result["step"] == rows[-1]["step"] == 32  # 256 samples, 2 ranks x 8 (the automatic batch): 16 steps an epoch
+    assert result["model_file"] == str(tmp_path / "d" / "model.safetensors") and Path(result["model_file"]).is_file()
+    meta = json.loads((tmp_path / "d" / "model_config.json").read_text())
+    assert (meta["architecture"], meta["classes"], meta["data"]) == ("__main__:small_net", ["horizontal", "vertical"],
+                                                                    "Stripes")

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from accel_train import train
+from accel_train.api import main
 from accel_train.cli import parse_train_args
 
 
@@ -42,8 +43,12 @@ def small_net(num_classes: int) -> nn.Module:
                          nn.Linear(8 * 16, num_classes))
 
 
-if __name__ == "__main__":
+def run():
     cfg = parse_train_args(sys.argv[1:])  # the command line's flags and defaults (TrainConfig(...) works as well)
     result = train(cfg, model=small_net, train_set=Stripes(256, seed=0), test_set=Stripes(64, seed=1))
     if PartialState().is_main_process:  # every rank returns the same metrics
         print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(run)  # the command line's one-line errors and exit statuses (bad input 2, preempted 4, ...)

@@ -229,3 +229,8 @@ def test_the_examples_train_on_two_ranks(tmp_path):
     meta = json.loads((tmp_path / "d" / "model_config.json").read_text())
     assert (meta["architecture"], meta["classes"], meta["data"]) == ("__main__:small_net", ["horizontal", "vertical"],
                                                                     "Stripes")
+    # launch.sh starts the script in the trainer's place (ACCEL_TRAIN_SCRIPT), with its flags
+    proc = run(["bash", ROOT / "launch.sh", "--dry-run", "--epochs", "1"], 60,
+               clean_env(ACCEL_TRAIN_SCRIPT="examples/train_own_data.py", NPROC_PER_NODE="2"), ROOT)
+    assert re.search(r"accelerate.commands.launch .*--num_processes 2 .*examples/train_own_data.py --epochs 1 *$",
+                     proc.stdout.strip()), proc.stdout + proc.stderr

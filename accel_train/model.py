@@ -166,7 +166,8 @@ def init_model_code(cfg) -> str | None:
         return None
     allow_import(arch, cfg.trust_model_code, None, f"--init_from {cfg.init_from}")
     cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(init_facts(cfg.init_from).get("model_kwargs") or {})
-    return f"--init_from: model {arch} {cfg.model_kwargs}, as the weights were trained (--trust_model_code)"
+    return f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were trained " \
+        "(--trust_model_code)"
 
 
 def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | None, str]:

@@ -135,7 +135,7 @@ def python_path(*extra) -> str:
     return os.pathsep.join([*map(str, extra), os.environ.get("PYTHONPATH", "")])
 
 
-def test_images(data, folder):
+def write_test_images(data, folder):
     """The test split of a CIFAR-10 tree as PNG files, and their labels."""
     from PIL import Image
 
@@ -192,7 +192,7 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
     # evaluate / predict of the export: nothing imported without --trust_model_code (the module marks its import),
     # one line naming the path; with it, the training's test accuracy
     marker, images = tmp_path / "imported", tmp_path / "images"
-    labels = test_images(data, images)
+    labels = write_test_images(data, images)
     for command in (["evaluate", "--data_dir", data], ["predict", images]):
         sys.modules.pop("tests_pkg.mod", None)
         proc = run_cli([command[0], "--checkpoint", ref, *command[1:]], env=clean_env(TESTS_PKG_IMPORTED=str(marker)))
@@ -206,6 +206,11 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
     top = [json.loads(line)["top"][0]["class"] for line in proc.stdout.splitlines()]
     classes = meta["classes"]
     assert sum(classes.index(c) == y for c, y in zip(top, labels)) / len(labels) == pytest.approx(acc, abs=1 / 40)
+    # --init_from rebuilds the module its model_config.json names, once trusted (refused otherwise: test above)
+    proc = run_cli(["--init_from", ref, "--trust_model_code", "--data", "cifar10", "--data_dir", data, "--max_steps", "1",
+                    "--output_dir", tmp_path / "fine"])
+    assert proc.returncode == 0 and "--init_from: --model tests_pkg.mod:build --model_kwargs '{}'" in proc.stderr
+    assert "loaded 6 tensors; none missing" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

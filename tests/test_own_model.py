@@ -150,12 +150,12 @@ def write_test_images(data, folder):
 @pytest.mark.slow
 def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_evaluated(tmp_path):
     # --model tests_pkg.mod:build (GroupNorm, no dropout: comparable across process counts), 256 learnable CIFAR-10
-    # samples, 2 ranks x 8: 16 steps an epoch, 2 epochs. The uninterrupted run, then the same run stopped by SIGTERM
-    # to both ranks mid-epoch 1 and resumed on 2 ranks (the same weights, 1e-6) and, from a copy of its checkpoint,
-    # on 1 rank (1e-5: another reduction order).
+    # samples, 2 ranks x 8 x --grad_accum 2: 8 steps an epoch, 2 epochs, with --ema. The uninterrupted run, then the
+    # same run stopped by SIGTERM to both ranks and resumed on 2 ranks (the same weights and EMA, 1e-6) and, from a
+    # copy of its checkpoint, on 1 rank (1e-5: another reduction order).
     data = write_cifar(tmp_path / "in", rows=(52, 52, 52, 50, 50), test_rows=40, learnable=True)
     args = ["--model", "tests_pkg.mod:build", "--data", "cifar10", "--data_dir", data, "--epochs", "2",
-            "--batch_size", "8", "--log_every", "1"]
+            "--batch_size", "8", "--grad_accum", "2", "--ema", "--log_every", "1"]
     env = clean_env(PYTHONPATH=python_path(TESTS))
     ref, out = tmp_path / "ref", tmp_path / "out"
     launch("2proc_cpu.yaml", [*args, "--output_dir", ref], env=env)
@@ -174,12 +174,13 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     step = int(re.findall(r"stopped by SIGTERM at step (\d+)", text)[0])
-    assert 3 <= step < 16, text[-3000:]
+    assert 3 <= step < 16, text[-3000:]  # (before the end: there is a rest to resume)
     one = shutil.copytree(out, tmp_path / "one")
     resumed = launch("2proc_cpu.yaml", [*args, "--output_dir", out, "--resume", "auto"], env=env)
-    assert f"step {step}, {step} batches into the epoch" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"step {step}, " in resumed.stderr, resumed.stderr[-3000:]
     a = load_file(ref / "model.safetensors")
     assert worst(a, load_file(out / "model.safetensors")) <= 1e-6
+    assert worst(load_file(ref / "model_ema.safetensors"), load_file(out / "model_ema.safetensors")) <= 1e-6
     on_one = launch("cpu.yaml", [*args, "--output_dir", one, "--resume", "auto"], env=env)
     assert "2 -> 1 processes; per-process batch 8 -> 16" in on_one.stderr, on_one.stderr[-3000:]
     assert worst(a, load_file(one / "model.safetensors")) <= 1e-5
@@ -239,3 +240,10 @@ def test_the_examples_train_on_two_ranks(tmp_path):
                clean_env(ACCEL_TRAIN_SCRIPT="examples/train_own_data.py", NPROC_PER_NODE="2"), ROOT)
     assert re.search(r"accelerate.commands.launch .*--num_processes 2 .*examples/train_own_data.py --epochs 1 *$",
                      proc.stdout.strip()), proc.stdout + proc.stderr
+
+
+def test_a_config_yaml_names_your_model_as_the_flag_does(tmp_path):
+    from accel_train.cli import parse_train_args
+    (tmp_path / "c.yaml").write_text("model: tests_pkg.mod:build\nmodel_kwargs: '{\"width\": 4}'\n")
+    cfg = parse_train_args(["--config", str(tmp_path / "c.yaml")])
+    assert (cfg.model, cfg.model_kwargs_dict()) == ("tests_pkg.mod:build", {"width": 4})

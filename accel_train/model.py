@@ -100,7 +100,8 @@ def load_init_weights(model: nn.Module, path) -> str:
     reset = [k for k in head_keys if k in weights and weights[k].shape != own[k].shape]
     if reset and not hasattr(model, "reset_classifier"):
         raise ConfigError(f"--init_from {path}: its classifier {_names(reset)} has another class count, and "
-                          f"{type(model).__name__} has no reset_classifier() to make a new one; train on the same classes")
+                          f"{type(model).__name__} has no reset_classifier() to make a new one; train on the same "
+                          "classes")
     if reset:
         model.reset_classifier(model.num_classes)  # a fresh head of the data set's class count
         own = model.state_dict()
@@ -165,7 +166,8 @@ def init_model_code(cfg) -> str | None:
     if not is_import_path(arch) or is_import_path(cfg.model):
         return None
     allow_import(arch, cfg.trust_model_code, None, f"--init_from {cfg.init_from}")
-    cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(init_facts(cfg.init_from).get("model_kwargs") or {})
+    kwargs = init_facts(cfg.init_from).get("model_kwargs") or {}
+    cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(kwargs)
     return f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were trained " \
         "(--trust_model_code)"
 

@@ -222,10 +222,10 @@ def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log)
     if decision.resume_from:
         log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
             f"{state.batch_in_epoch} batches into the epoch")
-    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {run.data.info.name}, {run.data.train_size} train / "
-        f"{run.data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
-        f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch "
-        f"{run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
+    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {run.data.info.name}, {run.data.train_size} "
+        f"train / {run.data.test_size} test samples, {accelerator.num_processes} process(es) "
+        f"[{accelerator.distributed_type}, {accelerator.mixed_precision}] on {decision.num_machines} machine(s), "
+        f"global batch {run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
         f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     log(run.data.describe())

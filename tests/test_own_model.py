@@ -27,11 +27,13 @@ TESTS = ROOT / "tests"
 SMALL = ["--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "16"]
 
 CASES = {  # name: (--model and its flags, what the one line says)
-    "no_module": (["--model", "tests_pkg.nope:build"], "no module named 'tests_pkg.nope' (searched the working directory"),
+    "no_module": (["--model", "tests_pkg.nope:build"],
+                  "no module named 'tests_pkg.nope' (searched the working directory and PYTHONPATH: "),
     "no_attribute": (["--model", "tests_pkg.mod:buidl"], "has no 'buidl'; it has Net, build"),
     "not_callable": (["--model", "tests_pkg.mod:NOT_CALLABLE"], "NOT_CALLABLE is a int, not a callable"),
     "raises": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"fail": true}'],
-               "build(num_classes=10, fail=True) raised RuntimeError: the weights server is down; check --model_kwargs"),
+               "build(num_classes=10, fail=True) raised RuntimeError: the weights server is down; check "
+               "--model_kwargs"),
     "not_a_module": (["--model", "tests_pkg.mod:not_a_module"], "returned a str, not a torch nn.Module"),
     "no_parameters": (["--model", "tests_pkg.mod:no_parameters"], "the Identity it returned has no parameters"),
     "wrong_shape": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "wrong_shape"}'],
@@ -208,8 +210,8 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
     classes = meta["classes"]
     assert sum(classes.index(c) == y for c, y in zip(top, labels)) / len(labels) == pytest.approx(acc, abs=1 / 40)
     # --init_from rebuilds the module its model_config.json names, once trusted (refused otherwise: test above)
-    proc = run_cli(["--init_from", ref, "--trust_model_code", "--data", "cifar10", "--data_dir", data, "--max_steps", "1",
-                    "--output_dir", tmp_path / "fine"])
+    proc = run_cli(["--init_from", ref, "--trust_model_code", "--data", "cifar10", "--data_dir", data,
+                    "--max_steps", "1", "--output_dir", tmp_path / "fine"])
     assert proc.returncode == 0 and "--init_from: --model tests_pkg.mod:build --model_kwargs '{}'" in proc.stderr
     assert "loaded 6 tensors; none missing" in proc.stderr, proc.stderr[-3000:]
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 import tests_pkg.mod
-from accel_train.errors import ConfigError
+from accel_train.errors import ConfigError, Diverged, Preempted
 from conftest import (CONFIGS, ROOT, clean_env, launch, run, run_cli, steps_logged, trainer_pids, wait_for,
                       write_cifar)
 from test_resume import worst
@@ -249,3 +249,23 @@ def test_a_config_yaml_names_your_model_as_the_flag_does(tmp_path):
     (tmp_path / "c.yaml").write_text("model: tests_pkg.mod:build\nmodel_kwargs: '{\"width\": 4}'\n")
     cfg = parse_train_args(["--config", str(tmp_path / "c.yaml")])
     assert (cfg.model, cfg.model_kwargs_dict()) == ("tests_pkg.mod:build", {"width": 4})
+
+
+@pytest.mark.parametrize("raised,status,line", [
+    (ConfigError("--epochs must be >= 1, got 0"), 2, "accel-train: error: --epochs must be >= 1, got 0"),
+    (Preempted("stopped by SIGTERM at step 3"), 4, "accel-train: preempted: stopped by SIGTERM at step 3"),
+    (Diverged("the training loss became non-finite at step 2"), 5,
+     "accel-train: error: the training loss became non-finite at step 2"), (None, 0, None)])
+def test_a_script_ends_with_the_command_lines_line_and_status(raised, status, line, capsys):
+    # api.main(script): what a script's train() raised is the command line's one line and exit status (launch.sh
+    # relaunches a preempted script with --restart_on_preempt, and never one that had bad input)
+    from accel_train.api import main
+
+    def script():
+        if raised is not None:
+            raise raised
+    with pytest.raises(SystemExit) as e:
+        main(script)
+    assert e.value.code == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1:] == ([line] if line else []) and "Traceback" not in "\n".join(err)

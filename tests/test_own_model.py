@@ -269,3 +269,14 @@ def test_a_script_ends_with_the_command_lines_line_and_status(raised, status, li
     assert e.value.code == status
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1:] == ([line] if line else []) and "Traceback" not in "\n".join(err)
+
+
+def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
+    # a module (not a factory) is trained as it is: one whose head has 3 classes for data of 10 is one line
+    from accel_train import TrainConfig
+    data = Items((torch.zeros(3, 8, 8), 1))
+    with pytest.raises(ConfigError, match=r"--model tests_pkg.mod:Net: its forward gives shape \(2, 3\) for a batch of "
+                                          r"shape \(2, 3, 8, 8\); it must give logits \(2, 10\)"):
+        in_process_train(TrainConfig(output_dir=str(tmp_path / "out"), epochs=1), model=tests_pkg.mod.Net(3),
+                         train_set=data, test_set=data, classes=10)
+    assert not (tmp_path / "out").exists()

@@ -217,6 +217,23 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
 
 
 @pytest.mark.slow
+def test_a_model_wrong_on_one_rank_stops_every_rank_with_one_line(tmp_path, existing_run):  # noqa: F811
+    # the check on one batch runs on every rank: rank 1's wrong logits are one line (said by the main process), no
+    # rank trains, the output dir is untouched
+    before = snapshot(existing_run)
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--model", "tests_pkg.mod:build", "--model_kwargs",
+                                     '{"out": "wrong_shape", "rank": 1}', "--output_dir", existing_run],
+                  env=clean_env(PYTHONPATH=python_path(TESTS)), check=False)
+    assert proc.returncode == 1  # (accelerate launch's, for any failed rank; launch.sh passes the 2 on)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert errors == ["accel-train: error: rank 1: --model tests_pkg.mod:build: its forward gives shape (2, 3) for a "
+                      "batch of shape (2, 3, 32, 32); it must give logits (2, 10) (num_classes=10, the data's)"], \
+        proc.stderr[-3000:]
+    assert proc.stderr.count("exitcode  : 2") == 2 and "ConfigError" not in proc.stderr  # (torchrun's summary)
+    assert snapshot(existing_run) == before
+
+
+@pytest.mark.slow
 def test_the_examples_train_on_two_ranks(tmp_path):
     # a model in a local file trained with --model (its folder is the working directory), and a script calling
     # train() with its own Dataset under accelerate launch: it returns the run's metrics and outputs

@@ -32,8 +32,11 @@ class Net(nn.Module):
         return logits
 
 
-def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = False):
-    """Everything a bad model can do, by --model_kwargs: fail (the callable raises), out (what forward returns)."""
+def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = False, rank: int | None = None):
+    """Everything a bad model can do, by --model_kwargs: fail (the callable raises), out (what forward returns), on
+    every rank or only on `rank`."""
+    if rank is not None and int(os.environ.get("RANK", "0")) != rank:
+        fail, out = False, "logits"
     if fail:
         raise RuntimeError("the weights server is down")
     return Net(num_classes, width, out)

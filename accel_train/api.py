@@ -44,11 +44,11 @@ def train(config: TrainConfig | None = None, *, model=None, train_set=None, test
 def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     """The run (loop.train) for the command line and for train(): a refused start leaves no empty --output_dir
     behind; a stop by a signal is said by every rank under --log_all_ranks; a lost peer is one line and exit 3."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from .loop import train as loop_train
     note_aborts()
     created = missing_dirs(cfg.output_dir)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from .loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
     try:
         with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
             return loop_train(cfg, given)

@@ -361,7 +361,9 @@ else
   # `accelerate launch` itself, run by the same Python as the probes above (not whichever `accelerate` is first on
   # PATH) and without the `accelerate` command's imports of all its subcommands (estimate-memory imports timm
   # and torchvision: ~3.5 s more CPU at every start of a 2-core machine)
-  cmd=("$PYTHON" -m accelerate.commands.launch "${launch_args[@]}" -m accel_train "${trainer_args[@]}")
+  # ACCEL_TRAIN_SCRIPT=my_script.py: your script (it calls accel_train.train(); README: Your own model) in its place
+  entry=(-m accel_train) && [[ -n "${ACCEL_TRAIN_SCRIPT:-}" ]] && entry=("$ACCEL_TRAIN_SCRIPT")
+  cmd=("$PYTHON" -m accelerate.commands.launch "${launch_args[@]}" "${entry[@]}" "${trainer_args[@]}")
 fi
 
 if ((dry_run)); then

@@ -14,17 +14,14 @@ import logging
 import os
 import re
 import sys
-import traceback
 import typing
-from pathlib import Path
 
 import yaml
 
 from . import __version__
 from .config import TrainConfig, base_type, fields
-from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, ConfigError,
-                     Diverged, Parser, Preempted, end_progress_line, exit_rank, is_lost_peer, lost_peer, note_aborts,
-                     process_group, report_status, says_shared_errors)
+from .status import status_of
+from .errors import EXIT_OK, ConfigError, Parser, exit_rank
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")
@@ -163,54 +160,10 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
     raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see {parser.prog} --help{hint}")
 
 
-# A lost peer, by exception type and by where the message comes from (the transport layer of the
-# collective library), never by loose words: a DataLoader timeout or an NCCL usage error is a bug to show.
-def missing_dirs(path) -> list[Path]:
-    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
-    out, missing = Path(path).absolute(), []
-    while not out.exists() and out != out.parent:
-        missing.append(out)
-        out = out.parent
-    return missing
-
-
-def remove_if_empty(dirs: list[Path]) -> None:
-    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
-    long as they are empty (rmdir never removes content, whoever wrote it)."""
-    for d in dirs:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
-    note_aborts()
-    created = missing_dirs(cfg.output_dir)
-    from .loop import train  # heavy imports after the arguments are known to be good
-    try:
-        from tqdm.contrib.logging import logging_redirect_tqdm
-        with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
-            train(cfg)
-    except ConfigError:
-        remove_if_empty(created)
-        raise
-    except Preempted as e:  # said by the main process (main), by every rank with --log_all_ranks
-        e.every_rank = cfg.log_all_ranks
-        raise
-    except Diverged as e:  # every rank stopped at the same step; the main process says why
-        from accelerate import PartialState
-        state = PartialState()
-        if state.is_main_process:
-            end_progress_line()
-            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
-        state.wait_for_everyone()  # the line is out before any rank exits (torchrun then stops the rest)
-        return EXIT_DIVERGED
-    except Exception as e:
-        if not is_lost_peer(e):
-            raise
-        lost_peer(e, cfg)
+    from .api import run_training  # heavy imports after the arguments are known to be good
+    run_training(cfg)
     return EXIT_OK
 
 
@@ -243,27 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load chatter
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    try:
-        try:
-            code = COMMANDS[command](argv)
-        finally:
-            end_progress_line()  # every final or error line below starts a line of its own
-    except ConfigError as e:
-        if not e.quiet and says_shared_errors():
-            print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_BAD_INPUT
-    except Preempted as e:  # every rank stopped at the same step: the main process says it
-        group = process_group()
-        if group is None or group.is_main_process or getattr(e, "every_rank", False):  # (--log_all_ranks)
-            print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
-        code = EXIT_PREEMPTED
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)
-        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest complete checkpoint "
-              "with --resume auto", file=sys.stderr, flush=True)
-        code = EXIT_INTERRUPTED
-    except Exception:
-        traceback.print_exc()
-        code = EXIT_ERROR
-    report_status(code)
+    code = status_of(lambda: COMMANDS[command](argv))
     exit_rank(code)
     return code

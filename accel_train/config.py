@@ -66,11 +66,13 @@ class TrainConfig:
     num_workers: int = opt(0, "DataLoader worker processes (the cpu pipeline)", "data")
 
     # model
-    model: str = opt("resnet18", "any timm model name", "model")
+    model: str = opt("resnet18", "any timm model name, or your own module.path:callable (called with num_classes "
+                     "and --model_kwargs, it returns an nn.Module; README: Your own model)", "model")
+    trust_model_code: bool = opt(False, "import the model code a model_config.json names (--init_from)", "model")
     stem: str = opt("auto", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
                     f"'imagenet': timm's model unchanged; 'auto': cifar up to --image_size {CIFAR_STEM_MAX}, "
                     "imagenet above", "model", choices=("auto", "cifar", "imagenet"))
-    model_kwargs: str | None = opt(None, "extra timm.create_model arguments as JSON, e.g. "
+    model_kwargs: str | None = opt(None, "extra arguments to timm.create_model (or your callable) as JSON, e.g. "
                                    "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
     channels_last: bool | None = opt(None, "channels_last memory format for model and inputs; default: on for CPU "
                                      "and CUDA (measured faster), off on NPUs (not measured there)", "model")

@@ -86,3 +86,22 @@ def cache_dir(name: str) -> Path | None:
     except (RuntimeError, KeyError):
         return None
     return root / "accel_train" / name
+
+
+def missing_dirs(path) -> list[Path]:
+    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
+    out, missing = Path(path).absolute(), []
+    while not out.exists() and out != out.parent:
+        missing.append(out)
+        out = out.parent
+    return missing
+
+
+def remove_if_empty(dirs: list[Path]) -> None:
+    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
+    long as they are empty (rmdir never removes content, whoever wrote it)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return

@@ -31,9 +31,9 @@ from .setup import Run, setup
 logger = get_logger("accel_train")
 
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, given=None) -> dict:
     stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step and checkpoints it
-    run = setup(cfg)
+    run = setup(cfg, given)  # given: a script's own model and Datasets (api.train), else None
     accelerator, model, state = run.accelerator, run.model, run.state
     stop.check_start_up(accelerator, state.step)
     metrics = MetricsLog(cfg, accelerator.is_main_process, state, run.history, steps_per_epoch=run.steps_per_epoch)

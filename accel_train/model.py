@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .errors import ConfigError
 from .files import MODEL_CONFIG_FILE, MODEL_FILE
+from .user import build, import_callable, is_import_path
 
 
 def apply_cifar_stem(model: nn.Module) -> nn.Module:
@@ -31,9 +32,14 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
 
 
 def create_model(name: str, stem: str = "cifar", num_classes: int = 10, image_size: int | None = None,
-                 **kwargs) -> nn.Module:
+                 factory=None, **kwargs) -> nn.Module:
     """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's. `image_size`: the run's; a model built
-    for one size (a ViT's patch grid and position embeddings) is built for this one through timm's `img_size`."""
+    for one size (a ViT's patch grid and position embeddings) is built for this one through timm's `img_size`.
+    `name`: a timm name, or an import path module.path:callable (user.py), or (`factory`) a module or factory given to
+    train() under that name."""
+    if is_import_path(name) or factory is not None:
+        model = build(factory if factory is not None else import_callable(name), num_classes, kwargs, name)
+        return apply_cifar_stem(model) if stem == "cifar" else model
     if not timm.is_model(name):
         near = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
         raise ConfigError(f"unknown timm model {name!r}; " + (f"did you mean {', '.join(near)}? " if near else "")
@@ -92,6 +98,10 @@ def load_init_weights(model: nn.Module, path) -> str:
         raise ConfigError(f"--init_from {path} does not fit this model ({detail}); check --model, --stem and "
                           "--model_kwargs against the run that wrote it")
     reset = [k for k in head_keys if k in weights and weights[k].shape != own[k].shape]
+    if reset and not hasattr(model, "reset_classifier"):
+        raise ConfigError(f"--init_from {path}: its classifier {_names(reset)} has another class count, and "
+                          f"{type(model).__name__} has no reset_classifier() to make a new one; train on the same "
+                          "classes")
     if reset:
         model.reset_classifier(model.num_classes)  # a fresh head of the data set's class count
         own = model.state_dict()
@@ -131,12 +141,35 @@ def cifar_stem_fits(model_name: str) -> bool:
 
 def init_stem(path) -> str | None:
     """The stem the --init_from weights were trained with (the model_config.json beside them), if known."""
+    return init_facts(path).get("stem")
+
+
+def init_facts(path) -> dict:
+    """The model_config.json beside the --init_from weights ({} if none or unreadable)."""
     import json
     beside = weights_file(path).parent / MODEL_CONFIG_FILE
     try:
-        return json.loads(beside.read_text()).get("stem") if beside.is_file() else None
-    except (OSError, ValueError, AttributeError):
+        facts = json.loads(beside.read_text()) if beside.is_file() else {}
+        return facts if isinstance(facts, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def init_model_code(cfg) -> str | None:
+    """--init_from weights of a model built by code (an import path in their model_config.json) and --model names no
+    code of its own: that model, its kwargs, when --trust_model_code allows the import (the line to log); else one
+    line naming the path and how to allow it."""
+    import json
+
+    from .user import allow_import
+    arch = init_facts(cfg.init_from).get("architecture")
+    if not is_import_path(arch) or is_import_path(cfg.model):
         return None
+    allow_import(arch, cfg.trust_model_code, None, f"--init_from {cfg.init_from}")
+    kwargs = init_facts(cfg.init_from).get("model_kwargs") or {}
+    cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(kwargs)
+    return f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were trained " \
+        "(--trust_model_code)"
 
 
 def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | None, str]:

@@ -25,16 +25,17 @@ from .accelerator import make_accelerator, prepare_output_dir, tracker_config
 from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
 from .config import TrainConfig
-from .data import Data, build_data, device_budget
+from .data import Data, build_data, device_budget, given_data
 from .defaults import dropped_note
 from .errors import ConfigError, counted
-from .gradcheck import check_run_precision
+from .gradcheck import check_run_precision, first_batch
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
-from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_normalisation, init_stem,
-                    load_init_weights, wrappers)
+from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
+                    init_stem, load_init_weights, wrappers)
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
+from .user import Given, check_forward
 
 logger = get_logger("accel_train")
 
@@ -77,12 +78,13 @@ class Run:
                                                           and state.batch_in_epoch < self.batches_per_epoch)
 
 
-def setup(cfg: TrainConfig) -> Run:
+def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
+    """`given`: the model and Datasets a script passed to accel_train.train() (api.py), else None."""
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     decision = agree_on_start(cfg, accelerator, log)
-    data, resolved = load_inputs(cfg, accelerator, decision, log)
-    model, optimizer, loaded = build_model(cfg, accelerator, data)
+    data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
+    model, optimizer, loaded = build_model(cfg, accelerator, data, given or Given())
     criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
     check_run_precision(cfg, accelerator, data, model, criterion, log)  # the reduced precision computes right here
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
@@ -111,6 +113,8 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
         cfg.channels_last, why = channels_last_default(accelerator.device_facts.kind)  # (in place: the run's value)
         log(f"memory format {why}")
+    if cfg.init_from and (said := on_every_rank(accelerator, init_model_code, cfg)):  # weights of a model built by code
+        log(said)
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)
@@ -119,7 +123,7 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     return decision
 
 
-def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple[Data, str]:
+def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: Given) -> tuple[Data, str]:
     """The data (the same on every machine, enough for one batch per rank) and the defaults it resolves: image
     size, stem, mean/std, pipeline. Returns the data and the line saying what was resolved."""
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
@@ -130,8 +134,11 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
         if mean is not None:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
             log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
-    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
-                         processes=accelerator.num_processes)
+    if given.train_set is not None:  # a script's own Datasets (api.train)
+        data = on_every_rank(accelerator, given_data, cfg, given, accelerator.device, accelerator.num_processes)
+    else:
+        data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
+                             processes=accelerator.num_processes)
     if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
         cfg.stem = init_stem(cfg.init_from)
         log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
@@ -154,16 +161,19 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log) -> tuple
     return data, resolved
 
 
-def build_model(cfg: TrainConfig, accelerator, data: Data):
-    """The timm model (--init_from's weights loaded, in the run's memory format) and its SGD optimizer."""
-    with said_once(accelerator):
-        model = create_model(cfg.model, cfg.stem, data.info.num_classes, cfg.image_size, **cfg.model_kwargs_dict())
+def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
+    """The model (timm's, or yours: --model module.path:callable or given to train(); --init_from's weights loaded,
+    in the run's memory format), checked on one batch on every rank, and its SGD optimizer."""
+    model = on_every_rank(accelerator, create_model, cfg.model, cfg.stem, data.info.num_classes, cfg.image_size,
+                          factory=given.model, **cfg.model_kwargs_dict())
     if fixed_input_size(cfg.model) not in (None, cfg.image_size) and "img_size" not in cfg.model_kwargs_dict():
         logger.info(f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: img_size={cfg.image_size} passed to "
                     "timm.create_model")
     loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    x, _ = first_batch(data, min(2, cfg.batch_size), accelerator.device)  # logits (N, classes) before the first step
+    on_every_rank(accelerator, check_forward, model, x, data.info.num_classes, cfg.model)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
                                     weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
     return model, optimizer, loaded
@@ -212,10 +222,10 @@ def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log)
     if decision.resume_from:
         log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
             f"{state.batch_in_epoch} batches into the epoch")
-    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {cfg.data}, {run.data.train_size} train / "
-        f"{run.data.test_size} test samples, {accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
-        f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), global batch "
-        f"{run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
+    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {run.data.info.name}, {run.data.train_size} "
+        f"train / {run.data.test_size} test samples, {accelerator.num_processes} process(es) "
+        f"[{accelerator.distributed_type}, {accelerator.mixed_precision}] on {decision.num_machines} machine(s), "
+        f"global batch {run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
         f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
     log(run.data.describe())

@@ -71,7 +71,7 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
     # Left to interpreter finalization, gloo's threads could be torn down mid-flight: SIGABRT instead of the exit
     # status (CI saw test_full_disk's rank end so). main() reports the status, runs the atexit handlers and _exits;
     # one process (no group) returns the status as before.
-    from accel_train import cli
+    from accel_train import cli, status
 
     class Group:
         is_main_process = True
@@ -79,8 +79,8 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
     calls = []
     group = Group() if in_group else None
     monkeypatch.setattr(errors, "process_group", lambda: group)
-    monkeypatch.setattr(cli, "process_group", lambda: group)
-    monkeypatch.setattr(cli, "report_status", lambda c: calls.append(("status", c)))
+    monkeypatch.setattr(status, "process_group", lambda: group)
+    monkeypatch.setattr(status, "report_status", lambda c: calls.append(("status", c)))
     monkeypatch.setattr(errors.os, "_exit", lambda c: calls.append(("_exit", c)))
     monkeypatch.setattr(errors.atexit, "_run_exitfuncs", lambda: calls.append(("atexit", None)))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_train import cli, errors
+from accel_train import cli, errors, status
 from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
 from accel_train.cli import load_yaml
 from accel_train.errors import ConfigError, Preempted
@@ -73,7 +73,7 @@ def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
         raise Preempted("stopped by SIGTERM at step 3")
     monkeypatch.setitem(cli.COMMANDS, "train", preempted)
     for main_process, printed in ((False, ""), (True, "accel-train: preempted: stopped by SIGTERM at step 3\n")):
-        monkeypatch.setattr(cli, "process_group", lambda: types.SimpleNamespace(is_main_process=main_process))
+        monkeypatch.setattr(status, "process_group", lambda: types.SimpleNamespace(is_main_process=main_process))
         assert cli.main([]) == 4
         assert capsys.readouterr().err == printed
 

@@ -19,11 +19,14 @@ from ..config import TrainConfig
 from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
 from ..files import EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+from ..user import allow_import
 
 
-def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]:
+def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str | None = None
+                  ) -> tuple[torch.nn.Module, dict]:
     """model.safetensors (or the EMA's) + model_config.json -> (eval-mode model, config). `checkpoint`: a finished
-    run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json)."""
+    run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json). A model
+    built by code (an import path) is imported only with `trust` (--trust_model_code) or `named` the same (--model)."""
     from safetensors.torch import load_file
 
     from ..model import create_model, plain_state_dict
@@ -35,6 +38,10 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
         raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
                           "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
     meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
+    if named and named != meta["architecture"]:
+        raise ConfigError(f"--model {named}, but {root / MODEL_CONFIG_FILE} says the model is {meta['architecture']}; "
+                          "drop --model or name that one")
+    allow_import(meta["architecture"], trust, named, str(root / MODEL_CONFIG_FILE))
     model = create_model(meta["architecture"], meta["stem"], meta["num_classes"], int(meta["input_size"][-1]),
                          **meta.get("model_kwargs", {}))  # (a model of a fixed input size: built for the run's)
     try:
@@ -42,6 +49,14 @@ def load_exported(checkpoint, ema: bool = False) -> tuple[torch.nn.Module, dict]
     except Exception as e:
         raise ConfigError(f"{weights} does not fit {meta['architecture']} ({str(e).splitlines()[0][:200]})") from None
     return model.eval(), meta
+
+
+def model_code_flags(p) -> None:
+    """--trust_model_code / --model: what allows importing the model code a model_config.json names."""
+    p.add_argument("--trust_model_code", action="store_true", help="import the model code (module.path:callable) "
+                   "that the checkpoint's model_config.json names: it runs that code")
+    p.add_argument("--model", default=None, help="the model's import path, as model_config.json names it: allows that "
+                   "import as --trust_model_code does")
 
 
 def main_evaluate(argv: list[str]) -> int:
@@ -62,6 +77,7 @@ def main_evaluate(argv: list[str]) -> int:
     p.add_argument("--tta", action="store_true", help="horizontal-flip test-time augmentation")
     p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")
+    model_code_flags(p)
     args = p.parse_args(argv)
 
     from accelerate import Accelerator
@@ -70,7 +86,7 @@ def main_evaluate(argv: list[str]) -> int:
     from ..data import DataInfo, build_data, device_budget
     from ..hardware import has_accelerator
     from ..ranks import rank0s
-    model, meta = load_exported(args.checkpoint, args.ema)
+    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
     info = DataInfo.from_model_config(meta)
     data_name = args.data or meta.get("data", "cifar10")
     cfg = TrainConfig(data=data_name, data_dir=args.data_dir, test_samples=args.test_samples, seed=args.seed,

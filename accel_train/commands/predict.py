@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import EXIT_BAD_INPUT, ConfigError, Parser
-from .evaluate import load_exported
+from .evaluate import load_exported, model_code_flags
 
 
 def load_image(path, meta: dict) -> torch.Tensor:
@@ -111,8 +111,9 @@ def main_predict(argv: list[str]) -> int:
                         "per image (file, class_1, probability_1, ..., error), quoted where a field needs it")
     p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
                    "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
+    model_code_flags(p)
     args = p.parse_args(argv)
-    model, meta = load_exported(args.checkpoint, args.ema)
+    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
     paths = image_paths(args.images)
     if not paths:
         raise ConfigError(f"no image files in {' '.join(args.images)}")

@@ -149,24 +149,34 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         test_ds = IndexDataset(len(test))
         collate, workers = _identity, 0
     else:
-        def inputs(batch, train, epoch=0):
-            x, y = batch
-            return x.contiguous(memory_format=memory_format), y
-
+        inputs = cpu_inputs(memory_format)
         augment = (cfg.seed, info.pad, cfg.hflip) if cfg.augment else None
         train_ds = TransformDataset(train, cpu_transforms(info), info.image_size, augment) if train is not None \
             else None
         test_ds = TransformDataset(test, cpu_transforms(info), info.image_size)
         collate, workers = None, cfg.num_workers
 
+    batch = cfg.batch_size or (BATCH_SIZE if train is None else auto_batch(len(train), processes * cfg.grad_accum))
+    train_loader, test_loader = loaders(train_ds, test_ds, batch, workers, collate, device)
+    return Data(train_loader, test_loader, inputs, len(train) if train is not None else 0, len(test), info,
+                pipeline, notes)
+
+
+def cpu_inputs(memory_format):
+    """What a loader of (images, labels) batches gives -> the model's inputs (the cpu pipeline, your own Datasets)."""
+    def inputs(batch, train, epoch=0):
+        x, y = batch
+        return x.contiguous(memory_format=memory_format), y
+    return inputs
+
+
+def loaders(train_ds, test_ds, batch: int, workers: int, collate, device) -> tuple[DataLoader | None, DataLoader]:
+    """The training loader (shuffled, whole batches) and the test loader, which prepare() shards."""
     # On an accelerator, batches are pinned so that Accelerate's copy to the device (non_blocking=True, see
     # accelerator.make_accelerator) does not wait for the device: a pageable host-to-device copy is a host sync.
-    batch = cfg.batch_size or (BATCH_SIZE if train is None else auto_batch(len(train), processes * cfg.grad_accum))
     common = dict(batch_size=batch, num_workers=workers, collate_fn=collate,
                   worker_init_fn=_leave_signals_to_the_trainer if workers else None, pin_memory=torch.device(device).type != "cpu")
     # training workers restart each epoch so they see the epoch (set_epoch) their augmentation depends on
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, persistent_workers=False, **common) \
-        if train is not None else None
-    test_loader = DataLoader(test_ds, shuffle=False, drop_last=False, persistent_workers=workers > 0, **common)
-    return Data(train_loader, test_loader, inputs, len(train) if train is not None else 0, len(test), info,
-                pipeline, notes)
+        if train_ds is not None else None
+    return train_loader, DataLoader(test_ds, shuffle=False, drop_last=False, persistent_workers=workers > 0, **common)

@@ -1,0 +1,73 @@
+"""The Python entry point: `from accel_train import TrainConfig, train`.
+
+    train(TrainConfig(epochs=2, output_dir="out"), model=MyNet, train_set=my_train, test_set=my_test)
+
+from your own script, started with `python my_script.py`, `accelerate launch my_script.py` (every rank runs it) or
+launch.sh with ACCEL_TRAIN_SCRIPT=my_script.py (README: Your own model). The same run as the command line's, with
+every guarantee; it returns what that run returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from .config import TrainConfig
+from .errors import ConfigError, Diverged, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts
+from .files import MODEL_FILE, missing_dirs, remove_if_empty
+from .status import status_of
+from .user import Given, name_of
+
+
+def train(config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None, classes=None) -> dict:
+    """Train as `accel-train` does, with `config`'s flags.
+
+    `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs` (None: `config.model`, a
+    timm name or module.path:callable). `train_set` / `test_set`: map-style Datasets of (image tensor (C, H, W), int
+    label), loaded as they are (None: `config.data`); `classes`: their class names or count (default: the Dataset's
+    `classes`, else its labels). Returns the final metrics (final_test_acc, best_test_acc, ...) and the outputs
+    (output_dir, model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a stop by a
+    signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises Diverged."""
+    cfg = config if config is not None else TrainConfig()
+    if (train_set is None) != (test_set is None):
+        raise ConfigError("pass train_set and test_set together (or neither: config.data)")
+    if model is not None:
+        cfg.model = name_of(model)  # what config.yaml and model_config.json record
+    if not logging.getLogger().handlers:  # a script that set up no logging still sees the run's lines
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+        logging.getLogger("accelerate").setLevel(logging.WARNING)
+    summary = run_training(cfg, Given(model, train_set, test_set, classes))
+    return {**summary, "output_dir": str(cfg.output_dir), "model_file": str(Path(cfg.output_dir) / MODEL_FILE)}
+
+
+def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
+    """The run (loop.train) for the command line and for train(): a refused start leaves no empty --output_dir
+    behind; a stop by a signal is said by every rank under --log_all_ranks; a lost peer is one line and exit 3."""
+    note_aborts()
+    created = missing_dirs(cfg.output_dir)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from .loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
+    try:
+        with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
+            return loop_train(cfg, given)
+    except ConfigError:
+        remove_if_empty(created)
+        raise
+    except Preempted as e:  # said by the main process (status.status_of), by every rank with --log_all_ranks
+        e.every_rank = cfg.log_all_ranks
+        raise
+    except Exception as e:  # a lost peer, by exception type and by where the message comes from (the transport
+        if isinstance(e, Diverged) or not is_lost_peer(e):  # layer of the collective library), never by loose words
+            raise
+        lost_peer(e, cfg)
+
+
+def main(script) -> None:
+    """`script()` (your own main, which calls train()) with the command line's lines and exit statuses (README: Exit
+    statuses): bad input one line and 2, preempted 4 (launch.sh --restart_on_preempt relaunches it), diverged 5.
+    Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`."""
+    code = status_of(script)
+    exit_rank(code)
+    sys.exit(code)

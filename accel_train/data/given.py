@@ -1,0 +1,71 @@
+"""Your own Datasets (`accel_train.train(cfg, train_set=..., test_set=...)`): map-style torch Datasets of (image
+tensor (C, H, W), int label), loaded as they are (your Dataset normalises and augments; `set_epoch(epoch)`, if it has
+one, is called before each epoch) by the cpu pipeline's DataLoaders with --num_workers, sharded by prepare().
+
+Exact resume holds when the Dataset gives the same item for an index every time (its randomness, if any, a function of
+the index and the epoch)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import TrainConfig
+from ..defaults import auto_batch
+from .info import DataError, DataInfo
+from .pipeline import Data, cpu_inputs, loaders
+
+
+def check_item(dataset, name: str) -> torch.Tensor:
+    """dataset[0] must be (image tensor (C, H, W), int label): the image, or one line naming what it is."""
+    try:
+        size, item = len(dataset), dataset[0]
+    except Exception as e:
+        raise DataError(f"{name}: len() and [0] of a map-style Dataset failed ({type(e).__name__}: "
+                        + " ".join(str(e).split())[:200] + ")") from None
+    ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor) \
+        and item[0].ndim == 3 and item[0].is_floating_point() and is_label(item[1])
+    if not ok or size < 1:
+        what = "(" + ", ".join(describe(v) for v in item) + ")" if isinstance(item, (tuple, list)) else describe(item)
+        raise DataError(f"{name}[0] is {what}; each item must be (image float tensor (C, H, W), int label)")
+    return item[0]
+
+
+def is_label(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not value.is_floating_point() and not value.dtype == torch.bool
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def class_names(dataset, classes=None) -> tuple[str, ...]:
+    """`classes` (names or a count), else the Dataset's own `classes` (torchvision's convention), else its labels
+    (`targets`, or every item's: one pass over the data)."""
+    classes = classes if classes is not None else getattr(dataset, "classes", None)
+    if classes is None:
+        labels = getattr(dataset, "targets", None)
+        labels = labels if labels is not None else [int(dataset[i][1]) for i in range(len(dataset))]
+        classes = int(max(int(v) for v in labels)) + 1
+    names = tuple(str(i) for i in range(classes)) if isinstance(classes, int) else tuple(map(str, classes))
+    if len(names) < 2:
+        raise DataError(f"the data has {len(names)} class(es); a classifier needs at least 2 (pass classes=)")
+    return names
+
+
+def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
+    """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded (--mean/--std, else 0 and 1: predict
+    scales images to [0, 1]), not applied: the Dataset's tensors go to the model as they are."""
+    image = check_item(given.train_set, "train_set")
+    check_item(given.test_set, "test_set")
+    mean, std = cfg.normalisation()
+    info = DataInfo(type(given.train_set).__name__, class_names(given.train_set, given.classes),
+                    mean or (0.0, 0.0, 0.0), std or (1.0, 1.0, 1.0), int(image.shape[-1]))
+    batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
+    train_loader, test_loader = loaders(given.train_set, given.test_set, batch, cfg.num_workers, None, device)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    return Data(train_loader, test_loader, cpu_inputs(memory_format), len(given.train_set), len(given.test_set), info,
+                "cpu", [f"your Datasets ({type(given.train_set).__name__}), as they are, {cfg.num_workers} worker(s)"])

@@ -1,0 +1,133 @@
+"""Your own model: `--model module.path:callable` (imported on every rank), or a module / factory given to
+`train()`; the trust rule for an import path read from a file; the checks that make a wrong model one line (exit 2)
+before the first step (README: Your own model)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .errors import ConfigError
+
+
+@dataclass
+class Given:
+    """What a script passed to `accel_train.train()`: a module or a factory (None: --model), its own Datasets (None:
+    --data) and, optionally, the class names (or count) of those."""
+    model: object = None
+    train_set: object = None
+    test_set: object = None
+    classes: object = None
+
+
+def is_import_path(name) -> bool:
+    """`module.path:callable` (a timm name has no colon)."""
+    return isinstance(name, str) and ":" in name
+
+
+def name_of(model) -> str:
+    """The import path a module or factory given to train() is recorded under (config.yaml, model_config.json)."""
+    kind = model if callable(model) and not isinstance(model, nn.Module) else type(model)
+    return f"{getattr(kind, '__module__', '__main__')}:{getattr(kind, '__qualname__', type(kind).__name__)}"
+
+
+def code_digest(name) -> str | None:
+    """The contents of the file that defines an import path's module (imported by then), as a digest: a cached result
+    about the model (gradcheck) is not taken for a changed model. None for a timm name or a file not found."""
+    module = sys.modules.get(name.partition(":")[0]) if is_import_path(name) else None
+    try:
+        return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16] if module else None
+    except (OSError, TypeError, AttributeError):
+        return None
+
+
+def one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
+
+
+def import_callable(path: str):
+    """`module.path:callable` -> the callable. The working directory is searched first, as `python -m` does (and
+    `accelerate launch -m` / launch.sh on every rank), then PYTHONPATH and the installed packages."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr or not all(part.isidentifier() for part in (*module_name.split("."), attr)):
+        raise ConfigError(f"--model {path!r} is neither a timm name nor an import path module.path:callable "
+                          "(e.g. my_models:build)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            searched = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+            raise ConfigError(f"--model {path}: no module named {e.name!r} (searched the working directory and "
+                              f"PYTHONPATH: {', '.join(dict.fromkeys(searched))}, then the installed packages); run "
+                              "from the folder that holds it or add that folder to PYTHONPATH") from None
+        raise ConfigError(f"--model {path}: importing {module_name} failed ({one_line(e)})") from None
+    except Exception as e:  # the module's own code raised (a SyntaxError too)
+        raise ConfigError(f"--model {path}: importing {module_name} failed ({one_line(e)})") from None
+    factory = getattr(module, attr, None)
+    if factory is None:
+        have = sorted(k for k, v in vars(module).items()  # what the module itself defines
+                      if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module_name)[:8]
+        raise ConfigError(f"--model {path}: {module_name} ({getattr(module, '__file__', '?')}) has no {attr!r}"
+                          + (f"; it has {', '.join(have)}" if have else ""))
+    if not callable(factory):
+        raise ConfigError(f"--model {path}: {attr} is a {type(factory).__name__}, not a callable that returns an "
+                          "nn.Module")
+    return factory
+
+
+def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
+    """factory(num_classes=..., **kwargs), or the module itself; checked to be a trainable nn.Module."""
+    if isinstance(factory, nn.Module):
+        model = factory
+    else:
+        try:
+            model = factory(num_classes=num_classes, **kwargs)
+        except Exception as e:
+            call = ", ".join([f"num_classes={num_classes}", *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise ConfigError(f"--model {name}: {name.split(':')[-1]}({call}) raised {one_line(e)}"
+                              + ("; check --model_kwargs" if kwargs else "")) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch nn.Module")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"--model {name}: the {type(model).__name__} it returned has no parameters: nothing to "
+                          "train")
+    return model
+
+
+def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
+    """One batch through the model (eval mode, no gradients: no weight, buffer or random state moves), before the
+    first step and on every rank: it must give one tensor of logits (N, num_classes)."""
+    was_training = model.training
+    x = x.to(next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except Exception as e:
+        raise ConfigError(f"--model {name}: its forward failed on a batch of shape {tuple(x.shape)} "
+                          f"({one_line(e)})") from None
+    finally:
+        model.train(was_training)
+    want = (x.shape[0], num_classes)
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}; it must return one tensor of "
+                          f"logits {want} (return only the logits)")
+    if tuple(out.shape) != want:
+        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)} for a batch of shape "
+                          f"{tuple(x.shape)}; it must give logits {want} (num_classes={num_classes}, the data's)")
+
+
+def allow_import(path: str, trusted: bool, named: str | None, where: str) -> None:
+    """An import path read from a file (model_config.json) is code to run: import it only with --trust_model_code
+    or when the command line names the same path (--model); timm names need neither."""
+    if is_import_path(path) and not trusted and named != path:
+        raise ConfigError(f"{where} names the model code {path}: importing it runs that code; if you trust it, pass "
+                          f"--trust_model_code (or --model {path})")

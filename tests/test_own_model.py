@@ -1,0 +1,299 @@
+"""Your own model and data (issue 24): --model module.path:callable, the trust rule for an import path read from a
+file, every bad model or data set as one line (exit 2) with the output dir untouched, and train() from Python."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import Dataset
+
+import tests_pkg.mod
+from accel_train.errors import ConfigError, Diverged, Preempted
+from conftest import (CONFIGS, ROOT, clean_env, launch, run, run_cli, steps_logged, trainer_pids, wait_for,
+                      write_cifar)
+from test_resume import worst
+from test_bad_input import existing_run, snapshot  # noqa: F401 (a fixture)
+
+TESTS = ROOT / "tests"
+SMALL = ["--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "16"]
+
+CASES = {  # name: (--model and its flags, what the one line says)
+    "no_module": (["--model", "tests_pkg.nope:build"],
+                  "no module named 'tests_pkg.nope' (searched the working directory and PYTHONPATH: "),
+    "no_attribute": (["--model", "tests_pkg.mod:buidl"], "has no 'buidl'; it has Net, build"),
+    "not_callable": (["--model", "tests_pkg.mod:NOT_CALLABLE"], "NOT_CALLABLE is a int, not a callable"),
+    "raises": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"fail": true}'],
+               "build(num_classes=10, fail=True) raised RuntimeError: the weights server is down; check "
+               "--model_kwargs"),
+    "not_a_module": (["--model", "tests_pkg.mod:not_a_module"], "returned a str, not a torch nn.Module"),
+    "no_parameters": (["--model", "tests_pkg.mod:no_parameters"], "the Identity it returned has no parameters"),
+    "wrong_shape": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "wrong_shape"}'],
+                    "its forward gives shape (2, 3) for a batch of shape (2, 3, 32, 32); it must give logits (2, 10)"),
+    "tuple": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "tuple"}'],
+              "its forward returns a tuple; it must return one tensor of logits (2, 10)"),
+    "dict": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "dict"}'], "its forward returns a dict"),
+    "stem_cifar": (["--model", "tests_pkg.mod:build", "--stem", "cifar"], "--stem cifar needs a ResNet-style model"),
+    "init_from_code": (["--init_from", "MODEL_DIR"], "names the model code tests_pkg.mod:build: importing it runs"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_model_is_one_line_and_touches_nothing(case, tmp_path, existing_run):  # noqa: F811
+    args, fragment = CASES[case]
+    if case == "init_from_code":  # weights whose model_config.json names code: not imported without being allowed
+        (tmp_path / "w").mkdir()
+        (tmp_path / "w" / "model_config.json").write_text(json.dumps({"architecture": "tests_pkg.mod:build"}))
+        args = ["--init_from", tmp_path / "w"]
+    before = snapshot(existing_run)
+    proc = run_cli([*SMALL, *args, "--output_dir", existing_run], env=clean_env(PYTHONPATH=str(TESTS)))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and fragment in errors[0], proc.stderr
+    assert snapshot(existing_run) == before
+
+
+class Items(Dataset):
+    """A Dataset whose item is `item` (a bad one), 32 of them."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return self.item
+
+
+def in_process_train(*args, **kwargs):
+    """accel_train.train() here, as a script would call it; Accelerate's state and the signal handlers restored."""
+    import signal
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accel_train import train
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        return train(*args, **kwargs)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("item,said", [
+    ((torch.zeros(3, 8, 8), 1.5), "train_set[0] is (a torch.float32 tensor of shape (3, 8, 8), a float); each item"),
+    (torch.zeros(3, 8, 8), "train_set[0] is a torch.float32 tensor of shape (3, 8, 8); each item must be (image"),
+    ((torch.zeros(8, 8, dtype=torch.uint8), 1), "(a torch.uint8 tensor of shape (8, 8), a int)")])
+def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(item, said, tmp_path, existing_run):  # noqa: F811
+    from accel_train import TrainConfig
+    before = snapshot(existing_run)
+    good = Items((torch.zeros(3, 8, 8), 1))
+    with pytest.raises(ConfigError) as e:
+        in_process_train(TrainConfig(output_dir=str(existing_run), epochs=1), model="tests_pkg.mod:build",
+                         train_set=Items(item), test_set=good)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    assert snapshot(existing_run) == before
+
+
+def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, monkeypatch):
+    # gradcheck runs on your module as on timm's; its cached verdict belongs to the model file's contents (a changed
+    # model is checked again), not only to the name --model gives it
+    import importlib
+    import shutil
+    import sys
+
+    from accel_train.config import TrainConfig
+    from accel_train.gradcheck import cache_key, check
+    from accel_train.hardware import DeviceFacts
+    shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = importlib.import_module("user_pkg.mod").build(10)
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    assert check(model, x, y, torch.nn.CrossEntropyLoss(), "bf16").limit > 0
+    cfg, facts = TrainConfig(model="user_pkg.mod:build"), DeviceFacts("cpu", "cpu")
+    before = cache_key(cfg, 10, x.shape, "bf16", facts)
+    (tmp_path / "user_pkg" / "mod.py").write_text((tmp_path / "user_pkg" / "mod.py").read_text() + "\n# changed\n")
+    assert cache_key(cfg, 10, x.shape, "bf16", facts)["code"] != before["code"] is not None
+    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts)["code"] is None  # a timm name
+    sys.modules.pop("user_pkg.mod")
+    sys.modules.pop("user_pkg")
+
+
+def python_path(*extra) -> str:
+    return os.pathsep.join([*map(str, extra), os.environ.get("PYTHONPATH", "")])
+
+
+def write_test_images(data, folder):
+    """The test split of a CIFAR-10 tree as PNG files, and their labels."""
+    from PIL import Image
+
+    from accel_train.data import read_cifar10
+    images, labels = read_cifar10(data, ("test",))["test"]
+    folder.mkdir()
+    for i, image in enumerate(images):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / f"{i:03d}.png")
+    return labels.tolist()
+
+
+@pytest.mark.slow
+def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_evaluated(tmp_path):
+    # --model tests_pkg.mod:build (GroupNorm, no dropout: comparable across process counts), 256 learnable CIFAR-10
+    # samples, 2 ranks x 8 x --grad_accum 2: 8 steps an epoch, 2 epochs, with --ema. The uninterrupted run, then the
+    # same run stopped by SIGTERM to both ranks and resumed on 2 ranks (the same weights and EMA, 1e-6) and, from a
+    # copy of its checkpoint, on 1 rank (1e-5: another reduction order).
+    data = write_cifar(tmp_path / "in", rows=(52, 52, 52, 50, 50), test_rows=40, learnable=True)
+    args = ["--model", "tests_pkg.mod:build", "--data", "cifar10", "--data_dir", data, "--epochs", "2",
+            "--batch_size", "8", "--grad_accum", "2", "--ema", "--log_every", "1"]
+    env = clean_env(PYTHONPATH=python_path(TESTS))
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    launch("2proc_cpu.yaml", [*args, "--output_dir", ref], env=env)
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml", "-m",
+           "accel_train", *args, "--output_dir", out]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**env, "ACCEL_TEST_TAG": tag, "TESTS_PKG_DELAY": "0.2"}, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 3, timeout=120)
+        for pid in wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30).values():
+            os.kill(pid, signal.SIGTERM)  # what a platform sends every process of the job
+        text = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    step = int(re.findall(r"stopped by SIGTERM at step (\d+)", text)[0])
+    assert 3 <= step < 16, text[-3000:]  # (before the end: there is a rest to resume)
+    one = shutil.copytree(out, tmp_path / "one")
+    resumed = launch("2proc_cpu.yaml", [*args, "--output_dir", out, "--resume", "auto"], env=env)
+    assert f"step {step}, " in resumed.stderr, resumed.stderr[-3000:]
+    a = load_file(ref / "model.safetensors")
+    assert worst(a, load_file(out / "model.safetensors")) <= 1e-6
+    assert worst(load_file(ref / "model_ema.safetensors"), load_file(out / "model_ema.safetensors")) <= 1e-6
+    on_one = launch("cpu.yaml", [*args, "--output_dir", one, "--resume", "auto"], env=env)
+    assert "2 -> 1 processes; per-process batch 8 -> 16" in on_one.stderr, on_one.stderr[-3000:]
+    assert worst(a, load_file(one / "model.safetensors")) <= 1e-5
+    assert worst(a, tests_pkg.mod.build(10).state_dict()) > 1e-3  # (and training moved the weights far more)
+    meta = json.loads((ref / "model_config.json").read_text())
+    assert (meta["architecture"], meta["model_kwargs"]) == ("tests_pkg.mod:build", {})
+    acc = [json.loads(r) for r in (ref / "metrics.jsonl").read_text().splitlines()][-1]["test_acc"]
+    assert acc >= 0.2  # learnable data: the export is a trained model, not chance (0.1)
+
+    # evaluate / predict of the export: nothing imported without --trust_model_code (the module marks its import),
+    # one line naming the path; with it, the training's test accuracy
+    marker, images = tmp_path / "imported", tmp_path / "images"
+    labels = write_test_images(data, images)
+    for command in (["evaluate", "--data_dir", data], ["predict", images]):
+        sys.modules.pop("tests_pkg.mod", None)
+        proc = run_cli([command[0], "--checkpoint", ref, *command[1:]], env=clean_env(TESTS_PKG_IMPORTED=str(marker)))
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            f"accel-train: error: {ref}/model_config.json names the model code tests_pkg.mod:build: importing it runs "
+            "that code; if you trust it, pass --trust_model_code (or --model tests_pkg.mod:build)"), proc.stderr
+        assert not marker.exists() and "tests_pkg.mod" not in sys.modules
+    proc = run_cli(["evaluate", "--checkpoint", ref, "--data_dir", data, "--trust_model_code"])
+    assert float(re.search(r"test accuracy ([\d.]+)% on 40 samples", proc.stdout)[1]) / 100 == pytest.approx(acc)
+    proc = run_cli(["predict", "--checkpoint", ref, "--format", "json", "--model", "tests_pkg.mod:build", images])
+    top = [json.loads(line)["top"][0]["class"] for line in proc.stdout.splitlines()]
+    classes = meta["classes"]
+    assert sum(classes.index(c) == y for c, y in zip(top, labels)) / len(labels) == pytest.approx(acc, abs=1 / 40)
+    # --init_from rebuilds the module its model_config.json names, once trusted (refused otherwise: test above)
+    proc = run_cli(["--init_from", ref, "--trust_model_code", "--data", "cifar10", "--data_dir", data,
+                    "--max_steps", "1", "--output_dir", tmp_path / "fine"])
+    assert proc.returncode == 0 and "--init_from: --model tests_pkg.mod:build --model_kwargs '{}'" in proc.stderr
+    assert "loaded 6 tensors; none missing" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_model_wrong_on_one_rank_stops_every_rank_with_one_line(tmp_path, existing_run):  # noqa: F811
+    # the check on one batch runs on every rank: rank 1's wrong logits are one line (said by the main process), no
+    # rank trains, the output dir is untouched
+    before = snapshot(existing_run)
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--model", "tests_pkg.mod:build", "--model_kwargs",
+                                     '{"out": "wrong_shape", "rank": 1}', "--output_dir", existing_run],
+                  env=clean_env(PYTHONPATH=python_path(TESTS)), check=False)
+    assert proc.returncode == 1  # (accelerate launch's, for any failed rank; launch.sh passes the 2 on)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert errors == ["accel-train: error: rank 1: --model tests_pkg.mod:build: its forward gives shape (2, 3) for a "
+                      "batch of shape (2, 3, 32, 32); it must give logits (2, 10) (num_classes=10, the data's)"], \
+        proc.stderr[-3000:]
+    assert proc.stderr.count("exitcode  : 2") == 2 and "ConfigError" not in proc.stderr  # (torchrun's summary)
+    assert snapshot(existing_run) == before
+
+
+@pytest.mark.slow
+def test_the_examples_train_on_two_ranks(tmp_path):
+    # a model in a local file trained with --model (its folder is the working directory), and a script calling
+    # train() with its own Dataset under accelerate launch: it returns the run's metrics and outputs
+    env = clean_env(PYTHONPATH=python_path(ROOT))
+    proc = run(["bash", ROOT / "examples" / "train_my_model.sh", "--epochs", "1", "--output_dir", tmp_path / "m"],
+               240, env, tmp_path)
+    assert proc.returncode == 0 and "2 process(es)" in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "m" / "model_config.json").read_text())["architecture"] == "my_model:build"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml",
+           ROOT / "examples" / "train_own_data.py", "--epochs", "2", "--output_dir", tmp_path / "d"]
+    proc = run(list(map(str, cmd)), 240, env, tmp_path)
+    assert proc.returncode == 0 and "2 process(es)" in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])  # printed once, by the main process
+    rows = [json.loads(r) for r in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
+    assert result["final_test_acc"] == rows[-1]["test_acc"] and result["epochs_run"] == 2
+    assert result["step"] == rows[-1]["step"] == 32  # 256 samples, 2 ranks x 8 (the automatic batch): 16 steps an epoch
+    assert result["model_file"] == str(tmp_path / "d" / "model.safetensors") and Path(result["model_file"]).is_file()
+    meta = json.loads((tmp_path / "d" / "model_config.json").read_text())
+    assert (meta["architecture"], meta["classes"], meta["data"]) == ("__main__:small_net", ["horizontal", "vertical"],
+                                                                    "Stripes")
+    # launch.sh starts the script in the trainer's place (ACCEL_TRAIN_SCRIPT), with its flags
+    proc = run(["bash", ROOT / "launch.sh", "--dry-run", "--epochs", "1"], 60,
+               clean_env(ACCEL_TRAIN_SCRIPT="examples/train_own_data.py", NPROC_PER_NODE="2"), ROOT)
+    assert re.search(r"accelerate.commands.launch .*--num_processes 2 .*examples/train_own_data.py --epochs 1 *$",
+                     proc.stdout.strip()), proc.stdout + proc.stderr
+
+
+def test_a_config_yaml_names_your_model_as_the_flag_does(tmp_path):
+    from accel_train.cli import parse_train_args
+    (tmp_path / "c.yaml").write_text("model: tests_pkg.mod:build\nmodel_kwargs: '{\"width\": 4}'\n")
+    cfg = parse_train_args(["--config", str(tmp_path / "c.yaml")])
+    assert (cfg.model, cfg.model_kwargs_dict()) == ("tests_pkg.mod:build", {"width": 4})
+
+
+@pytest.mark.parametrize("raised,status,line", [
+    (ConfigError("--epochs must be >= 1, got 0"), 2, "accel-train: error: --epochs must be >= 1, got 0"),
+    (Preempted("stopped by SIGTERM at step 3"), 4, "accel-train: preempted: stopped by SIGTERM at step 3"),
+    (Diverged("the training loss became non-finite at step 2"), 5,
+     "accel-train: error: the training loss became non-finite at step 2"), (None, 0, None)])
+def test_a_script_ends_with_the_command_lines_line_and_status(raised, status, line, capsys):
+    # api.main(script): what a script's train() raised is the command line's one line and exit status (launch.sh
+    # relaunches a preempted script with --restart_on_preempt, and never one that had bad input)
+    from accel_train.api import main
+
+    def script():
+        if raised is not None:
+            raise raised
+    with pytest.raises(SystemExit) as e:
+        main(script)
+    assert e.value.code == status
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1:] == ([line] if line else []) and "Traceback" not in "\n".join(err)
+
+
+def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
+    # a module (not a factory) is trained as it is: one whose head has 3 classes for data of 10 is one line
+    from accel_train import TrainConfig
+    data = Items((torch.zeros(3, 8, 8), 1))
+    with pytest.raises(ConfigError, match=r"--model tests_pkg.mod:Net: its forward gives shape \(2, 3\) for a batch of "
+                                          r"shape \(2, 3, 8, 8\); it must give logits \(2, 10\)"):
+        in_process_train(TrainConfig(output_dir=str(tmp_path / "out"), epochs=1), model=tests_pkg.mod.Net(3),
+                         train_set=data, test_set=data, classes=10)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,1 @@
+"""A package of user code for the bring-your-own-model tests (`--model tests_pkg.mod:build`)."""

@@ -1,0 +1,53 @@
+"""A small model of the user's own (not timm), imported as `--model tests_pkg.mod:build`. Importing it touches the file
+named by $TESTS_PKG_IMPORTED, if set: a test proves that a command imported nothing."""
+
+import os
+import time
+from pathlib import Path
+
+import torch.nn as nn
+
+if os.environ.get("TESTS_PKG_IMPORTED"):
+    Path(os.environ["TESTS_PKG_IMPORTED"]).touch()
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes: int, width: int = 8, out: str = "logits"):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.GroupNorm(2, width), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(width, num_classes)
+        self.out = out
+
+    def forward(self, x):
+        if self.training and os.environ.get("TESTS_PKG_DELAY"):
+            time.sleep(float(os.environ["TESTS_PKG_DELAY"]))
+        logits = self.head(self.features(x))
+        if self.out == "tuple":
+            return logits, x
+        if self.out == "dict":
+            return {"logits": logits}
+        if self.out == "wrong_shape":
+            return logits[:, :3]
+        return logits
+
+
+def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = False, rank: int | None = None):
+    """Everything a bad model can do, by --model_kwargs: fail (the callable raises), out (what forward returns), on
+    every rank or only on `rank`."""
+    if rank is not None and int(os.environ.get("RANK", "0")) != rank:
+        fail, out = False, "logits"
+    if fail:
+        raise RuntimeError("the weights server is down")
+    return Net(num_classes, width, out)
+
+
+def not_a_module(num_classes: int):
+    return "a string"
+
+
+def no_parameters(num_classes: int):
+    return nn.Identity()
+
+
+NOT_CALLABLE = 3

@@ -1,0 +1,141 @@
+"""The survivor save (accel_train/survivor.py): a lost peer costs at most the step in flight. Real ranks killed and
+stopped; the pure parts in-process. (Two hosts, a machine lost with its disk: test_multinode.py.)"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel_train import preempt, survivor
+from conftest import CONFIGS, ROOT, TINY, clean_env, run, steps_logged, trainer_pids, wait_for
+
+# 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each (test_resnet), 2 epochs;
+# the kill lands inside an accumulation window with an EMA and a row per step
+RUN = [*TINY, "--train_samples", "512", "--test_samples", "32", "--epochs", "2", "--batch_size", "4", "--grad_accum",
+       "2", "--ema", "--log_every", "1"]
+SAVED = re.compile(r"step (\d+) saved by the survivor in (\S+) in ([\d.]+) s")
+
+
+def max_diff(a, b):
+    a, b = load_file(a), load_file(b)
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path):
+    # the uninterrupted run, launched the same way
+    ref, out, tag = tmp_path / "ref", tmp_path / "out", uuid.uuid4().hex
+    proc = run(["bash", ROOT / "launch.sh", *RUN, "--output_dir", ref], 300, clean_env(NPROC_PER_NODE="2"), ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = tmp_path / "run.log"
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
+    with open(log, "w") as f:  # --checkpoint_every 0 (the default): the epoch end is the only checkpoint
+        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out, "--max_restarts", "1"],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 6, timeout=240, interval=0.01)
+        pids = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
+        logged = steps_logged(out)
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        step = int(wait_for(lambda: SAVED.search(log.read_text()), timeout=60, interval=0.02).group(1))
+        took = time.monotonic() - killed
+        # (read before the relaunch's own checkpoints rotate it away)
+        state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert took < 30, took  # inside torchrun's grace (it SIGKILLs the other workers 30 s after its SIGTERM)
+    lines = [line for line in text.splitlines() if line.startswith("accel-train: error: lost contact")]
+    assert len(lines) == 1, text[-4000:]  # rank 0, the machine's lowest surviving rank, says it
+    step, where, seconds = SAVED.search(lines[0]).groups()
+    step = int(step)
+    assert step >= logged and step < 32, (step, logged)  # every completed step, mid-epoch
+    assert where.endswith(f"step_{step:08d}") and float(seconds) < 10
+    assert text.count("relaunching to resume") == 1
+    assert f"resumed from {where}: epoch 1, step {step}, {2 * step} batches into the epoch" in text  # window start
+    assert state["survivor"]["rank"] == 0 and "Connection" in state["survivor"]["failure"], state["survivor"]
+    # the same weights, EMA and BatchNorm statistics as the uninterrupted run; no step's row lost or repeated
+    assert max_diff(ref / "model.safetensors", out / "model.safetensors") <= 1e-6
+    assert max_diff(ref / "model_ema.safetensors", out / "model_ema.safetensors") <= 1e-6
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_peer_is_stopped_saves_at_once_not_at_an_agreed_check(tmp_path):
+    # rank 1 frozen (SIGSTOP), then SIGTERM to rank 0 (torchrun's agent, or a platform stopping what is left): rank 0
+    # is blocked in the step's all-reduce and never reaches an agreed check; its signal watch sees the stopped peer
+    out, tag = tmp_path / "out", uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml", "-m",
+           "accel_train", *RUN, "--epochs", "1", "--timeout_s", "120", "--output_dir", out]
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True, env=clean_env(ACCEL_TEST_TAG=tag))
+    try:
+        wait_for(lambda: steps_logged(out) >= 4, timeout=240, interval=0.01)
+        pids = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(0.5)
+        logged = steps_logged(out)
+        sent = time.monotonic()
+        os.kill(pids[0], signal.SIGTERM)
+        wait_for(lambda: SAVED.search(log.read_text()), timeout=60, interval=0.02)
+        took = time.monotonic() - sent
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = log.read_text()
+    assert took < 10, (took, text[-3000:])  # not the collective's --timeout_s (120 s), not torchrun's 30 s
+    line = next(line for line in text.splitlines() if "lost contact" in line)
+    assert "is gone" in line and "SIGTERM" not in line, line
+    step = int(SAVED.search(line).group(1))
+    assert step >= logged - 1, (step, logged)
+    state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+    assert state["survivor"]["failure"].startswith("SIGTERM while local rank process"), state["survivor"]
+    assert state["batch_in_epoch"] == 2 * step and state["ema"]
+
+
+def test_state_to_host_is_a_contiguous_copy():
+    weight = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    state = {"w": weight, "groups": [{"lr": 0.1, "params": [0]}], "n": torch.tensor(3)}
+    copied = survivor.state_to_host(state)
+    assert copied["w"].is_contiguous() and torch.equal(copied["w"], weight)
+    weight.add_(1)  # the copy is the state at the time of the call
+    assert not torch.equal(copied["w"], weight) and copied["groups"] == [{"lr": 0.1, "params": [0]}]
+
+
+def test_a_stopped_or_dead_peer_is_not_alive():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert survivor.alive(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: not survivor.alive(child.pid), timeout=10)
+        os.kill(child.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert not survivor.alive(child.pid)  # a zombie until reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert not survivor.alive(child.pid)
+
+
+def test_the_time_interval_keeps_writes_at_one_percent():
+    assert preempt.checkpoint_interval_s(None, None) == preempt.FIRST_CHECKPOINT_S
+    assert preempt.checkpoint_interval_s(None, 0.2) == preempt.MIN_CHECKPOINT_S  # a fast write: at least a minute
+    assert preempt.checkpoint_interval_s(None, 9.0) == pytest.approx(900.0)  # 100x the write
+    assert preempt.checkpoint_interval_s(2.5, 9.0) == 150.0 and preempt.checkpoint_interval_s(0, 1.0) == float("inf")
+    assert "100x the measured write" in preempt.checkpoint_interval_text(None)

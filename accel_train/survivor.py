@@ -88,18 +88,32 @@ class Survivor:
         self.lower = [pid for host, pid, local in ranks if host == me[0] and local < me[2]]
         self.local = [pid for host, pid, _ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
-        # BatchNorm's running statistics change at every training forward, the window in flight's too: their values at
-        # the end of each step are kept (one fused copy on the device per step, a few KB; no host sync)
+        # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
+        # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
+        # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
+        # the module keeps them there (one fused copy per step on the device, a few KB, no host sync): rank 0's values
+        # at the end of the step before, exactly what rank 0 would save. Compiled modules keep their own at step_done.
         module = acc._models[0] if acc.num_processes > 1 else None
         kept = set(module.state_dict()) if module is not None else set()
         named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
-        self.snapshot = [b.detach().clone() for b in self.buffers]
+        self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
+        self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
+        if self.hooked:
+            module.register_forward_pre_hook(self._window_start)
+
+    def _window_start(self, module, args) -> None:
+        state = self.run.state
+        if module.training and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0:
+            with self.lock:
+                torch._foreach_copy_(self.kept, self.buffers)
+                self.kept_step = state.step
 
     def step_done(self) -> None:
-        """The step is complete (weights, step, lr, EMA): its buffers are kept, the lock taken by train_step released."""
-        if self.buffers:
-            torch._foreach_copy_(self.snapshot, self.buffers)
+        """The step is complete (weights, step, lr, EMA): the lock train_step took is released."""
+        if self.buffers and not self.hooked:
+            torch._foreach_copy_(self.kept, self.buffers)
+            self.kept_step = self.run.state.step
         self.lock.release()
 
     # ---- the training side: a lost peer raised in the main thread
@@ -159,8 +173,12 @@ class Survivor:
         if (final / STATE_FILE).is_file():
             return f"step {state.step} was already saved in {final}"
         tmp = final.parent / f".tmp-{final.name}-survivor-{run.accelerator.process_index}"
-        write_state(run, self.checkpointer, state, self._history(state), dict(zip(self.buffer_names, self.snapshot)),
-                    tmp, failure)
+        # the buffers of the completed step: rank 0's (or, compiled, this rank's own) as kept, else the live ones (no
+        # forward has run since the step: this rank's own, or rank 0's where an evaluation's forward broadcast them)
+        kept = self.kept_step == state.step
+        buffers = dict(zip(self.buffer_names, self.kept if kept else self.buffers))
+        source = "rank 0" if kept and self.hooked else f"rank {run.accelerator.process_index} (its own)"
+        write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
         try:
             os.replace(tmp, final)
         except OSError:  # another survivor on the same storage renamed its copy first
@@ -208,9 +226,10 @@ class Survivor:
             time.sleep(0.1)
 
 
-def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path, failure: str) -> None:
+def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path, failure: str,
+                source: str) -> None:
     """A whole checkpoint of `state` in `tmp`, in save_checkpoint's format, from this rank alone (no collective);
-    `buffers`: the model's buffers at the end of that step."""
+    `buffers`: the model's buffers at the end of that step, of rank `source`."""
     acc = run.accelerator
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -232,8 +251,7 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
             "num_processes": acc.num_processes,
             "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
-                         # BatchNorm running statistics are this rank's own (README: What a failure costs)
-                         "buffers_of_rank": rank}}
+                         "buffers_of": source}}  # BatchNorm's statistics (README: What a failure costs)
     with open(tmp / STATE_FILE, "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from accel_train import preempt, survivor
-from conftest import CONFIGS, ROOT, TINY, clean_env, run, steps_logged, trainer_pids, wait_for
+from conftest import CONFIGS, ROOT, TINY, TINY_GN, clean_env, run, run_cli, steps_logged, trainer_pids, wait_for
 
 # 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each (test_resnet), 2 epochs;
 # the kill lands inside an accumulation window with an EMA and a row per step
@@ -143,3 +144,84 @@ def test_the_time_interval_keeps_writes_at_one_percent():
     assert preempt.checkpoint_interval_s(None, 9.0) == pytest.approx(900.0)  # 100x the write
     assert preempt.checkpoint_interval_s(2.5, 9.0) == 150.0 and preempt.checkpoint_interval_s(0, 1.0) == float("inf")
     assert "100x the measured write" in preempt.checkpoint_interval_text(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a peer can be lost (issue 23 item 2): a lost-peer error raised in-process at each place a step can be, on one
+# process (the same loop and save; group norm: no BatchNorm statistics). The save must be exactly the reference's
+# checkpoint of the step it names, or nothing.
+# ---------------------------------------------------------------------------------------------
+
+ONE = [*TINY_GN, "--train_samples", "64", "--test_samples", "8", "--epochs", "1", "--batch_size", "4", "--grad_accum",
+       "2", "--ema", "--log_every", "1"]
+LOST = "[/w/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.1.2.3]:41000"
+
+
+@pytest.fixture(scope="module")
+def every_step(tmp_path_factory):
+    out = tmp_path_factory.mktemp("every_step")
+    assert run_cli([*ONE, "--checkpoint_every", "1", "--keep_checkpoints", "20", "--output_dir", out]).returncode == 0
+    return out
+
+
+def lose_peer_at(monkeypatch, target, name, when):
+    """`target.name` raises a lost-peer error on the call for which when(*args) is true."""
+    real = getattr(target, name)
+
+    def failing(*args, **kwargs):
+        if when(*args):
+            raise RuntimeError(LOST)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(target, name, failing)
+
+
+def micro_batches():
+    count = [0]
+
+    def nth(*args):
+        count[0] += 1
+        return count[0] == 6  # the second micro-batch of step 3's window
+    return nth
+
+
+@pytest.mark.parametrize("where,step,batch", [
+    ("the step's all-reduce", 2, 4), ("logging a step", 5, 10), ("an agreed check", None, None),
+    ("writing a checkpoint", 4, 8), ("evaluating", 8, 16)])
+def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, monkeypatch, every_step, where, step,
+                                                                    batch):
+    from accelerate import Accelerator
+
+    from accel_train import checkpoint, loop, metrics
+    out = tmp_path / "out"
+    if where == "the step's all-reduce":
+        lose_peer_at(monkeypatch, Accelerator, "backward", micro_batches())
+    elif where == "logging a step":
+        lose_peer_at(monkeypatch, metrics.MetricsLog, "log_step", lambda self, acc, s, *a: s == 5)
+    elif where == "an agreed check":
+        lose_peer_at(monkeypatch, preempt.AgreedChecks, "agree", lambda *a: True)
+    elif where == "writing a checkpoint":
+        lose_peer_at(monkeypatch, checkpoint, "save_checkpoint", lambda *a: True)
+    else:
+        lose_peer_at(monkeypatch, loop, "evaluate", lambda *a: True)
+    monkeypatch.setattr(survivor.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    extra = ["--checkpoint_every", "4"] if where == "writing a checkpoint" else []
+    proc = run_cli([*ONE, *extra, "--output_dir", out])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    found = SAVED.search(proc.stderr)
+    assert found, proc.stderr[-2000:]
+    saved = Path(found.group(2))
+    state = json.loads((saved / "trainer_state.json").read_text())
+    step = step or state["step"]
+    ref = every_step / "checkpoints" / f"step_{step:08d}"
+    expected = json.loads((ref / "trainer_state.json").read_text())
+    assert (state["step"], state["batch_in_epoch"]) == (step, batch or expected["batch_in_epoch"]), state
+    epoch = 0 if where == "evaluating" else expected["epoch"]  # (the epoch's evaluation is redone on resume)
+    assert (state["epoch"], state["run_id"] != expected["run_id"]) == (epoch, True)
+    assert state["survivor"]["failure"].startswith("[/w/third_party/gloo") and state["survivor"]["rank"] == 0
+    for name in ("model.safetensors", "ema.safetensors"):
+        assert max_diff(ref / name, saved / name) == 0, name
+    a, b = torch.load(ref / "optimizer.bin"), torch.load(saved / "optimizer.bin")
+    assert all(torch.equal(a["state"][i]["momentum_buffer"], b["state"][i]["momentum_buffer"]) for i in a["state"])
+    rows = [json.loads(r) for r in (saved / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 1))
+    assert ("loss_of" in rows[-1]) == (where == "logging a step")  # its reduce never completed: this rank's loss

@@ -96,7 +96,7 @@ class AgreedChecks:
 
     Bound: a stop is seen after at most max(MAX_S of work, one step) plus the check itself, then the
     checkpoint is written: well inside the 30 s torchrun gives workers after forwarding SIGTERM
-    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 5 numbers
+    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 7 numbers
     per rank and one host read (which drains the device queue); the interval is at least 100x the
     measured cost of the previous check (<= 1% of the time), and about TARGET_S of work otherwise."""
 

@@ -28,6 +28,7 @@ import shutil
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -117,19 +118,16 @@ class Survivor:
         self.lock.release()
 
     # ---- the training side: a lost peer raised in the main thread
+    @contextmanager
     def guard(self):
-        survivor = self
-
-        class Guard:
-            def __enter__(self):
-                return survivor
-
-            def __exit__(self, kind, error, tb):
-                survivor.close()
-                if error is not None and isinstance(error, Exception) and is_lost_peer(error):
-                    error.survivor = survivor.save(" ".join(str(error).split())[:160], in_main=True)
-                return False
-        return Guard()
+        try:
+            yield self
+        except Exception as error:
+            if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
+                error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
+            raise
+        finally:
+            self.close()
 
     def note_row(self, step: int, loss: torch.Tensor, lr: float) -> None:
         """The step's row is due; its loss (this rank's) stands in if the reduce over ranks does not complete."""
@@ -219,7 +217,7 @@ class Survivor:
                 why = (f"local rank process {gone[0]} is gone" if gone else
                        f"no agreed stop {GRACE_S / 2:.0f} s after the signal: a peer does not answer")
                 said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
-                say(f"accel-train: error: lost contact with a peer ({why}); {said}; relaunch with --resume auto "
+                say(f"\naccel-train: error: lost contact with a peer ({why}); {said}; relaunch with --resume auto "
                     "(launch.sh --max_restarts N does it) once every node is back\n")
                 report_status(EXIT_LOST_PEER)
                 os._exit(EXIT_LOST_PEER)

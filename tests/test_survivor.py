@@ -99,6 +99,8 @@ def test_sigterm_while_a_peer_is_stopped_saves_at_once_not_at_an_agreed_check(tm
         wait_for(lambda: SAVED.search(log.read_text()), timeout=60, interval=0.02)
         took = time.monotonic() - sent
     finally:
+        for pid in trainer_pids(tag).values():  # (torchrun starts each rank in a session of its own)
+            os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     text = log.read_text()
@@ -225,3 +227,11 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
     rows = [json.loads(r) for r in (saved / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 1))
     assert ("loss_of" in rows[-1]) == (where == "logging a step")  # its reduce never completed: this rank's loss
+
+
+def test_survivors_that_saved_different_steps_resume_from_the_newest():
+    # a ring all-reduce can complete on some ranks and not others: machine 1's survivor saved one step more
+    from accel_train.config import TrainConfig
+    from accel_train.resume import _choose
+    reports = [{"listing": [(16, "run"), (21, "run")]}, {"listing": [(16, "run"), (22, "run")]}]
+    assert _choose(TrainConfig(resume="auto"), reports) == ((22, "run"), {"run"})

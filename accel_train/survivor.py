@@ -82,7 +82,7 @@ class Survivor:
         self.saving = threading.Lock()   # one survivor save per process
         self.first_step = run.state.step  # nothing new to save before a step beyond it
         self.row = None                  # (step, loss on the device, lr) of a row whose reduce may not complete
-        self.result = None
+        self.result, self.owner = None, None  # what the save said; who saved ("main" or "watch"), and so speaks
         acc = run.accelerator
         me = (socket.gethostname(), os.getpid(), acc.local_process_index)
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
@@ -125,6 +125,8 @@ class Survivor:
         except Exception as error:
             if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
                 error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
+                if self.owner == "watch":  # the signal watch saved first: it says so and exits (one status file)
+                    threading.Event().wait()
             raise
         finally:
             self.close()
@@ -147,6 +149,7 @@ class Survivor:
         with self.saving:
             if self.result is not None:
                 return self.result
+            self.owner = "main" if in_main else "watch"
             if in_main and self.lock.locked():  # the failure came inside the step's update: no consistent state
                 self.result = "nothing saved: the failure came while this rank applied a step"
                 return self.result
@@ -217,6 +220,8 @@ class Survivor:
                 why = (f"local rank process {gone[0]} is gone" if gone else
                        f"no agreed stop {GRACE_S / 2:.0f} s after the signal: a peer does not answer")
                 said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
+                if self.owner != "watch":
+                    return  # the main thread saved: it says so and exits
                 say(f"\naccel-train: error: lost contact with a peer ({why}); {said}; relaunch with --resume auto "
                     "(launch.sh --max_restarts N does it) once every node is back\n")
                 report_status(EXIT_LOST_PEER)

@@ -235,3 +235,38 @@ def test_survivors_that_saved_different_steps_resume_from_the_newest():
     from accel_train.resume import _choose
     reports = [{"listing": [(16, "run"), (21, "run")]}, {"listing": [(16, "run"), (22, "run")]}]
     assert _choose(TrainConfig(resume="auto"), reports) == ((22, "run"), {"run"})
+
+
+def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_one_does(monkeypatch):
+    # a platform's SIGTERM to the remaining machines of a job whose peer hangs elsewhere: no local peer is gone, the
+    # ranks never agree on the stop; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
+    import types
+    watch = object.__new__(survivor.Survivor)
+    watch.local, watch.stop, watch.owner = [], types.SimpleNamespace(agreed=False, signal=signal.SIGTERM), None
+    saved, exits = [], []
+
+    def save(failure, in_main=False):
+        saved.append(failure)
+        watch.owner = "watch"
+        return "step 7 saved by the survivor in out/checkpoints/step_00000007 in 0.1 s"
+
+    def exit_(code):
+        exits.append(code)
+        raise SystemExit(code)
+    watch.save = save
+    monkeypatch.setattr(survivor, "GRACE_S", 1.0)
+    monkeypatch.setattr(survivor.os, "_exit", exit_)
+    monkeypatch.setattr(survivor, "report_status", lambda code: None)
+    read, write = os.pipe()
+    os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # (other signals' bytes are passed over)
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        watch._on_signal(read)
+    assert exits == [3] and 0.5 <= time.monotonic() - start < 3
+    assert len(saved) == 1 and saved[0].startswith("SIGTERM while no agreed stop") and "does not answer" in saved[0]
+    watch.stop.agreed = True  # the ranks agreed (AgreedChecks): every peer answered, the agreed checkpoint follows
+    os.write(write, bytes([signal.SIGTERM]))
+    watch._on_signal(read)
+    assert exits == [3] and len(saved) == 1
+    os.close(read)
+    os.close(write)

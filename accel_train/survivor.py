@@ -179,7 +179,11 @@ class Survivor:
         kept = self.kept_step == state.step
         buffers = dict(zip(self.buffer_names, self.kept if kept else self.buffers))
         source = "rank 0" if kept and self.hooked else f"rank {run.accelerator.process_index} (its own)"
-        write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
+        try:
+            write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
+            raise
         try:
             os.replace(tmp, final)
         except OSError:  # another survivor on the same storage renamed its copy first

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -239,10 +240,11 @@ def test_survivors_that_saved_different_steps_resume_from_the_newest():
 
 def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_one_does(monkeypatch):
     # a platform's SIGTERM to the remaining machines of a job whose peer hangs elsewhere: no local peer is gone, the
-    # ranks never agree on the stop; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
+    # ranks never agree on the stop and no step completes; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
     import types
     watch = object.__new__(survivor.Survivor)
     watch.local, watch.stop, watch.owner = [], types.SimpleNamespace(agreed=False, signal=signal.SIGTERM), None
+    watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))  # no step completes: stalled
     saved, exits = [], []
 
     def save(failure, in_main=False):
@@ -255,6 +257,7 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
         raise SystemExit(code)
     watch.save = save
     monkeypatch.setattr(survivor, "GRACE_S", 1.0)
+    monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s)
     monkeypatch.setattr(survivor.os, "_exit", exit_)
     monkeypatch.setattr(survivor, "report_status", lambda code: None)
     read, write = os.pipe()
@@ -263,10 +266,29 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     with pytest.raises(SystemExit):
         watch._on_signal(read)
     assert exits == [3] and 0.5 <= time.monotonic() - start < 3
-    assert len(saved) == 1 and saved[0].startswith("SIGTERM while no agreed stop") and "does not answer" in saved[0]
+    assert len(saved) == 1 and saved[0].startswith("SIGTERM while no step and no agreed stop"), saved
+    assert "does not answer" in saved[0]
+    # steps still completing (every peer answers): no save until late in torchrun's grace
+    ticking = threading.Event()
+
+    def tick():
+        while not ticking.is_set():
+            watch.run.state.step += 1
+            time.sleep(0.05)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    os.write(write, bytes([signal.SIGTERM]))
+    start = time.monotonic()
+    try:
+        with pytest.raises(SystemExit):
+            watch._on_signal(read)
+    finally:
+        ticking.set()
+        ticker.join()
+    assert time.monotonic() - start >= 0.7 and saved[1].startswith("SIGTERM while no agreed stop"), saved
     watch.stop.agreed = True  # the ranks agreed (AgreedChecks): every peer answered, the agreed checkpoint follows
     os.write(write, bytes([signal.SIGTERM]))
     watch._on_signal(read)
-    assert exits == [3] and len(saved) == 1
+    assert exits == [3, 3] and len(saved) == 2
     os.close(read)
     os.close(write)

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -77,12 +78,17 @@ class Checkpointer:
                  history):
         self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
+        self.saved_at, self.write_s = time.perf_counter(), None  # (a checkpoint by time: preempt.AgreedChecks)
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
-        return save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
+        start = time.perf_counter()
+        path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
                                self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
                                keep=self.keep, facts=self.facts)
+        self.saved_at = time.perf_counter()
+        self.write_s = self.saved_at - start
+        return path
 
 
 def set_aside(paths: list[Path]) -> None:

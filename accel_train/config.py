@@ -109,6 +109,10 @@ class TrainConfig:
                           aliases=("--train_url",))
     checkpoint_every: int = opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)",
                                 "checkpointing")
+    checkpoint_minutes: float | None = opt(None, "also checkpoint after this many minutes of training since the last "
+                                           "checkpoint (default: 100x the measured write, so writes cost at most a "
+                                           "hundredth of the time, at least 1 min, 10 min to the first; 0: never by "
+                                           "time)", "checkpointing")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints", "checkpointing")
     resume: str | None = opt(None, "'auto' (newest complete checkpoint in output_dir, else a fresh start) "
                              "or a checkpoint directory", "checkpointing")
@@ -159,6 +163,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_minutes is not None and not self.checkpoint_minutes >= 0:
+            raise ConfigError(f"--checkpoint_minutes must be >= 0, got {self.checkpoint_minutes}")
         for name in ("batch_size", "max_steps", "train_samples", "test_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:

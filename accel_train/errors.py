@@ -157,6 +157,8 @@ def lost_peer(error: Exception, cfg) -> None:
     detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
     found = checkpoint_dirs(cfg.output_dir)
     where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
+    if getattr(error, "survivor", None):  # the last completed step, written by this machine's survivor (survivor.py)
+        where = error.survivor if found and str(found[-1]) in error.survivor else f"{error.survivor}; {where}"
     end_progress_line()
     print(f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
           f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "

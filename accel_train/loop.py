@@ -27,6 +27,7 @@ from .model import bare_model
 from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
 from .preempt import AgreedChecks, StopRequest
 from .setup import Run, setup
+from .survivor import Survivor
 
 logger = get_logger("accel_train")
 
@@ -41,56 +42,64 @@ def train(cfg: TrainConfig, given=None) -> dict:
     # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
     # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
-    checks = AgreedChecks(stop, state.step)
+    checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
     checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
                                cfg.keep_checkpoints, model_config(cfg, {}, run.data.info), watch, metrics.history)
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
     run_start = time.perf_counter()
-    while not run.done:
-        epoch = state.epoch
-        model.train()
-        meter = EpochMeter(accelerator.device)
-        window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
-        tick = time.perf_counter()
-        for batch in epoch_batches(run, epoch):
-            x, y = run.data.inputs(batch, train=True, epoch=epoch)
-            meter.data_time += time.perf_counter() - tick
-            lr = run.optimizer.param_groups[0]["lr"]
-            loss, logits, grad_norm = train_step(run, x, y, cfg.clip_grad)
-            meter.update(loss, logits, y)
-            watch.update(loss, state.step + 1, lr)
-            window_loss += loss.detach().float()
-            state.batch_in_epoch += 1
-            if accelerator.sync_gradients:  # an optimizer step happened
-                state.step += 1
-                watch.update_weights(state.step, grad_norm)  # (on the device: an absurd jump is read at a check)
-                last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
-                if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches and ranks)
-                    watch.check(accelerator, state.step)
-                    metrics.log_step(accelerator, state.step, window_loss / cfg.grad_accum, lr)
-                window_loss.zero_()
-                after_step(run, progress, pace)
-                if last:
-                    break  # --max_steps, or the end of the last whole accumulation window
-                if checks.due(state.step) and checks.agree(accelerator, state.step, watch):
-                    raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); checkpoint "
-                                    f"{checkpoints.save(state)}; continue with --resume auto")
-                if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
-                    checkpoints.save(state)
+    with Survivor(run, cfg, checkpoints, metrics, stop).guard() as survivor:  # a lost peer: the last step is saved
+        while not run.done:
+            epoch = state.epoch
+            model.train()
+            meter = EpochMeter(accelerator.device)
+            window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
             tick = time.perf_counter()
-        watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
-        row = end_of_epoch(run, cfg, meter, epoch, stop)
-        if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
-            raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
-                            f"{checkpoints.save(state)}; continue with --resume auto")
-        record_epoch(run, cfg, metrics, best, row)
-        if state.batch_in_epoch >= run.batches_per_epoch:
-            state.epoch, state.batch_in_epoch = epoch + 1, 0
-        checkpoints.save(state)  # epoch end, or where --max_steps stopped
+            for batch in epoch_batches(run, epoch):
+                x, y = run.data.inputs(batch, train=True, epoch=epoch)
+                meter.data_time += time.perf_counter() - tick
+                lr = run.optimizer.param_groups[0]["lr"]
+                loss, logits, grad_norm = train_step(run, x, y, cfg.clip_grad, survivor.lock)
+                meter.update(loss, logits, y)
+                watch.update(loss, state.step + 1, lr)
+                window_loss += loss.detach().float()
+                state.batch_in_epoch += 1
+                if accelerator.sync_gradients:  # an optimizer step happened (train_step took survivor.lock for it)
+                    state.step += 1
+                    watch.update_weights(state.step, grad_norm)  # (on the device: an absurd jump is read at a check)
+                    after_step(run, progress, pace)
+                    survivor.step_done()  # the step is complete: weights, step, lr, EMA; collectives after
+                    last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
+                    if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches, ranks)
+                        log_step(run, metrics, watch, survivor, window_loss / cfg.grad_accum, lr)
+                    window_loss.zero_()
+                    if last:
+                        break  # --max_steps, or the end of the last whole accumulation window
+                    if checks.due(state.step) and checks.agree(accelerator, state.step, watch, checkpoints):
+                        raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
+                                        f"checkpoint {checkpoints.save(state)}; continue with --resume auto")
+                    if checks.checkpoint_due(state.step, cfg.checkpoint_every):
+                        checkpoints.save(state)
+                tick = time.perf_counter()
+            watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
+            row = end_of_epoch(run, cfg, meter, epoch, stop)
+            if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
+                raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
+                                f"{checkpoints.save(state)}; continue with --resume auto")
+            record_epoch(run, cfg, metrics, best, row)
+            next_epoch(run, epoch, survivor.lock)
+            checkpoints.save(state)  # epoch end, or where --max_steps stopped
     progress.close()
     stop.uninstall()
     return finish(run, cfg, metrics, best, time.perf_counter() - run_start)  # the outputs; trackers closed
+
+
+def next_epoch(run: Run, epoch: int, lock) -> None:
+    """After an epoch's row: the next epoch starts, unless --max_steps stopped this one (epoch and batch change
+    together: the survivor reads them under `lock`)."""
+    with lock:
+        if run.state.batch_in_epoch >= run.batches_per_epoch:
+            run.state.epoch, run.state.batch_in_epoch = epoch + 1, 0
 
 
 def epoch_batches(run: Run, epoch: int):
@@ -104,7 +113,8 @@ def epoch_batches(run: Run, epoch: int):
 
 
 def after_step(run: Run, progress, pace) -> None:
-    """After an optimizer step: the lr of the next step (a function of the global step), the EMA, progress."""
+    """After an optimizer step, before any collective (a lost peer then finds the step whole: survivor.py): the lr of
+    the next step (a function of the global step), the EMA, progress."""
     step = run.state.step
     run.scheduler.step_update(step)
     if run.ema is not None:
@@ -113,9 +123,18 @@ def after_step(run: Run, progress, pace) -> None:
     pace.step_done(step)
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None):
+def log_step(run: Run, metrics, watch, survivor, loss: torch.Tensor, lr: float) -> None:
+    """A logged step (every rank: collectives): the divergence watch is read, the loss averaged over ranks, its row
+    written; a lost peer on the way leaves the survivor this rank's loss for the row."""
+    survivor.note_row(run.state.step, loss, lr)
+    watch.check(run.accelerator, run.state.step)
+    metrics.log_step(run.accelerator, run.state.step, loss, lr)
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None, lock=None):
     """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step; (loss, logits, the
-    gradient's norm before clipping or None)."""
+    gradient's norm before clipping or None). `lock` (survivor.Survivor.lock) is taken before the optimizer step and
+    left held: the loop releases it once the step is complete."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     reseed(run)
     grad_norm = None  # with --clip_grad: the total norm before clipping (the divergence watch reads it)
@@ -126,6 +145,8 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | No
         accelerator.backward(loss)
         if clip_grad and accelerator.sync_gradients:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_grad)
+        if lock is not None and accelerator.sync_gradients:
+            lock.acquire()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss, logits, grad_norm

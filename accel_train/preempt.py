@@ -25,6 +25,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 class StopRequest:
     def __init__(self):
         self.signal: int | None = None
+        self.agreed = False  # the ranks agreed on the stop (AgreedChecks): every peer answered
         # Who speaks, on each machine (a Ctrl-C comes from the terminal of one): its main process once start-up has
         # ended (the start-up check answers a Ctrl-C during start-up itself); the second Ctrl-C's line before that
         # comes from every process (which one is main is not known yet)
@@ -95,37 +96,51 @@ class AgreedChecks:
 
     Bound: a stop is seen after at most max(MAX_S of work, one step) plus the check itself, then the
     checkpoint is written: well inside the 30 s torchrun gives workers after forwarding SIGTERM
-    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 6 numbers
+    (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 8 numbers
     per rank and one host read (which drains the device queue); the interval is at least 100x the
     measured cost of the previous check (<= 1% of the time), and about TARGET_S of work otherwise."""
 
     TARGET_S, MAX_S, MAX_OVERHEAD = 2.0, 5.0, 0.01
 
-    def __init__(self, stop: StopRequest, step: int = 0):
-        self.stop = stop
+    def __init__(self, stop: StopRequest, step: int = 0, minutes: float | None = None):
+        self.stop, self.minutes = stop, minutes  # --checkpoint_minutes
         self.next = step + 1  # the first step after a (re)start: its time (compile, warm-up) is then known
         self.since, self.since_step, self.cost = time.perf_counter(), step, 0.0
+        self.save_now = False  # the ranks agreed that a checkpoint is due by time (checkpoint_due)
 
     def due(self, step: int) -> bool:
         return step >= self.next
 
-    def agree(self, accelerator, step: int, watch=None) -> bool:
+    def agree(self, accelerator, step: int, watch=None, clock=None) -> bool:
         """Every rank calls it at the same step: True on every rank if any rank got a stop signal; raises
-        Diverged on every rank if any rank's watch saw a non-finite loss."""
+        Diverged on every rank if any rank's watch saw a non-finite loss. `clock` (the Checkpointer: seconds since
+        its last checkpoint, the last write's seconds): whether a checkpoint is due by time,
+        from the ranks' largest numbers, so every rank saves at this step or none does."""
         import torch  # (this module is imported by the command line before torch is needed)
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
-        mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost, 0.0, float(step)]],
-                            dtype=torch.float64, device=accelerator.device)
+        since, write_s = (start - clock.saved_at, clock.write_s or -1.0) if clock is not None else (0.0, -1.0)
+        mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost, 0.0, since, write_s,
+                              float(step)]], dtype=torch.float64, device=accelerator.device)
         if watch is not None:
             mine[0, 1], mine[0, 4] = watch.first, watch.jumped  # stay on the device until the one read below
-        rows = of_step(accelerator.gather(mine).reshape(-1, 6).tolist(), step, "the agreed check")
+        rows = of_step(accelerator.gather(mine).reshape(-1, 8).tolist(), step, "the agreed check")
         if watch is not None:
             watch.verdict([int(r[1]) for r in rows], True, step, [int(r[4]) for r in rows])
         self.next = step + self.interval(max(r[2] for r in rows), max(r[3] for r in rows))
         self.since, self.since_step = time.perf_counter(), step
         self.cost = self.since - start
-        return any(r[0] for r in rows)
+        write = max(r[6] for r in rows)
+        self.save_now = clock is not None and max(r[5] for r in rows) >= checkpoint_interval_s(
+            self.minutes, write if write >= 0 else None)
+        self.stop.agreed = any(r[0] for r in rows)  # (the survivor's signal watch stands down: survivor.py)
+        return self.stop.agreed
+
+    def checkpoint_due(self, step: int, every: int) -> bool:
+        """A checkpoint at this step: every --checkpoint_every steps, or where the last agreed check found one due
+        by time (the same answer on every rank)."""
+        due, self.save_now = bool(every and step % every == 0) or self.save_now, False
+        return due
 
     @classmethod
     def interval(cls, step_s: float, check_s: float) -> int:
@@ -133,3 +148,26 @@ class AgreedChecks:
         step_s = max(step_s, 1e-9)
         n = max(round(cls.TARGET_S / step_s), math.ceil(check_s / (cls.MAX_OVERHEAD * step_s)))
         return max(1, min(n, math.floor(cls.MAX_S / step_s)))
+
+
+# The default checkpoint interval in training time (--checkpoint_minutes unset): 100x the last measured write, so that
+# writes cost at most ~1% of the time; at least MIN_S; FIRST_S before this run has measured a write.
+MAX_WRITE_SHARE, MIN_CHECKPOINT_S, FIRST_CHECKPOINT_S = 0.01, 60.0, 600.0
+
+
+def checkpoint_interval_s(minutes: float | None, write_s: float | None) -> float:
+    """Seconds of training between checkpoints taken by time: --checkpoint_minutes (0: never), else from the write's
+    measured cost."""
+    if minutes is not None:
+        return minutes * 60 if minutes > 0 else math.inf
+    if write_s is None:
+        return FIRST_CHECKPOINT_S
+    return max(write_s / MAX_WRITE_SHARE, MIN_CHECKPOINT_S)
+
+
+def checkpoint_interval_text(minutes: float | None) -> str:
+    """The start line's words for it."""
+    if minutes is not None:
+        return f"every {minutes:g} min of training (--checkpoint_minutes)" if minutes > 0 else "none by time"
+    return (f"every {MIN_CHECKPOINT_S / 60:.0f}+ min of training (100x the measured write: <= 1% of the time; "
+            f"{FIRST_CHECKPOINT_S / 60:.0f} min to the first)")

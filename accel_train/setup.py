@@ -33,6 +33,7 @@ from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
+from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
 from .user import Given, check_forward
@@ -227,7 +228,8 @@ def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log)
         f"[{accelerator.distributed_type}, {accelerator.mixed_precision}] on {decision.num_machines} machine(s), "
         f"global batch {run.run_math['global_batch']}, peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
         f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
-        + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk"))
+        + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk")
+        + f", {checkpoint_interval_text(cfg.checkpoint_minutes)}")
     log(run.data.describe())
     log(resolved)
     if loaded:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY, launch, trainer_pids, wait_all, wait_for, write_cifar
+from conftest import ROOT, TINY, launch, steps_logged, trainer_pids, wait_all, wait_for, write_cifar
 
 pytestmark = pytest.mark.slow
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -94,32 +94,42 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
         assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl",
                 "trainer_state.json", "metrics.jsonl"} <= {p.name for p in newest.iterdir()}, newest
 
+    # --checkpoint_every 0 (the default): between epoch ends, only the survivors' saves (issue 23)
     tags = (uuid.uuid4().hex, uuid.uuid4().hex)
     procs, paths, outs = modelarts_job(two_hosts, tmp_path, "run", random.randint(20000, 40000),
-                                       ["--max_restarts", "2"], tags)
+                                       ["--max_restarts", "2", "--checkpoint_every", "0"], tags)
 
     def kill(node, wipe, after_step):
-        wait_for(lambda: (outs[node] / "checkpoints" / f"step_{after_step:08d}").is_dir(), timeout=240)
+        wait_for(lambda: steps_logged(outs[0]) >= after_step, timeout=240, interval=0.01)
         pid = wait_for(lambda: trainer_pids(tags[node]).get(node), timeout=60)
+        logged = steps_logged(outs[0])
         os.kill(pid, signal.SIGKILL)
         if wipe:  # the machine is replaced by one with an empty disk
             shutil.rmtree(outs[node])
+        return logged
 
     # (a killed rank whose disk survives is relaunched and resumed: test_preempt.py, on one machine)
     try:
-        kill(1, wipe=True, after_step=8)    # node 1 lost with its disk: both relaunch, it gets node 0's checkpoint
-        kill(0, wipe=True, after_step=24)   # machine 0 lost with its disk: node 1's copy is the job's checkpoint
+        logged = [kill(1, wipe=True, after_step=6)]  # node 1 lost with its disk: node 0's survivor saves the step
+        wait_for(lambda: "relaunching to resume" in paths[1].read_text(), timeout=120)
+        logged.append(kill(0, wipe=True, after_step=22))  # machine 0 lost with its disk: node 1's survivor saves
     finally:
         codes = wait_all(procs, timeout=400)
     text = [p.read_text() for p in paths]
     assert codes == [0, 0], "\n\n".join(t[-4000:] for t in text)
     assert text[0].count("relaunching to resume") == 2 and text[1].count("relaunching to resume") == 2
-    # a copy was sent to each machine that lacked it: node 1 after its disk went (step 8), then machine 0 resumed
-    # from node 1's copy of the newest checkpoint the two had completed
+    # each kill: the surviving machine saved the step no earlier than the last one logged, without a collective
+    saved = [int(re.findall(r"step (\d+) saved by the survivor", text[node])[0]) for node in (0, 1)]
+    assert saved[0] >= logged[0] and saved[1] >= logged[1] and saved[1] % 16, (saved, logged)
+    # a copy was sent to each machine that lacked it: node 1 after its disk went, then machine 0 from node 1's copy
     copies = [int(s) for s in re.findall(r"rank\(s\) \[(?:0|1)\] lack checkpoint step (\d+)", text[0])]
-    assert len(copies) == 2 and copies[0] == 8 and copies[1] in (16, 24), copies
+    assert copies == saved, (copies, saved)
     a, b = load_file(ref[0] / "model.safetensors"), load_file(outs[0] / "model.safetensors")
-    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
+    params = {k for k in a if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in params) <= 1e-6
+    # BatchNorm's running statistics: rank 1's own where machine 0 was lost between windows (README: What a failure
+    # costs): its last step's local update, decayed by 0.9 per later step
+    assert max((a[k].double() - b[k].double()).abs().max().item() for k in a if k not in params) <= 0.05
     rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]  # the history survived machine 0's empty disk
 

@@ -60,8 +60,8 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     # --max_restarts 2 --restart_on_preempt:
     # 1. SIGUSR1 to rank 1 only, mid epoch 1 (what `scancel --signal=USR1` or SLURM's --signal delivers): every rank
     #    stops at one step with a checkpoint; a preemption that did not come through launch.sh, which relaunches it;
-    # 2. SIGKILL to rank 1 a few steps later (no checkpoint of its own): relaunched from the newest complete
-    #    checkpoint, the preemption's (the second relaunch: attempt 3 of 3);
+    # 2. SIGKILL to rank 1 a few steps later: rank 0, the survivor, saves the last step it completed (issue 23) and the
+    #    job is relaunched from it (the second relaunch: attempt 3 of 3);
     # 3. SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) during epoch 1's evaluation: the epoch's
     #    checkpoint is written, its metrics row is not; a signal to launch.sh itself is never relaunched.
     # Then `--resume auto` redoes only that evaluation and trains epoch 2. (A kill resumed from a periodic
@@ -72,7 +72,7 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     # the uninterrupted run, launched the same way (its own test set and log settings do not change the weights)
     proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", ref], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    flags = ["--test_samples", "1000", "--log_all_ranks"]
+    flags = ["--test_samples", "1000", "--log_all_ranks", "--keep_checkpoints", "3"]  # (the survivor's save is one)
 
     tag = uuid.uuid4().hex
     with open(tmp_path / "run.log", "w") as log:
@@ -97,8 +97,10 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     assert sorted(s[0] for s in stops) == ["SIGUSR1", "a signal on another rank"], stops  # rank 1 got it
     assert {int(s[1]) for s in stops} == {step}  # every rank at the same step
     assert text.count("relaunching to resume from the newest checkpoint") == 2 and "(attempt 3 of 3)" in text
-    # both relaunches (every rank says it) resume the preemption's checkpoint: the kill left none of its own
-    assert re.findall(r"resumed from .*step_(\d{8})", text) == [f"{step:08d}"] * 4
+    # the first relaunch (every rank says it) resumes the preemption's checkpoint, the second the survivor's save
+    saved = int(re.findall(r"step (\d+) saved by the survivor", text)[0])
+    assert saved >= step + 3, (saved, step)
+    assert re.findall(r"resumed from .*step_(\d{8})", text) == [f"{step:08d}"] * 2 + [f"{saved:08d}"] * 2
     assert f"step {step}, {step} batches into the epoch" in text
     ckpt = out / "checkpoints" / f"step_{step:08d}"
     state = json.loads((ckpt / "trainer_state.json").read_text())

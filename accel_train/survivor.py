@@ -1,0 +1,272 @@
+"""The survivor save: a lost peer costs at most the step in flight.
+
+When a collective fails or times out (a peer's process killed, its machine gone, the network cut, a hung peer), every
+surviving rank still holds the weights, optimizer state, EMA and metrics rows of the last optimizer step it completed,
+and the data position is a function of (epoch, batch). The lowest surviving rank of each machine writes that step as
+an ordinary checkpoint on its own storage, without any collective, then exits with the lost-peer status (3) and one
+line saying which step was saved where, in how many seconds (errors.lost_peer). `--resume auto` takes the newest
+complete checkpoint on any machine (resume.py), so the relaunch loses no completed step.
+
+One step, exactly: the loop changes the weights, the step counter, the lr and the EMA only inside `survivor.lock`
+(from the optimizer step to the end of `after_step`), a region without any collective; the data position saved is the
+start of the accumulation window; the step's metrics row, when its reduce did not complete, is this rank's own loss.
+A failure inside that region (which holds no collective: only a bug) saves nothing.
+
+A SIGTERM (torchrun's agent stops the other workers of a machine 30 s after one dies; a platform stopping the
+remaining machines) cannot wait for an agreed check whose peer is gone, and a main thread blocked in a collective
+never runs Python's signal handler: the C-level handler writes the signal to a wakeup fd read by a thread here,
+which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 pass without a step completing (each
+step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal, unless the ranks have agreed on the
+stop by then (preempt.AgreedChecks sets `stop.agreed`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+from accelerate.utils.other import clean_state_dict_for_safetensors
+
+from .checkpoint import TrainState, save_safetensors
+from .errors import EXIT_LOST_PEER, is_lost_peer, report_status
+from .files import EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STATE_FILE, STEPS_FILE, dumps, step_dir
+from .preempt import SIGNALS, say
+
+GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
+LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
+# accelerate's file names in a checkpoint (accelerate/utils/constants.py: SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCALER_NAME)
+MODEL_NAME, OPTIMIZER_NAME, SCALER_NAME = "model.safetensors", "optimizer.bin", "scaler.pt"
+
+
+def state_to_host(obj):
+    """The one place where training state is read off the device: every tensor in `obj` (a tensor, a state dict, an
+    optimizer's nested state) copied to host memory, contiguous (safetensors' need; channels_last weights are not);
+    other values as they are. On a CPU, a plain copy."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+    if isinstance(obj, dict):
+        return type(obj)((k, state_to_host(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_host(v) for v in obj)
+    return obj
+
+
+def alive(pid: int) -> bool:
+    """A local peer that can still answer: its process exists and is neither a zombie nor stopped (SIGSTOP)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+    return state not in ("Z", "X", "x", "T", "t")
+
+
+class Survivor:
+    """Knows the last completed step of this rank and writes it when a peer is lost. Every rank makes one (one
+    gather at start: the pids of each machine's ranks); `guard()` wraps the training."""
+
+    def __init__(self, run, cfg, checkpointer, metrics, stop):
+        self.run, self.cfg, self.checkpointer, self.metrics, self.stop = run, cfg, checkpointer, metrics, stop
+        self.lock = threading.Lock()     # held while the weights, step, lr and EMA change (no collective inside)
+        self.saving = threading.Lock()   # one survivor save per process
+        self.first_step = run.state.step  # nothing new to save before a step beyond it
+        self.row = None                  # (step, loss on the device, lr) of a row whose reduce may not complete
+        self.result, self.owner = None, None  # what the save said; who saved ("main" or "watch"), and so speaks
+        acc = run.accelerator
+        me = (socket.gethostname(), os.getpid(), acc.local_process_index)
+        ranks = gather_object([me]) if acc.num_processes > 1 else [me]
+        self.lower = [pid for host, pid, local in ranks if host == me[0] and local < me[2]]
+        self.local = [pid for host, pid, _ in ranks if host == me[0] and pid != me[1]]
+        self.watcher = self._watch_signals() if acc.num_processes > 1 else None
+        # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
+        # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
+        # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
+        # the module keeps them there (one fused copy per step on the device, a few KB, no host sync): rank 0's values
+        # at the end of the step before, exactly what rank 0 would save. Compiled modules keep their own at step_done.
+        module = acc._models[0] if acc.num_processes > 1 else None
+        kept = set(module.state_dict()) if module is not None else set()
+        named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
+        self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
+        self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
+        self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
+        if self.hooked:
+            module.register_forward_pre_hook(self._window_start)
+
+    def _window_start(self, module, args) -> None:
+        state = self.run.state
+        if module.training and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0:
+            with self.lock:
+                torch._foreach_copy_(self.kept, self.buffers)
+                self.kept_step = state.step
+
+    def step_done(self) -> None:
+        """The step is complete (weights, step, lr, EMA): the lock train_step took is released."""
+        if self.buffers and not self.hooked:
+            torch._foreach_copy_(self.kept, self.buffers)
+            self.kept_step = self.run.state.step
+        self.lock.release()
+
+    # ---- the training side: a lost peer raised in the main thread
+    @contextmanager
+    def guard(self):
+        try:
+            yield self
+        except Exception as error:
+            if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
+                error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
+                if self.owner == "watch":  # the signal watch saved first: it says so and exits (one status file)
+                    threading.Event().wait()
+            raise
+        finally:
+            self.close()
+
+    def note_row(self, step: int, loss: torch.Tensor, lr: float) -> None:
+        """The step's row is due; its loss (this rank's) stands in if the reduce over ranks does not complete."""
+        self.row = (step, loss, lr)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            signal.set_wakeup_fd(self.watcher[1])
+            for fd in self.watcher[:1:-1]:  # the write end first: the thread reads its end of file and returns
+                os.close(fd)
+            self.watcher = None
+
+    # ---- the save
+    def save(self, failure: str, in_main: bool = False) -> str:
+        """Write the last completed step (if this process is its machine's lowest surviving rank); the words that
+        say what was saved where, in how many seconds, or why nothing was."""
+        with self.saving:
+            if self.result is not None:
+                return self.result
+            self.owner = "main" if in_main else "watch"
+            if in_main and self.lock.locked():  # the failure came inside the step's update: no consistent state
+                self.result = "nothing saved: the failure came while this rank applied a step"
+                return self.result
+            if not in_main:
+                self.lock.acquire()  # never released: the main thread stops at its next step's update
+            try:
+                self.result = self._save(failure)
+            except Exception as e:  # (a full disk, a device that cannot be read): said, never raised over the cause
+                self.result = f"the survivor save failed ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+            return self.result
+
+    def _save(self, failure: str) -> str:
+        run, start = self.run, time.perf_counter()
+        state = replace(run.state)
+        k = run.accelerator.gradient_accumulation_steps
+        state.batch_in_epoch -= state.batch_in_epoch % k  # the start of the accumulation window in flight
+        if state.step <= self.first_step:
+            return f"no step completed since step {self.first_step}: nothing new to save"
+        if any(alive(pid) for pid in self.lower):
+            return f"step {state.step} is saved by a lower rank of this machine"
+        final = step_dir(self.cfg.output_dir, state.step)
+        if (final / STATE_FILE).is_file():
+            return f"step {state.step} was already saved in {final}"
+        tmp = final.parent / f".tmp-{final.name}-survivor-{run.accelerator.process_index}"
+        # the buffers of the completed step: rank 0's (or, compiled, this rank's own) as kept, else the live ones (no
+        # forward has run since the step: this rank's own, or rank 0's where an evaluation's forward broadcast them)
+        kept = self.kept_step == state.step
+        buffers = dict(zip(self.buffer_names, self.kept if kept else self.buffers))
+        source = "rank 0" if kept and self.hooked else f"rank {run.accelerator.process_index} (its own)"
+        try:
+            write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
+            raise
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another survivor on the same storage renamed its copy first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return f"step {state.step} was saved in {final} by another survivor"
+        return f"step {state.step} saved by the survivor in {final} in {time.perf_counter() - start:.1f} s"
+
+    def _history(self, state: TrainState) -> dict:
+        history = self.metrics.history()
+        rows = [r for r in history[METRICS_FILE] if r["epoch"] <= state.epoch]
+        steps = [r for r in history[STEPS_FILE] if r["step"] <= state.step]
+        if self.row is not None and self.row[0] == state.step and (not steps or steps[-1]["step"] != state.step):
+            step, loss, lr = self.row  # the reduce did not complete: this rank's own loss, said so
+            steps.append({"step": step, "loss": float(state_to_host(loss)), "lr": lr,
+                          "loss_of": f"rank {self.run.accelerator.process_index} only"})
+        return {METRICS_FILE: rows, STEPS_FILE: steps}
+
+    # ---- the signal side: torchrun's SIGTERM while the main thread may be blocked in a collective
+    def _watch_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._on_signal, args=(read,), daemon=True, name="accel_train-survivor").start()
+        return (None, previous, read, write)
+
+    def _on_signal(self, fd: int) -> None:
+        try:
+            while os.read(fd, 1)[0] not in {int(s) for s in SIGNALS}:
+                pass
+        except (OSError, IndexError):
+            return
+        armed = moved = time.monotonic()
+        step = self.run.state.step
+        while not getattr(self.stop, "agreed", False):
+            now, gone = time.monotonic(), [pid for pid in self.local if not alive(pid)]
+            if self.run.state.step != step:  # a step completed: every peer answered its all-reduce
+                step, moved = self.run.state.step, now
+            stalled, late = now - moved > GRACE_S / 2, now - armed > GRACE_S - LATE_S
+            if gone or stalled or late:
+                why = (f"local rank process {gone[0]} is gone" if gone else
+                       f"no step and no agreed stop for {GRACE_S / 2:.0f} s after the signal: a peer does not answer"
+                       if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
+                said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
+                if self.owner != "watch":
+                    return  # the main thread saved: it says so and exits
+                say(f"\naccel-train: error: lost contact with a peer ({why}); {said}; relaunch with --resume auto "
+                    "(launch.sh --max_restarts N does it) once every node is back\n")
+                report_status(EXIT_LOST_PEER)
+                os._exit(EXIT_LOST_PEER)
+            time.sleep(0.1)
+
+
+def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path, failure: str,
+                source: str) -> None:
+    """A whole checkpoint of `state` in `tmp`, in save_checkpoint's format, from this rank alone (no collective);
+    `buffers`: the model's buffers at the end of that step, of rank `source`."""
+    acc = run.accelerator
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # what save_state writes: the models prepare() registered (the module itself, not its DDP wrapper), its own call
+    weights = acc.get_state_dict(acc._models[0], unwrap=False)
+    weights = clean_state_dict_for_safetensors(state_to_host({**weights, **buffers}))
+    save_safetensors(weights, tmp / MODEL_NAME, metadata={"format": "pt"})
+    torch.save(state_to_host(run.optimizer.state_dict()), tmp / OPTIMIZER_NAME)
+    if getattr(acc, "scaler", None) is not None:
+        torch.save(state_to_host(acc.scaler.state_dict()), tmp / SCALER_NAME)
+    if run.ema is not None:
+        save_safetensors(state_to_host(run.ema.module.state_dict()), tmp / EMA_FILE)
+    if checkpointer.facts is not None:
+        (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**checkpointer.facts, "metrics": {"step": state.step}},
+                                                        indent=1))
+    for name in HISTORY:
+        (tmp / name).write_text("".join(dumps(r) + "\n" for r in history[name]))
+    rank = acc.process_index
+    meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
+            "num_processes": acc.num_processes,
+            "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
+                         "buffers_of": source}}  # BatchNorm's statistics (README: What a failure costs)
+    with open(tmp / STATE_FILE, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())

@@ -43,7 +43,8 @@ def state_to_host(state, timeout_s: float = COPY_TIMEOUT_S):
       aborted yet), which can be earlier than the host's last completed step; after the abort it is no step at all
       (see the module's docstring). A value that the training stream itself updates once per step (a step counter
       tensor in the state) copied along says which step it is; the host's own count does not.
-    - Host tensors are cloned (detached), so the result does not change when training code later mutates them.
+    - Host tensors are cloned (detached), so the result does not change when training code later mutates them. Every
+      copy is contiguous (safetensors writes no other layout; channels_last weights are not).
     """
     done: dict = {}
 
@@ -72,7 +73,7 @@ def to_host(tensor: torch.Tensor, timeout_s: float = COPY_TIMEOUT_S) -> torch.Te
 def _copy(value, streams: dict):
     if isinstance(value, torch.Tensor):
         if _on_host(value):
-            return value.detach().clone()
+            return value.detach().clone(memory_format=torch.contiguous_format)
         device = value.device
         stream = streams.get(device) or streams.setdefault(device, torch.Stream(device=device))
         with stream:  # this thread's current stream of `device` while the copy is queued and awaited
@@ -90,4 +91,5 @@ def _on_host(tensor: torch.Tensor) -> bool:
 
 
 def _device_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu", copy=True)  # on the current stream, then a wait for that stream
+    # on the current stream, then a wait for that stream; contiguous (safetensors' need: channels_last weights are not)
+    return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)

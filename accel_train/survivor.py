@@ -38,6 +38,7 @@ from accelerate.utils import gather_object
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from .checkpoint import TrainState, save_safetensors
+from .device_copy import state_to_host  # the one place where training state is read off the device
 from .errors import EXIT_LOST_PEER, is_lost_peer, report_status
 from .files import EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STATE_FILE, STEPS_FILE, dumps, step_dir
 from .preempt import SIGNALS, say
@@ -48,17 +49,15 @@ LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save 
 MODEL_NAME, OPTIMIZER_NAME, SCALER_NAME = "model.safetensors", "optimizer.bin", "scaler.pt"
 
 
-def state_to_host(obj):
-    """The one place where training state is read off the device: every tensor in `obj` (a tensor, a state dict, an
-    optimizer's nested state) copied to host memory, contiguous (safetensors' need; channels_last weights are not);
-    other values as they are. On a CPU, a plain copy."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-    if isinstance(obj, dict):
-        return type(obj)((k, state_to_host(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(state_to_host(v) for v in obj)
-    return obj
+def readable_step(device: torch.device) -> str | None:
+    """Why the device's memory holds no step that can be named (None: it holds the host's last completed step).
+    On CUDA and NPU the host runs ahead of the device (DDP's all-reduce does not block it), and the backend's abort of
+    the failed collective lets the updates queued behind it run on a partly reduced gradient: the state then belongs
+    to no step (docs/failures.md, device_copy.py). On a CPU (gloo) the collective runs in the calling thread."""
+    if device.type == "cpu":
+        return None
+    return (f"nothing saved: on {device.type} the state after the failed collective belongs to no step (the device "
+            "runs behind the host; docs/failures.md)")
 
 
 def alive(pid: int) -> bool:
@@ -168,6 +167,8 @@ class Survivor:
         state = replace(run.state)
         k = run.accelerator.gradient_accumulation_steps
         state.batch_in_epoch -= state.batch_in_epoch % k  # the start of the accumulation window in flight
+        if readable_step(run.accelerator.device) is not None:
+            return readable_step(run.accelerator.device)
         if state.step <= self.first_step:
             return f"no step completed since step {self.first_step}: nothing new to save"
         if any(alive(pid) for pid in self.lower):

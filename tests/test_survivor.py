@@ -292,3 +292,18 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     assert exits == [3, 3] and len(saved) == 2
     os.close(read)
     os.close(write)
+
+
+def test_on_an_accelerator_the_survivor_saves_nothing_and_says_why(tmp_path):
+    # docs/failures.md: on CUDA/NPU the host runs ahead of the device and the backend's abort lets the queued updates
+    # run on a partly reduced gradient; a save would be a checkpoint of no step. Before: it was written as step 5.
+    import types
+    assert survivor.readable_step(torch.device("cpu")) is None  # gloo: the collective runs in the calling thread
+    for kind in ("cuda", "npu"):
+        assert survivor.readable_step(types.SimpleNamespace(type=kind)).startswith(f"nothing saved: on {kind}")
+    saver = object.__new__(survivor.Survivor)
+    saver.run = types.SimpleNamespace(state=survivor.TrainState(step=5), accelerator=types.SimpleNamespace(
+        device=torch.device("cuda"), gradient_accumulation_steps=1, process_index=0))
+    saver.first_step, saver.lower, saver.cfg = 0, [], types.SimpleNamespace(output_dir=tmp_path)
+    assert saver._save("ncclRemoteError").startswith("nothing saved: on cuda")
+    assert list(tmp_path.iterdir()) == []

@@ -67,7 +67,13 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
 def main(script) -> None:
     """`script()` (your own main, which calls train()) with the command line's lines and exit statuses (README: Exit
     statuses): bad input one line and 2, preempted 4 (launch.sh --restart_on_preempt relaunches it), diverged 5.
-    Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`."""
-    code = status_of(script)
+    Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`. What `script` returns (train()'s
+    metrics, or nothing) is status 0; an int it returns is its status."""
+    code = status_of(lambda: status(script()))
     exit_rank(code)
     sys.exit(code)
+
+
+def status(returned) -> int:
+    """What a script's main returned -> its exit status: an int as it is, anything else (train()'s dict) 0."""
+    return returned if isinstance(returned, int) and not isinstance(returned, bool) else 0

@@ -288,6 +288,17 @@ def test_a_script_ends_with_the_command_lines_line_and_status(raised, status, li
     assert err[-1:] == ([line] if line else []) and "Traceback" not in "\n".join(err)
 
 
+def test_a_script_that_returns_trains_result_ends_with_status_0(capsys):
+    # main(lambda: train(...)) or a main that returns train()'s metrics: a dict is no exit status (sys.exit(dict)
+    # printed it and exited 1; on 2 ranks os._exit(dict) raised); an int is the script's own status
+    from accel_train.api import main
+    for returned, status in (({"final_test_acc": 0.5}, 0), (None, 0), (3, 3)):
+        with pytest.raises(SystemExit) as e:
+            main(lambda: returned)
+        assert e.value.code == status
+    assert capsys.readouterr().err == ""
+
+
 def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
     # a module (not a factory) is trained as it is: one whose head has 3 classes for data of 10 is one line
     from accel_train import TrainConfig

@@ -109,6 +109,22 @@ def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(item, said
     assert snapshot(existing_run) == before
 
 
+def test_numpy_and_narrow_integer_labels_are_labels():
+    # a numpy integer label (numpy arrays of labels) was refused as "a int64"; an int32 label passed the check and
+    # then stopped the first step with a traceback (cross_entropy takes int64 class indices)
+    import numpy as np
+    from torch.utils.data import default_collate
+
+    from accel_train.data.given import check_item
+    from accel_train.data.pipeline import cpu_inputs
+    for label in (np.int64(1), np.int32(1), torch.tensor(1, dtype=torch.int32)):
+        check_item(Items((torch.zeros(3, 8, 8), label)), "train_set")
+    batch = default_collate([(torch.zeros(3, 8, 8), np.int32(i)) for i in range(2)])
+    x, y = cpu_inputs(torch.contiguous_format)(batch, train=True)
+    torch.nn.functional.cross_entropy(torch.zeros(2, 2), y)  # (raised on int32)
+    assert y.tolist() == [0, 1]
+
+
 def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, monkeypatch):
     # gradcheck runs on your module as on timm's; its cached verdict belongs to the model file's contents (a changed
     # model is checked again), not only to the name --model gives it

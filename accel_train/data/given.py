@@ -7,6 +7,8 @@ the index and the epoch)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..config import TrainConfig
@@ -33,7 +35,7 @@ def check_item(dataset, name: str) -> torch.Tensor:
 def is_label(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.ndim == 0 and not value.is_floating_point() and not value.dtype == torch.bool
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # (numpy's integers too)
 
 
 def describe(value) -> str:

@@ -10,12 +10,14 @@ every guarantee; it returns what that run returns.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from .config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
+from .preempt import SIGNALS
 from .status import status_of
 from .user import Given, name_of
 
@@ -37,7 +39,14 @@ def train(config: TrainConfig | None = None, *, model=None, train_set=None, test
     if not logging.getLogger().handlers:  # a script that set up no logging still sees the run's lines
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
         logging.getLogger("accelerate").setLevel(logging.WARNING)
-    summary = run_training(cfg, Given(model, train_set, test_set, classes))
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        summary = run_training(cfg, Given(model, train_set, test_set, classes))
+    except Exception as e:  # the script goes on (a notebook, a sweep): its Ctrl-C and SIGTERM are its own again; not
+        if not isinstance(e, Preempted):  # after a stop: a further SIGTERM while the process ends is no death by it
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        raise
     return {**summary, "output_dir": str(cfg.output_dir), "model_file": str(Path(cfg.output_dir) / MODEL_FILE)}
 
 

@@ -76,7 +76,8 @@ class Items(Dataset):
 
 
 def in_process_train(*args, **kwargs):
-    """accel_train.train() here, as a script would call it; Accelerate's state and the signal handlers restored."""
+    """accel_train.train() here, as a script would call it; Accelerate's state reset. The signal handlers are the
+    script's again afterwards, whether it returned or raised: train() gives them back (the script goes on)."""
     import signal
 
     from accelerate.state import AcceleratorState, GradientState
@@ -88,10 +89,12 @@ def in_process_train(*args, **kwargs):
     try:
         return train(*args, **kwargs)
     finally:
+        left = {sig: signal.getsignal(sig) for sig in handlers}
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+        assert left == handlers, "train() left its stop handlers installed: the script's Ctrl-C is swallowed"
 
 
 @pytest.mark.parametrize("item,said", [

@@ -104,25 +104,37 @@ def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
 
 
 def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
-    """One batch through the model (eval mode, no gradients: no weight, buffer or random state moves), before the
-    first step and on every rank: it must give one tensor of logits (N, num_classes)."""
-    was_training = model.training
+    """One batch through the model in eval mode and in training mode (no gradients; its buffers, e.g. BatchNorm's
+    running statistics, and the random state restored: nothing of the run moves), before the first step and on every
+    rank: each must give one tensor of logits (N, num_classes). (torchvision's GoogLeNet and Inception v3 with aux
+    logits return a tuple in training mode only.)"""
+    was_training, buffers = model.training, [b.detach().clone() for b in model.buffers()]
     x = x.to(next(model.parameters()).device)
     try:
-        with torch.no_grad():
-            out = model.eval()(x)
-    except Exception as e:
-        raise ConfigError(f"--model {name}: its forward failed on a batch of shape {tuple(x.shape)} "
-                          f"({one_line(e)})") from None
+        for training in (False, True):
+            mode = " in training mode" if training else ""
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    out = model.train(training)(x)
+            except Exception as e:
+                raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
+                                  f"({one_line(e)})") from None
+            check_logits(out, tuple(x.shape), num_classes, name, mode)
     finally:
         model.train(was_training)
-    want = (x.shape[0], num_classes)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+
+
+def check_logits(out, shape: tuple, num_classes: int, name: str, mode: str) -> None:
+    want = (shape[0], num_classes)
     if not isinstance(out, torch.Tensor):
-        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}; it must return one tensor of "
-                          f"logits {want} (return only the logits)")
+        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}{mode}; it must return one "
+                          f"tensor of logits {want} (return only the logits)")
     if tuple(out.shape) != want:
-        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)} for a batch of shape "
-                          f"{tuple(x.shape)}; it must give logits {want} (num_classes={num_classes}, the data's)")
+        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)}{mode} for a batch of shape "
+                          f"{shape}; it must give logits {want} (num_classes={num_classes}, the data's)")
 
 
 def allow_import(path: str, trusted: bool, named: str | None, where: str) -> None:

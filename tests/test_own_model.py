@@ -41,6 +41,8 @@ CASES = {  # name: (--model and its flags, what the one line says)
     "tuple": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "tuple"}'],
               "its forward returns a tuple; it must return one tensor of logits (2, 10)"),
     "dict": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "dict"}'], "its forward returns a dict"),
+    "tuple_in_training": (["--model", "tests_pkg.mod:build", "--model_kwargs", '{"out": "tuple_in_training"}'],
+                          "its forward returns a tuple in training mode; it must return one tensor of logits (2, 10)"),
     "stem_cifar": (["--model", "tests_pkg.mod:build", "--stem", "cifar"], "--stem cifar needs a ResNet-style model"),
     "init_from_code": (["--init_from", "MODEL_DIR"], "names the model code tests_pkg.mod:build: importing it runs"),
 }
@@ -316,6 +318,19 @@ def test_a_script_that_returns_trains_result_ends_with_status_0(capsys):
             main(lambda: returned)
         assert e.value.code == status
     assert capsys.readouterr().err == ""
+
+
+def test_the_check_on_one_batch_moves_nothing_of_the_run():
+    # the training-mode forward of the check (it sees a tuple only that mode returns) leaves the BatchNorm statistics,
+    # the random state and the mode as they were: the run trains the same with and without it
+    from accel_train.user import check_forward
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 10))
+    x, before = torch.randn(2, 3, 8, 8), {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    check_forward(net, x, 10, "m:net")
+    assert net.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 
 def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):

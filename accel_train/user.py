@@ -48,6 +48,14 @@ def code_digest(name) -> str | None:
         return None
 
 
+def structure_digest(model: nn.Module) -> str:
+    """The model's modules (their repr: types and sizes) and its tensors' names and shapes, as a digest: two models
+    recorded under one name (a notebook's `__main__:Net` of another width, a functools.partial, instances of one
+    class built with other arguments) are not one model to a cached result about the model (gradcheck)."""
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    return hashlib.sha256(f"{model!r}{shapes}".encode()).hexdigest()[:16]
+
+
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
 

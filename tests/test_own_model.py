@@ -132,11 +132,14 @@ def test_numpy_and_narrow_integer_labels_are_labels():
 
 def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, monkeypatch):
     # gradcheck runs on your module as on timm's; its cached verdict belongs to the model file's contents (a changed
-    # model is checked again), not only to the name --model gives it
+    # model is checked again) and to the model's modules and shapes (models recorded under one name: a notebook's
+    # __main__:Net has no file, a functools.partial is recorded as functools:partial), not only to --model's name
+    import functools
     import importlib
     import shutil
     import sys
 
+    from accel_train.user import name_of
     from accel_train.config import TrainConfig
     from accel_train.gradcheck import cache_key, check
     from accel_train.hardware import DeviceFacts
@@ -144,12 +147,17 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     model = importlib.import_module("user_pkg.mod").build(10)
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
-    assert check(model, x, y, torch.nn.CrossEntropyLoss(), "bf16").limit > 0
+    verdict = check(model, x, y, torch.nn.CrossEntropyLoss(), "bf16")
+    assert verdict.ok and verdict.worst[1] > 0  # (bf16 computed, and its gradients passed)
     cfg, facts = TrainConfig(model="user_pkg.mod:build"), DeviceFacts("cpu", "cpu")
-    before = cache_key(cfg, 10, x.shape, "bf16", facts)
+    before = cache_key(cfg, 10, x.shape, "bf16", facts, model)
     (tmp_path / "user_pkg" / "mod.py").write_text((tmp_path / "user_pkg" / "mod.py").read_text() + "\n# changed\n")
-    assert cache_key(cfg, 10, x.shape, "bf16", facts)["code"] != before["code"] is not None
-    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts)["code"] is None  # a timm name
+    assert cache_key(cfg, 10, x.shape, "bf16", facts, model)["code"] != before["code"] is not None
+    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts, model)["code"] is None  # a timm name
+    narrow, wide = (functools.partial(tests_pkg.mod.Net, width=w) for w in (4, 64))
+    assert name_of(narrow) == name_of(wide)  # (what config.yaml records for both)
+    keys = [cache_key(TrainConfig(model=name_of(f)), 10, x.shape, "bf16", facts, f(10)) for f in (narrow, wide)]
+    assert keys[0] != keys[1]
     sys.modules.pop("user_pkg.mod")
     sys.modules.pop("user_pkg")
 

@@ -25,15 +25,18 @@ from .user import Given, name_of
 def train(config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None, classes=None) -> dict:
     """Train as `accel-train` does, with `config`'s flags.
 
-    `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs` (None: `config.model`, a
-    timm name or module.path:callable). `train_set` / `test_set`: map-style Datasets of (image tensor (C, H, W), int
-    label), loaded as they are (None: `config.data`); `classes`: their class names or count (default: the Dataset's
-    `classes`, else its labels). Returns the final metrics (final_test_acc, best_test_acc, ...) and the outputs
-    (output_dir, model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a stop by a
-    signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises Diverged."""
+    `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs`, or a timm name or
+    module.path:callable (None: `config.model`). `train_set` / `test_set`: map-style Datasets of (image tensor
+    (C, H, W), int label), loaded as they are (None: `config.data`); `classes`: their class names or count (default:
+    the Dataset's `classes`, else its labels). Returns the final metrics (final_test_acc, best_test_acc, ...) and the
+    outputs (output_dir, model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a
+    stop by a signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises
+    Diverged."""
     cfg = config if config is not None else TrainConfig()
     if (train_set is None) != (test_set is None):
         raise ConfigError("pass train_set and test_set together (or neither: config.data)")
+    if isinstance(model, str):  # a timm name or module.path:callable, as config.model takes it
+        cfg.model, model = model, None
     if model is not None:
         cfg.model = name_of(model)  # what config.yaml and model_config.json record
     if not logging.getLogger().handlers:  # a script that set up no logging still sees the run's lines

@@ -328,6 +328,16 @@ def test_a_script_that_returns_trains_result_ends_with_status_0(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_train_takes_an_import_path_as_its_model(tmp_path):
+    # model="module.path:callable" (as config.model takes it) is imported and built, not called as a factory (it was
+    # recorded as builtins:str and called: "str(num_classes=10) raised TypeError")
+    from accel_train import TrainConfig
+    data = Items((torch.zeros(3, 8, 8), 1))
+    with pytest.raises(ConfigError, match=r"^--model tests_pkg.mod:build: its forward gives shape \(2, 3\)"):
+        in_process_train(TrainConfig(output_dir=str(tmp_path / "out"), model_kwargs='{"out": "wrong_shape"}'),
+                         model="tests_pkg.mod:build", train_set=data, test_set=data, classes=10)
+
+
 def test_the_check_on_one_batch_moves_nothing_of_the_run():
     # the training-mode forward of the check (it sees a tuple only that mode returns) leaves the BatchNorm statistics,
     # the random state and the mode as they were: the run trains the same with and without it

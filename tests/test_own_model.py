@@ -102,14 +102,15 @@ def in_process_train(*args, **kwargs):
 @pytest.mark.parametrize("item,said", [
     ((torch.zeros(3, 8, 8), 1.5), "train_set[0] is (a torch.float32 tensor of shape (3, 8, 8), a float); each item"),
     (torch.zeros(3, 8, 8), "train_set[0] is a torch.float32 tensor of shape (3, 8, 8); each item must be (image"),
-    ((torch.zeros(8, 8, dtype=torch.uint8), 1), "(a torch.uint8 tensor of shape (8, 8), a int)")])
+    ((torch.zeros(8, 8, dtype=torch.uint8), 1), "(a torch.uint8 tensor of shape (8, 8), a int)"),
+    ((torch.zeros(3, 8, 8), 7), "train_set has label 7, but there are 2 classes (a, b): labels are 0..1")])
 def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(item, said, tmp_path, existing_run):  # noqa: F811
     from accel_train import TrainConfig
     before = snapshot(existing_run)
     good = Items((torch.zeros(3, 8, 8), 1))
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # (the label 7: outside the classes; the loss raised at the first step)
         in_process_train(TrainConfig(output_dir=str(existing_run), epochs=1), model="tests_pkg.mod:build",
-                         train_set=Items(item), test_set=good)
+                         train_set=Items(item), test_set=good, classes=["a", "b"])
     assert said in str(e.value) and "\n" not in str(e.value)
     assert snapshot(existing_run) == before
 

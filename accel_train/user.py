@@ -116,11 +116,13 @@ def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str
     running statistics, and the random state restored: nothing of the run moves), before the first step and on every
     rank: each must give one tensor of logits (N, num_classes). (torchvision's GoogLeNet and Inception v3 with aux
     logits return a tuple in training mode only.)"""
-    was_training, buffers = model.training, [b.detach().clone() for b in model.buffers()]
+    was_training, buffers = model.training, []
     x = x.to(next(model.parameters()).device)
     try:
         for training in (False, True):
             mode = " in training mode" if training else ""
+            if training:  # (after the eval-mode forward, which moves no buffer: a lazy module's exist by then)
+                buffers = [b.detach().clone() for b in model.buffers()]
             try:
                 with torch.no_grad(), torch.random.fork_rng(devices=[]):
                     out = model.train(training)(x)

@@ -341,7 +341,8 @@ def test_train_takes_an_import_path_as_its_model(tmp_path):
 
 def test_the_check_on_one_batch_moves_nothing_of_the_run():
     # the training-mode forward of the check (it sees a tuple only that mode returns) leaves the BatchNorm statistics,
-    # the random state and the mode as they were: the run trains the same with and without it
+    # the random state and the mode as they were: the run trains the same with and without it. Lazy modules (no
+    # buffers until a first forward) pass it too
     from accel_train.user import check_forward
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 10))
@@ -350,6 +351,10 @@ def test_the_check_on_one_batch_moves_nothing_of_the_run():
     check_forward(net, x, 10, "m:net")
     assert net.training and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    lazy = torch.nn.Sequential(torch.nn.LazyConv2d(4, 3), torch.nn.LazyBatchNorm2d(), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    check_forward(lazy, x, 10, "m:lazy")
+    assert lazy[1].num_batches_tracked == 0 and lazy[1].running_mean.abs().sum() == 0
 
 
 def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):

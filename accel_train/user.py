@@ -118,8 +118,11 @@ def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str
     logits return a tuple in training mode only.)"""
     was_training, buffers = model.training, []
     x = x.to(next(model.parameters()).device)
+    # a SyncBatchNorm's training forward is a collective, on the device only (torch/nn/modules/batchnorm.py,
+    # SyncBatchNorm.forward, once a process group exists): the model is still on the CPU here, so eval mode only
+    modes = (False,) if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) else (False, True)
     try:
-        for training in (False, True):
+        for training in modes:
             mode = " in training mode" if training else ""
             if training:  # (after the eval-mode forward, which moves no buffer: a lazy module's exist by then)
                 buffers = [b.detach().clone() for b in model.buffers()]

@@ -357,6 +357,18 @@ def test_the_check_on_one_batch_moves_nothing_of_the_run():
     assert lazy[1].num_batches_tracked == 0 and lazy[1].running_mean.abs().sum() == 0
 
 
+def test_the_check_on_one_batch_leaves_a_sync_batchnorms_training_forward_to_the_device(monkeypatch):
+    # under a process group SyncBatchNorm's training forward is a collective that refuses CPU tensors ("expected
+    # input tensor to be on GPU"), and the check runs before prepare() moves the model: only eval mode is checked
+    from accel_train.user import check_forward
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SyncBatchNorm(4), torch.nn.AdaptiveAvgPool2d(1),
+                              torch.nn.Flatten(), torch.nn.Linear(4, 10))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+        net.train()(torch.randn(2, 3, 8, 8))  # (the fact the exception rests on)
+    check_forward(net, torch.randn(2, 3, 8, 8), 10, "m:sync")
+
+
 def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
     # a module (not a factory) is trained as it is: one whose head has 3 classes for data of 10 is one line
     from accel_train import TrainConfig

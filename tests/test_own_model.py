@@ -121,7 +121,7 @@ def test_numpy_and_narrow_integer_labels_are_labels():
     import numpy as np
     from torch.utils.data import default_collate
 
-    from accel_train.data.given import check_item
+    from accel_train.data.given import check_item, check_labels
     from accel_train.data.pipeline import cpu_inputs
     for label in (np.int64(1), np.int32(1), torch.tensor(1, dtype=torch.int32)):
         check_item(Items((torch.zeros(3, 8, 8), label)), "train_set")
@@ -129,6 +129,9 @@ def test_numpy_and_narrow_integer_labels_are_labels():
     x, y = cpu_inputs(torch.contiguous_format)(batch, train=True)
     torch.nn.functional.cross_entropy(torch.zeros(2, 2), y)  # (raised on int32)
     assert y.tolist() == [0, 1]
+    named = Items((torch.zeros(3, 8, 8), 1))
+    named.targets = ["cat", "dog"]  # targets that are class names: the range check reads the first item's label
+    check_labels(named, "train_set", ("cat", "dog"))
 
 
 def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, monkeypatch):

@@ -62,7 +62,10 @@ def check_labels(dataset, name: str, classes) -> None:
     """Labels are class indices 0..len(classes)-1 (outside, the loss raises at the first step; on CUDA a device-side
     assert): the Dataset's `targets` if it has them, else its first item's label."""
     targets = getattr(dataset, "targets", None)
-    labels = torch.as_tensor(targets if targets is not None else [int(dataset[0][1])]).reshape(-1)
+    try:
+        labels = torch.as_tensor(targets if targets is not None else [int(dataset[0][1])]).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):  # `targets` of another kind (class names): the first item's label
+        labels = torch.as_tensor([int(dataset[0][1])])
     outside = labels[(labels < 0) | (labels >= len(classes))]
     if len(outside):
         some = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")

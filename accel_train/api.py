@@ -10,12 +10,14 @@ every guarantee; it returns what that run returns.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from .config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
+from .preempt import SIGNALS
 from .status import status_of
 from .user import Given, name_of
 
@@ -23,21 +25,31 @@ from .user import Given, name_of
 def train(config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None, classes=None) -> dict:
     """Train as `accel-train` does, with `config`'s flags.
 
-    `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs` (None: `config.model`, a
-    timm name or module.path:callable). `train_set` / `test_set`: map-style Datasets of (image tensor (C, H, W), int
-    label), loaded as they are (None: `config.data`); `classes`: their class names or count (default: the Dataset's
-    `classes`, else its labels). Returns the final metrics (final_test_acc, best_test_acc, ...) and the outputs
-    (output_dir, model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a stop by a
-    signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises Diverged."""
+    `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs`, or a timm name or
+    module.path:callable (None: `config.model`). `train_set` / `test_set`: map-style Datasets of (image tensor
+    (C, H, W), int label), loaded as they are (None: `config.data`); `classes`: their class names or count (default:
+    the Dataset's `classes`, else its labels). Returns the final metrics (final_test_acc, best_test_acc, ...) and the
+    outputs (output_dir, model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a
+    stop by a signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises
+    Diverged."""
     cfg = config if config is not None else TrainConfig()
     if (train_set is None) != (test_set is None):
         raise ConfigError("pass train_set and test_set together (or neither: config.data)")
+    if isinstance(model, str):  # a timm name or module.path:callable, as config.model takes it
+        cfg.model, model = model, None
     if model is not None:
         cfg.model = name_of(model)  # what config.yaml and model_config.json record
     if not logging.getLogger().handlers:  # a script that set up no logging still sees the run's lines
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
         logging.getLogger("accelerate").setLevel(logging.WARNING)
-    summary = run_training(cfg, Given(model, train_set, test_set, classes))
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        summary = run_training(cfg, Given(model, train_set, test_set, classes))
+    except Exception as e:  # the script goes on (a notebook, a sweep): its Ctrl-C and SIGTERM are its own again; not
+        if not isinstance(e, Preempted):  # after a stop: a further SIGTERM while the process ends is no death by it
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        raise
     return {**summary, "output_dir": str(cfg.output_dir), "model_file": str(Path(cfg.output_dir) / MODEL_FILE)}
 
 
@@ -67,7 +79,13 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
 def main(script) -> None:
     """`script()` (your own main, which calls train()) with the command line's lines and exit statuses (README: Exit
     statuses): bad input one line and 2, preempted 4 (launch.sh --restart_on_preempt relaunches it), diverged 5.
-    Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`."""
-    code = status_of(script)
+    Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`. What `script` returns (train()'s
+    metrics, or nothing) is status 0; an int it returns is its status."""
+    code = status_of(lambda: status(script()))
     exit_rank(code)
     sys.exit(code)
+
+
+def status(returned) -> int:
+    """What a script's main returned -> its exit status: an int as it is, anything else (train()'s dict) 0."""
+    return returned if isinstance(returned, int) and not isinstance(returned, bool) else 0

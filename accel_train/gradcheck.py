@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .files import cache_dir
 from .hardware import NAMES
 from .ranks import said_once
-from .user import code_digest
+from .user import code_digest, structure_digest
 
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,11 +195,12 @@ def describe(v: Verdict, limit_layers: int = 4) -> str:
 # ~/.cache/accel_train/precision_checks/ ($XDG_CACHE_HOME), as accel_config.py remembers configs. A cache that cannot
 # be read or written only means the check runs again.
 
-def cache_key(cfg, num_classes: int, shape, precision: str, facts) -> dict:
-    """What the verdict depends on: the model (your own: its file's contents too), the input, the precision, the
-    memory format, the device (its name is generic on many CPUs: its flags too, and oneDNN's ISA cap, which picks
-    other kernels), torch, and this check."""
-    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model), stem=cfg.stem,
+def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dict:
+    """What the verdict depends on: the model (its modules and shapes; your own: its file's contents too), the input,
+    the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and oneDNN's ISA
+    cap, which picks other kernels), torch, and this check."""
+    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model), structure=structure_digest(model),
+                stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
                 channels_last=bool(cfg.channels_last),
                 device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
@@ -250,7 +251,7 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     if precision not in UNIT_ROUNDOFF:
         return
     x, y = first_batch(data, cfg.batch_size, accelerator.device)
-    key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts)
+    key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts, model)
     mine = cached(key)
     if mine is None:
         try:

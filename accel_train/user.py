@@ -48,6 +48,14 @@ def code_digest(name) -> str | None:
         return None
 
 
+def structure_digest(model: nn.Module) -> str:
+    """The model's modules (their repr: types and sizes) and its tensors' names and shapes, as a digest: two models
+    recorded under one name (a notebook's `__main__:Net` of another width, a functools.partial, instances of one
+    class built with other arguments) are not one model to a cached result about the model (gradcheck)."""
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    return hashlib.sha256(f"{model!r}{shapes}".encode()).hexdigest()[:16]
+
+
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
 
@@ -104,25 +112,42 @@ def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
 
 
 def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
-    """One batch through the model (eval mode, no gradients: no weight, buffer or random state moves), before the
-    first step and on every rank: it must give one tensor of logits (N, num_classes)."""
-    was_training = model.training
+    """One batch through the model in eval mode and in training mode (no gradients; its buffers, e.g. BatchNorm's
+    running statistics, and the random state restored: nothing of the run moves), before the first step and on every
+    rank: each must give one tensor of logits (N, num_classes). (torchvision's GoogLeNet and Inception v3 with aux
+    logits return a tuple in training mode only.)"""
+    was_training, buffers = model.training, []
     x = x.to(next(model.parameters()).device)
+    # a SyncBatchNorm's training forward is a collective, on the device only (torch/nn/modules/batchnorm.py,
+    # SyncBatchNorm.forward, once a process group exists): the model is still on the CPU here, so eval mode only
+    modes = (False,) if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) else (False, True)
     try:
-        with torch.no_grad():
-            out = model.eval()(x)
-    except Exception as e:
-        raise ConfigError(f"--model {name}: its forward failed on a batch of shape {tuple(x.shape)} "
-                          f"({one_line(e)})") from None
+        for training in modes:
+            mode = " in training mode" if training else ""
+            if training:  # (after the eval-mode forward, which moves no buffer: a lazy module's exist by then)
+                buffers = [b.detach().clone() for b in model.buffers()]
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    out = model.train(training)(x)
+            except Exception as e:
+                raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
+                                  f"({one_line(e)})") from None
+            check_logits(out, tuple(x.shape), num_classes, name, mode)
     finally:
         model.train(was_training)
-    want = (x.shape[0], num_classes)
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+
+
+def check_logits(out, shape: tuple, num_classes: int, name: str, mode: str) -> None:
+    want = (shape[0], num_classes)
     if not isinstance(out, torch.Tensor):
-        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}; it must return one tensor of "
-                          f"logits {want} (return only the logits)")
+        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}{mode}; it must return one "
+                          f"tensor of logits {want} (return only the logits)")
     if tuple(out.shape) != want:
-        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)} for a batch of shape "
-                          f"{tuple(x.shape)}; it must give logits {want} (num_classes={num_classes}, the data's)")
+        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)}{mode} for a batch of shape "
+                          f"{shape}; it must give logits {want} (num_classes={num_classes}, the data's)")
 
 
 def allow_import(path: str, trusted: bool, named: str | None, where: str) -> None:

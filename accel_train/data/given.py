@@ -7,6 +7,8 @@ the index and the epoch)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..config import TrainConfig
@@ -33,7 +35,7 @@ def check_item(dataset, name: str) -> torch.Tensor:
 def is_label(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.ndim == 0 and not value.is_floating_point() and not value.dtype == torch.bool
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # (numpy's integers too)
 
 
 def describe(value) -> str:
@@ -56,6 +58,21 @@ def class_names(dataset, classes=None) -> tuple[str, ...]:
     return names
 
 
+def check_labels(dataset, name: str, classes) -> None:
+    """Labels are class indices 0..len(classes)-1 (outside, the loss raises at the first step; on CUDA a device-side
+    assert): the Dataset's `targets` if it has them, else its first item's label."""
+    targets = getattr(dataset, "targets", None)
+    try:
+        labels = torch.as_tensor(targets if targets is not None else [int(dataset[0][1])]).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):  # `targets` of another kind (class names): the first item's label
+        labels = torch.as_tensor([int(dataset[0][1])])
+    outside = labels[(labels < 0) | (labels >= len(classes))]
+    if len(outside):
+        some = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
+        raise DataError(f"{name} has label {int(outside[0])}, but there are {len(classes)} classes ({some}): labels "
+                        f"are 0..{len(classes) - 1}; pass classes= with every class")
+
+
 def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded (--mean/--std, else 0 and 1: predict
     scales images to [0, 1]), not applied: the Dataset's tensors go to the model as they are."""
@@ -64,6 +81,8 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     mean, std = cfg.normalisation()
     info = DataInfo(type(given.train_set).__name__, class_names(given.train_set, given.classes),
                     mean or (0.0, 0.0, 0.0), std or (1.0, 1.0, 1.0), int(image.shape[-1]))
+    for dataset, name in ((given.train_set, "train_set"), (given.test_set, "test_set")):
+        check_labels(dataset, name, info.classes)
     batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
     train_loader, test_loader = loaders(given.train_set, given.test_set, batch, cfg.num_workers, None, device)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format

@@ -163,10 +163,12 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
 
 
 def cpu_inputs(memory_format):
-    """What a loader of (images, labels) batches gives -> the model's inputs (the cpu pipeline, your own Datasets)."""
+    """What a loader of (images, labels) batches gives -> the model's inputs (the cpu pipeline, your own Datasets).
+    Labels as int64 (a no-op for ours), the class indices the loss takes: your Dataset's int32 / numpy int32 labels
+    collate to an int32 tensor, which cross_entropy refuses."""
     def inputs(batch, train, epoch=0):
         x, y = batch
-        return x.contiguous(memory_format=memory_format), y
+        return x.contiguous(memory_format=memory_format), y.long()
     return inputs
 
 

@@ -23,7 +23,7 @@ class Net(nn.Module):
         if self.training and os.environ.get("TESTS_PKG_DELAY"):
             time.sleep(float(os.environ["TESTS_PKG_DELAY"]))
         logits = self.head(self.features(x))
-        if self.out == "tuple":
+        if self.out == "tuple" or self.out == "tuple_in_training" and self.training:  # (the latter: GoogLeNet's aux)
             return logits, x
         if self.out == "dict":
             return {"logits": logits}

@@ -99,7 +99,12 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
         args, unknown = parser.parse_known_args(argv)
     check_unknown(parser, unknown, env.get(IGNORE_ARGS, ""))
     values = {f.name: getattr(args, f.name) for f in fields()}
-    return TrainConfig(**seed_data_alias(values, given(parser, argv), file))
+    flags = given(parser, argv)
+    if ":" in str(file.get("model", "")) and "model" not in flags:  # code named by a file: the command line trusts it
+        from .user import allow_import
+        allow_import(values["model"], "trust_model_code" in flags and args.trust_model_code, None,
+                     f"--config {args.config}")
+    return TrainConfig(**seed_data_alias(values, flags, file))
 
 
 def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

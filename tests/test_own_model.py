@@ -297,8 +297,15 @@ def test_the_examples_train_on_two_ranks(tmp_path):
 def test_a_config_yaml_names_your_model_as_the_flag_does(tmp_path):
     from accel_train.cli import parse_train_args
     (tmp_path / "c.yaml").write_text("model: tests_pkg.mod:build\nmodel_kwargs: '{\"width\": 4}'\n")
-    cfg = parse_train_args(["--config", str(tmp_path / "c.yaml")])
+    cfg = parse_train_args(["--config", str(tmp_path / "c.yaml"), "--trust_model_code"])
     assert (cfg.model, cfg.model_kwargs_dict()) == ("tests_pkg.mod:build", {"width": 4})
+    assert parse_train_args(["--config", str(tmp_path / "c.yaml"), "--model", "tests_pkg.mod:build"]).model_kwargs
+    # a path read from a file is code to run: without the command line's consent, one line (a file's own
+    # trust_model_code does not count)
+    (tmp_path / "d.yaml").write_text("model: tests_pkg.mod:build\ntrust_model_code: true\n")
+    for config in ("c.yaml", "d.yaml"):
+        with pytest.raises(ConfigError, match="names the model code tests_pkg.mod:build.*--trust_model_code"):
+            parse_train_args(["--config", str(tmp_path / config)])
 
 
 @pytest.mark.parametrize("raised,status,line", [

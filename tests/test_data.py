@@ -187,7 +187,8 @@ def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world
     """What training iterates: loop.epoch_batches over the loader accelerator.prepare shards (rank r of `world`,
     seedable sampler), epochs 0, 1, 2 in turn, then a resumed run's fresh loader 1 batch into epoch 2. The cpu
     pipeline's images of epoch e are the device pipeline's for e (whose inputs() is given the epoch) and differ
-    from epoch 0's. (Accelerate's DataLoaderShard.set_epoch gives a sharded loader's epoch to its sampler only.)"""
+    from epoch 0's. (Accelerate's DataLoaderShard.set_epoch gives a sharded loader's epoch to its sampler only.) The
+    cpu pipeline runs in 2 persistent workers, started in epoch 0: the later epochs must reach their copies."""
     from types import SimpleNamespace
 
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
@@ -197,7 +198,8 @@ def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world
 
     def images(pipeline, epochs, done=0):
         """{epoch: this epoch's augmented images over all ranks, rank by rank} from one prepared loader per rank."""
-        data = build_data(TrainConfig(pipeline=pipeline, **kw), "cpu")
+        data = build_data(TrainConfig(pipeline=pipeline, num_workers=2 if pipeline == "cpu" else None, **kw), "cpu")
+        assert data.train_loader.persistent_workers == (pipeline == "cpu")
         out = {e: [] for e in epochs}
         for rank in range(world):
             loader = prepare_data_loader(data.train_loader, num_processes=world, process_index=rank,
@@ -227,7 +229,7 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
     import signal
     import time
 
-    from accel_train.data.pipeline import _leave_signals_to_the_trainer
+    from accel_train.data.load import _leave_signals_to_the_trainer
 
     def worker(ready):
         _leave_signals_to_the_trainer(0)
@@ -251,3 +253,24 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
             proc.kill()
     cfg = TrainConfig(pipeline="cpu", num_workers=2, train_samples=16, test_samples=8, batch_size=4)
     assert build_data(cfg, "cpu").train_loader.worker_init_fn is _leave_signals_to_the_trainer
+
+
+def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatch):
+    """--num_workers auto: the process's CPU affinity (os.sched_getaffinity) shared by the processes on this machine
+    (LOCAL_WORLD_SIZE, read by Accelerate's get_cpu_distributed_information), at most MAX_WORKERS; given, as given."""
+    from accel_train.config import MAX_WORKERS
+    from accel_train.data.load import _leave_signals_to_the_trainer, loader_kwargs, worker_count
+    for cores, local, expected in ((2, 1, 2), (2, 2, 1), (3, 4, 1), (16, 2, MAX_WORKERS), (64, 2, MAX_WORKERS)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        n, why = worker_count(TrainConfig(pipeline="cpu"))
+        assert n == expected and f"{cores} cores in this process's CPU affinity / {local} process" in why, why
+    assert "at most 8" in worker_count(TrainConfig())[1] and worker_count(TrainConfig(num_workers=0))[0] == 0
+    kw = loader_kwargs(TrainConfig(pipeline="cpu"), "cuda")  # an accelerator: pinned, persistent, prefetching
+    assert kw["pin_memory"] and kw["persistent_workers"] and kw["prefetch_factor"] >= 2 and kw["num_workers"] == 8
+    assert kw["worker_init_fn"] is _leave_signals_to_the_trainer
+    assert loader_kwargs(TrainConfig(), "cpu", workers=0) == dict(num_workers=0, persistent_workers=False,
+                                                                 prefetch_factor=None, worker_init_fn=None,
+                                                                 pin_memory=False)
+    data = build_data(TrainConfig(pipeline="cpu", train_samples=16, test_samples=8, batch_size=4), "cpu")
+    assert data.train_loader.num_workers == 8 and "8 workers per process: 64 cores" in data.describe()

@@ -4,7 +4,7 @@ augmentation and the loaders.
 Modules: info (DataInfo), cifar, images, synthetic (random data), augment, load (splits), pipeline (build_data).
 """
 
-from .augment import cpu_transforms, crop_flip, crop_flip_params
+from .augment import crop_flip, crop_flip_params
 from .cifar import read_batch, read_cifar10
 from .images import check_images, decode_all, decode_image, native_size
 from .info import CIFAR10, DataError, DataInfo
@@ -12,6 +12,6 @@ from .load import device_budget
 from .pipeline import Data, build_data, set_loader_epoch
 from .synthetic import random_data
 
-__all__ = ["CIFAR10", "Data", "DataError", "DataInfo", "build_data", "check_images", "cpu_transforms", "crop_flip",
+__all__ = ["CIFAR10", "Data", "DataError", "DataInfo", "build_data", "check_images", "crop_flip",
            "crop_flip_params", "decode_all", "decode_image", "device_budget", "native_size", "random_data",
            "read_batch", "read_cifar10", "set_loader_epoch"]

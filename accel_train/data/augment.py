@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 
-from .info import CIFAR10, DataInfo
+from .info import CIFAR10
 
 
 def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
@@ -59,7 +58,3 @@ class Normalize:
 
     def __call__(self, images_u8: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(self.shift, images_u8.float(), self.scale)
-
-
-def cpu_transforms(info: DataInfo = CIFAR10) -> v2.Compose:
-    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(info.mean, info.std)])

@@ -16,17 +16,18 @@ Two pipelines, one contract. Both return DataLoaders that `accelerator.prepare` 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..config import TrainConfig
 from ..defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
-from .augment import Normalize, crop_flip, crop_flip_params
+from .augment import Normalize, crop_flip, crop_flip_each, crop_flip_params
 from .cache import open_cache
 from .images import decode_image
 from .info import CIFAR10, DataInfo
@@ -57,7 +58,9 @@ def _identity(batch):
 
 class TransformDataset(Dataset):
     """uint8 images (tensors, the decoded cache's mapped rows, or image files decoded here), cropped and flipped per
-    sample, as a uint8 batch (normalised on the device by `inputs`): the cpu pipeline, run in DataLoader workers.
+    sample, as a batch: the cpu pipeline, run in DataLoader workers. `finish` (a CPU device: normalisation, the
+    memory format) runs there too; on an accelerator the batch stays uint8 (a quarter of the bytes to pin and copy)
+    and `inputs` normalises it on the device.
 
     The crop and flip of sample i in epoch e are the device pipeline's hash of (seed, e, i), not the workers' RNG,
     so a resumed run (and any number of workers or ranks) augments exactly alike. The epoch lives in shared memory:
@@ -66,8 +69,8 @@ class TransformDataset(Dataset):
     that way. `augment`: (seed, pad, hflip), or None for no augmentation.
     """
 
-    def __init__(self, split: Split, size: int, augment: tuple | None = None):
-        self.split, self.size, self.augment = split, size, augment
+    def __init__(self, split: Split, size: int, augment: tuple | None = None, finish=None):
+        self.split, self.size, self.augment, self.finish = split, size, augment, finish
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
         self._mapped = None  # the decoded cache, mapped in each process on first use (never pickled)
 
@@ -102,12 +105,38 @@ class TransformDataset(Dataset):
         idx = torch.as_tensor(indices, dtype=torch.long)
         if self.augment is not None:
             seed, pad, hflip = self.augment
-            images = crop_flip(images, *crop_flip_params(idx, self.epoch, seed, pad, hflip), pad=pad)
-        return images, self.split.labels[idx]
+            images = crop_flip_each(images, *crop_flip_params(idx, self.epoch, seed, pad, hflip), pad=pad)
+        return (images if self.finish is None else self.finish(images)), self.split.labels[idx]
 
     def __getitem__(self, i):
         x, y = self.__getitems__([i])
         return x[0], y[0]
+
+
+class Finish:
+    """uint8 batch -> normalised floats in the run's memory format (picklable: workers may be spawned)."""
+
+    def __init__(self, normalize: Normalize, memory_format):
+        self.normalize, self.memory_format = normalize, memory_format
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """On a CPU, in place on a contiguous copy (~1.6x faster than Normalize's addcmul); channels_last as NHWC,
+        whose per-channel constants broadcast along the last dimension (~1.5x faster than normalising, then
+        converting the floats)."""
+        scale, shift = self.normalize.scale, self.normalize.shift
+        if self.memory_format == torch.channels_last:
+            images, scale, shift = images.permute(0, 2, 3, 1).contiguous(), scale.view(3), shift.view(3)
+        x = _worker_empty(images.shape).copy_(images).mul_(scale).add_(shift)
+        return x.permute(0, 3, 1, 2) if self.memory_format == torch.channels_last else x
+
+
+def _worker_empty(shape) -> torch.Tensor:
+    """float32 `shape`, in shared memory inside a DataLoader worker, as torch's default_collate allocates a batch
+    there (torch/utils/data/_utils/collate.py, collate_tensor_fn): sent to the main process without another copy."""
+    if get_worker_info() is None:
+        return torch.empty(shape)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * 4)
+    return torch.empty(0).set_(storage, 0, shape)
 
 
 def set_loader_epoch(loader, epoch: int) -> None:
@@ -165,14 +194,19 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         train_ds = IndexDataset(len(train)) if train is not None else None
         test_ds = IndexDataset(len(test))
         workers = 0
-    else:  # uint8 batches from the workers (4x less to pin and copy than floats), normalised on the device
+    else:
+        on_cpu = torch.device(device).type == "cpu"  # the workers normalise, in parallel; else the device does
+
+        finish = Finish(normalize, memory_format)
+
         def inputs(batch, train, epoch=0):
             x, y = batch
-            return normalize(x).contiguous(memory_format=memory_format), y
+            return (x if on_cpu else finish(x)), y
 
         augment = (cfg.seed, info.pad, cfg.hflip) if cfg.augment else None
-        train_ds = TransformDataset(train, info.image_size, augment) if train is not None else None
-        test_ds = TransformDataset(test, info.image_size)
+        train_ds = TransformDataset(train, info.image_size, augment, finish if on_cpu else None) \
+            if train is not None else None
+        test_ds = TransformDataset(test, info.image_size, None, finish if on_cpu else None)
         workers, why = worker_count(cfg)
         notes.append(why)
 

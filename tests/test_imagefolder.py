@@ -276,6 +276,10 @@ def break_folder(case, root, tmp_path):
         (root / "train" / "zucchini").mkdir()
     elif case in ("not_an_image", "not_an_image_cpu"):
         (root / "train" / "banana_split" / "img_003.png").write_bytes(b"\x89PNG but then nothing")
+    elif case == "truncated_cache":  # its header reads; its pixels end early: named when the cache is written
+        jpeg = root / "train" / "cherry-2" / "img_001.jpg"
+        jpeg.write_bytes(jpeg.read_bytes()[:300])
+        return ["--pipeline", "cache"]
     elif case == "too_few":
         return ["--batch_size", "32"]
     elif case == "init_not_safetensors":
@@ -298,6 +302,7 @@ BAD = {
     "empty_class": "zucchini has no images",
     "not_an_image": "banana_split/img_003.png is not a readable image",
     "not_an_image_cpu": "banana_split/img_003.png is not a readable image",
+    "truncated_cache": "cherry-2/img_001.jpg is not a readable image (",
     "too_few": "24 training samples cannot fill one batch of 32",
     "init_not_safetensors": "is not a safetensors file",
     "init_does_not_fit": "does not fit this model (shape mismatch conv1.weight",
@@ -306,7 +311,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_image_folder(case, tmp_path):
+def test_bad_image_folder(case, tmp_path, monkeypatch):
+    if case == "truncated_cache":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     root = tmp_path / "d"
     extra = break_folder(case, root, tmp_path)
     out = tmp_path / "out"
@@ -316,6 +323,7 @@ def test_bad_image_folder(case, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and BAD[case] in errors[0], proc.stderr
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+    assert not list((tmp_path / "home").rglob("*.npy*")) and not list((tmp_path / "home").rglob(".*"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
 from PIL import JpegImagePlugin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +82,7 @@ def ours(args, pipeline: str, workers: int | None, full_decode: bool = False):
 
 
 def timm_loader(args, workers: int):
+    import torch
     from timm.data import create_dataset, create_loader
     dataset = create_dataset("", root=str(Path(args.data_dir) / "train"), is_training=True)
     loader = create_loader(dataset, input_size=(3, args.image_size, args.image_size), batch_size=args.batch_size,
@@ -106,12 +105,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--batches", type=int, default=12, help="timed batches per case and round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--cases", default="cpu0,cpu,cache,timm")
     args = p.parse_args(argv)
     if args.make:
         make_folder(Path(args.make[0]), int(args.make[1]), tuple(int(v) for v in args.photo.split("x")))
         return 0
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from accel_train.data.load import worker_count
     from accel_train.config import TrainConfig
     default_workers = worker_count(TrainConfig())[0]

@@ -51,10 +51,10 @@ class TrainConfig:
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
                                    "default 10000)", "data")
     pipeline: str = opt("auto", "'device': uint8 images live on the accelerator, batches are gathered and "
-                        "augmented there; 'cpu': image decoding and augmentation in DataLoader workers; 'cache': the cpu "
-                        "pipeline reading an image folder decoded once per machine; 'auto': device when the decoded "
-                        "data fits --device_data_mb, else cache where the local disk has room, else cpu", "data",
-                        choices=("auto", "device", "cpu", "cache"))
+                        "augmented there; 'cpu': image decoding and augmentation in DataLoader workers; 'cache': "
+                        "the cpu pipeline reading an image folder decoded once per machine; 'auto': device when the "
+                        "decoded data fits --device_data_mb, else cache where the local disk has room, else cpu",
+                        "data", choices=("auto", "device", "cpu", "cache"))
     device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
                                        "the device; default: a quarter of its free memory", "data")
     augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "

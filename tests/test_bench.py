@@ -37,7 +37,8 @@ def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert make.returncode == 0 and len(list(photos.rglob("*.jpg"))) == 30, make.stderr[-3000:]
     proc = subprocess.run([sys.executable, "bench/data_bench.py", "--data_dir", str(photos), "--image_size", "32",
-                           "--batch_size", "4", "--batches", "2", "--rounds", "1", "--cases", "cpu0,cache,timm,full,reduced"],
+                           "--batch_size", "4", "--batches", "2", "--rounds", "1", "--cases",
+                           "cpu0,cache,timm,full,reduced"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()

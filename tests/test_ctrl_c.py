@@ -140,7 +140,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     # Ctrl-C before the second comes, on any machine (issue 29 item 7: with steps that took seconds, a fast CPU
     # reached the next check first and the run exited 4)
     proc, status = start(tmp_path, [*TINY, "--train_samples", "1024", "--test_samples", "8", "--batch_size", "4",
-                                    "--epochs", "1", "--pipeline", "cpu"], ACCEL_TEST_HOLD_AT_STEP="2", ACCEL_TEST_MARKS=str(marks),
+                                    "--epochs", "1", "--pipeline", "cpu"], ACCEL_TEST_HOLD_AT_STEP="2",
+                         ACCEL_TEST_MARKS=str(marks),
                          PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
     log = tmp_path / "run.log"
 

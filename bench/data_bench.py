@@ -5,7 +5,7 @@ the same folder. No model runs.
 
     python bench/data_bench.py --make /tmp/photos 2400            # write a folder: 2400 + 10% val JPEGs, ~450x350
     python bench/data_bench.py --data_dir /tmp/photos [--image_size 224 --batch_size 64 --batches 12 --rounds 3]
-    python bench/data_bench.py --make /tmp/big 240 --photo 1200x900 # photos 4x the training size (>= 896 px)
+    python bench/data_bench.py --make /tmp/big 240 --photo 1300x1000  # shorter side >= 900: 4x the training size
     python bench/data_bench.py --data_dir /tmp/big --cases full,reduced   # the reduced-scale decode vs a full one
 
 Cases (--cases, comma separated): `cpu0` (our cpu pipeline, no workers), `cpu` (its default workers), `cache`
@@ -13,8 +13,9 @@ Cases (--cases, comma separated): `cpu0` (our cpu pipeline, no workers), `cpu` (
 write is timed apart), `timm` (timm.data.create_loader, the default worker count), `full` and `reduced` (the cpu
 pipeline with default workers and JPEGs decoded at full size, i.e. Pillow's Image.draft made a no-op, or at libjpeg's
 reduced scale, our default). The cases alternate round by round on the same cores (`--rounds`); each round times
-`--batches` batches after one of warm-up; the table gives the median round. Per core: images/s over the cores the
-case can use, min(CPU affinity, max(1, workers)). The last lines are the ratios the issue asks for.
+`--batches` batches after 1 + 4 x workers of warm-up (the batches the workers prefetched before the clock starts);
+the table gives the median round. Per core: images/s over the cores the case can use, min(CPU affinity,
+max(1, workers)). The last lines are the ratios the issue asks for.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
             batches, workers, notes = makers[case]()  # a fresh loader per round: the cases share the cores fairly
             if r == 0:
                 print(f"# {case}: {notes}", flush=True)
-            next(batches)  # warm-up: the workers start, the first batches are prepared
+            for _ in range(1 + 4 * workers):  # warm-up: the workers start; the batches they prefetched meanwhile
+                next(batches)                  # (up to 4 each) are taken, so that the timed ones are made while timed
             start = time.perf_counter()
             for _ in range(args.batches):
                 x = next(batches)

@@ -26,6 +26,7 @@ from .errors import ConfigError
 CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
 MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resnet input size)
 SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
+MAX_WORKERS = 8        # most DataLoader workers per process that --num_workers auto starts
 AUTO = (None, "auto")  # the values that stand for an automatic default
 
 
@@ -50,9 +51,10 @@ class TrainConfig:
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
                                    "default 10000)", "data")
     pipeline: str = opt("auto", "'device': uint8 images live on the accelerator, batches are gathered and "
-                        "augmented there; 'cpu': per-sample torchvision transforms (and image decoding) in "
-                        "DataLoader workers; 'auto': device when the decoded data fits --device_data_mb, else cpu",
-                        "data", choices=("auto", "device", "cpu"))
+                        "augmented there; 'cpu': image decoding and augmentation in DataLoader workers; 'cache': "
+                        "the cpu pipeline reading an image folder decoded once per machine; 'auto': device when the "
+                        "decoded data fits --device_data_mb, else cache where the local disk has room, else cpu",
+                        "data", choices=("auto", "device", "cpu", "cache"))
     device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
                                        "the device; default: a quarter of its free memory", "data")
     augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "
@@ -63,7 +65,9 @@ class TrainConfig:
                            "the weights' own (their model_config.json, or timm's pretrained_cfg), else CIFAR-10's "
                            "for cifar10/random, computed from the training images for imagefolder", "data")
     std: str | None = opt(None, "per-channel std 'R,G,B' (see --mean)", "data")
-    num_workers: int = opt(0, "DataLoader worker processes (the cpu pipeline)", "data")
+    num_workers: int | None = opt(None, "DataLoader worker processes per process (the cpu pipeline); default: the "
+                                  "cores of the process's CPU affinity / the processes on this machine, at most "
+                                  f"{MAX_WORKERS}", "data")
 
     # model
     model: str = opt("resnet18", "any timm model name, or your own module.path:callable (called with num_classes "
@@ -170,7 +174,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {value}")
         for name in ("checkpoint_every", "num_workers", "warmup_epochs", "weight_decay", "min_lr"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
@@ -192,6 +196,9 @@ class TrainConfig:
         if self.num_workers and self.pipeline == "device":
             raise ConfigError(f"--num_workers {self.num_workers} needs --pipeline cpu (the device pipeline has "
                               "no DataLoader workers); add --pipeline cpu or drop --num_workers")
+        if self.pipeline == "cache" and self.data != "imagefolder":
+            raise ConfigError(f"--pipeline cache decodes an image folder once; {self.data} needs no decoding: use "
+                              "--pipeline cpu or auto")
 
     def _check_types_and_choices(self) -> None:
         """The checks argparse makes for flags, made here so that --config YAML gets them too."""

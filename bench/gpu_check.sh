@@ -8,6 +8,9 @@
 #   compile   graphs torch.compile compiled over 2 epochs with a partial last evaluation batch: 2 (train, eval)
 #   resume    a run stopped at --max_steps and resumed equals the uninterrupted one (deterministic kernels)
 #   side_copy the survivor save's copy reads the device while the training stream is stuck (docs/failures.md)
+#   bigdata   a folder of 1600 JPEGs (~450x350) larger than --device_data_mb: the data-only bench on CUDA (cpu
+#             pipeline, its cache, timm's loader) and a 2-epoch resnet18 run at 224 px under --pipeline auto with
+#             the default workers; bigdata.json: the 2nd epoch's data wait fraction (issue 25)
 # Text goes to stdout, figures to $OUT/gpu_check/<check>.json and a summary to $OUT/gpu_check/summary.json.
 # A new check: write a function check_<name> and add <name> and its time limit to CHECKS.
 # Paste what it prints, the date and the hardware into bench/RESULTS.md.
@@ -18,7 +21,7 @@ out="${OUT:-/tmp}/gpu_check"
 dry=0
 if [[ "${1:-}" == --dry-run ]]; then dry=1; fi
 CHECKS=("precision 20" "bench_eager 60" "train 50" "syncs 40" "compile 90" "resume 60"
-        "side_copy 40")  # name, time limit (s)
+        "side_copy 40" "bigdata 180")  # name, time limit (s)
 
 limit=60
 run() {  # run a command within the check's time limit (or, with --dry-run, print it)
@@ -46,6 +49,20 @@ check_syncs() { cuda_check syncs; }
 check_compile() { cuda_check compile; }
 check_resume() { cuda_check resume; }
 check_side_copy() { cuda_check side_copy; }
+
+check_bigdata() {  # (the decoded cache goes to $out/cache, not the machine's ~/.cache)
+  local photos="$out/bigdata_photos"
+  run python bench/data_bench.py --make "$photos" 1600 || return
+  XDG_CACHE_HOME="$out/cache" run python bench/data_bench.py --data_dir "$photos" --device cuda --batch_size 256 \
+    --batches 6 --rounds 1 --cases cpu,cache,timm | tee "$out/bigdata_bench.txt"
+  XDG_CACHE_HOME="$out/cache" run python -m accelerate.commands.launch --config_file accelerate_configs/1node_gpu.yaml \
+    --num_processes 1 -m accel_train --data imagefolder --data_dir "$photos" --image_size 224 --epochs 2 \
+    --batch_size 256 --device_data_mb 1 --channels_last --output_dir "$out/bigdata" 2>&1 | grep -v 'it/s]$'
+  ((dry)) || python -c 'import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
+print(json.dumps({"data_wait_frac_epoch2": rows[-1]["data_wait_frac"], "images_per_sec": rows[-1]["images_per_sec"],
+                  "data_wait_frac_epoch1": rows[0]["data_wait_frac"]}))' "$out/bigdata/metrics.jsonl" \
+    | tee "$out/bigdata.json"
+}
 
 mkdir -p "$out"
 if ((!dry)); then

@@ -331,22 +331,24 @@ def two_hosts():
 
 
 def trainer_pids(tag: str) -> dict[int, int]:
-    """{rank: pid} of the trainer processes (not the launchers) started with ACCEL_TEST_TAG=tag."""
-    found = {}
+    """{rank: pid} of the trainer processes (not the launchers, not their DataLoader workers: forked, with the
+    trainer's command line and environment) started with ACCEL_TEST_TAG=tag."""
+    found = {}  # pid -> (rank, parent pid)
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             env = (d / "environ").read_bytes().split(b"\0")
             cmd = (d / "cmdline").read_bytes()
-        except OSError:
+            parent = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         argv = cmd.split(b"\0")
         launcher = any(a.endswith((b"accelerate", b"torchrun", b"accelerate.commands.launch")) for a in argv[:3])
         if f"ACCEL_TEST_TAG={tag}".encode() in env and b"-m\0accel_train" in cmd and not launcher:
             rank = next((int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")), 0)
-            found[rank] = int(d.name)
-    return found
+            found[int(d.name)] = (rank, parent)
+    return {rank: pid for pid, (rank, parent) in found.items() if parent not in found}
 
 
 def steps_logged(out: Path) -> int:

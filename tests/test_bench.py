@@ -25,3 +25,28 @@ def test_bench_prints_its_table_and_ratio_line(tmp_path):
     ours, bare = median["ours"], median["bare"]
     # the table rounds to 0.1 img/s (a loaded machine makes a few img/s): the ratio is within that rounding
     assert float(lines[-1].split("=")[1]) == pytest.approx(ours / bare, rel=0.05 / ours + 0.05 / bare + 2e-3)
+
+
+@pytest.mark.slow
+def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path):
+    """bench/data_bench.py: --make writes the JPEG folder; a run times each case (a cache written under
+    $XDG_CACHE_HOME) and ends with the ratios the issue asks for, from the table's per-core figures."""
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path / "home"))
+    photos = tmp_path / "photos"
+    make = subprocess.run([sys.executable, "bench/data_bench.py", "--make", str(photos), "20", "--photo", "64x48"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert make.returncode == 0 and len(list(photos.rglob("*.jpg"))) == 30, make.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "bench/data_bench.py", "--data_dir", str(photos), "--image_size", "32",
+                           "--batch_size", "4", "--batches", "2", "--rounds", "1", "--cases",
+                           "cpu0,cache,timm,full,reduced"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()
+            and line.split()[0] in ("cpu0", "cache", "timm", "full", "reduced")}
+    assert sorted(rows) == ["cache", "cpu0", "full", "reduced", "timm"] and rows["cpu0"][1] == "0"
+    assert len(list((tmp_path / "home" / "accel_train" / "decoded").glob("*.npy"))) == 2  # train, val
+    ratio = {line.split(" per core = ")[0]: float(line.split(" = ")[1]) for line in proc.stdout.splitlines()
+             if " per core = " in line}
+    per_core = {case: float(row[3]) for case, row in rows.items()}
+    assert ratio["cache/timm"] == pytest.approx(per_core["cache"] / per_core["timm"], rel=0.02, abs=0.02)
+    assert set(ratio) == {"cache/timm", "reduced/full"}

@@ -4,7 +4,8 @@ torchrun starts each rank in a session of its own, so only its agent gets the te
 the first one on to the ranks and answers a second one with SIGTERM. The first Ctrl-C stops every rank at
 one step with a checkpoint (exit status 4, as a preemption; the main process says so at once); a second one
 stops them at once (130). The trainer prints no traceback either way (torchrun's agent prints its own
-SignalException)."""
+SignalException). Both runs here train through the cpu pipeline with its default DataLoader workers (persistent, one
+per rank on 2 cores), which are running when the signals land: none may be left behind, none may hang the stop."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +54,25 @@ def trainer_statuses(status):
     return sorted(int(p.read_text()) for p in status.iterdir() if p.is_file())  # (faults/: abort notes)
 
 
+def processes_of(status):
+    """Live processes whose environment names this run's status folder: its ranks and their DataLoader workers."""
+    key, found = f"ACCEL_TRAIN_STATUS_DIR={status}".encode(), []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and key in (p / "environ").read_bytes().split(b"\0"):
+                found.append(int(p.name))
+        except OSError:  # (gone meanwhile; a zombie's environment reads empty)
+            continue
+    return found
+
+
+def assert_no_orphan_workers(status, text):
+    try:
+        wait_for(lambda: not processes_of(status), timeout=30)
+    except Exception:
+        raise AssertionError(f"processes left behind: {processes_of(status)}\n{text[-3000:]}") from None
+
+
 def assert_no_trainer_traceback(text):
     assert "KeyboardInterrupt" not in text and "accel_train/" not in text, text[-3000:]
     # torchrun's agent prints its own SignalException traceback(s); nothing else
@@ -61,9 +82,11 @@ def assert_no_trainer_traceback(text):
 def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     proc, status = start(tmp_path, ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", "4000",
-                                    "--test_samples", "8", "--batch_size", "4", "--epochs", "1"])
+                                    "--test_samples", "8", "--batch_size", "4", "--epochs", "1", "--pipeline", "cpu"])
     ctrl_c(proc, tmp_path / "run.log", out, after_steps=5)
     text = (tmp_path / "run.log").read_text()
+    assert re.search(r"pipeline cpu: .*\d+ workers? per process", text), text[-3000:]
+    assert_no_orphan_workers(status, text)
     assert trainer_statuses(status) == [4, 4], text[-3000:]  # preempted, on both ranks
     assert text.count(NOTICE) == 1, text[-3000:]  # said at once, by the main process
     stops = re.findall(r"accel-train: preempted: stopped by SIGINT at step (\d+) \(epoch 1\); checkpoint (\S+); "
@@ -117,7 +140,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     # Ctrl-C before the second comes, on any machine (issue 29 item 7: with steps that took seconds, a fast CPU
     # reached the next check first and the run exited 4)
     proc, status = start(tmp_path, [*TINY, "--train_samples", "1024", "--test_samples", "8", "--batch_size", "4",
-                                    "--epochs", "1"], ACCEL_TEST_HOLD_AT_STEP="2", ACCEL_TEST_MARKS=str(marks),
+                                    "--epochs", "1", "--pipeline", "cpu"], ACCEL_TEST_HOLD_AT_STEP="2",
+                         ACCEL_TEST_MARKS=str(marks),
                          PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
     log = tmp_path / "run.log"
 
@@ -137,6 +161,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     text = log.read_text()
+    assert_no_orphan_workers(status, text)
     assert sorted(p.name for p in marks.iterdir()) == ["SIGINT-0", "SIGINT-1", "SIGTERM-0", "SIGTERM-1", "holding-0",
                                                        "holding-1"], text[-3000:]
     assert trainer_statuses(status) == [130, 130], text[-3000:]

@@ -187,7 +187,8 @@ def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world
     """What training iterates: loop.epoch_batches over the loader accelerator.prepare shards (rank r of `world`,
     seedable sampler), epochs 0, 1, 2 in turn, then a resumed run's fresh loader 1 batch into epoch 2. The cpu
     pipeline's images of epoch e are the device pipeline's for e (whose inputs() is given the epoch) and differ
-    from epoch 0's. (Accelerate's DataLoaderShard.set_epoch gives a sharded loader's epoch to its sampler only.)"""
+    from epoch 0's. (Accelerate's DataLoaderShard.set_epoch gives a sharded loader's epoch to its sampler only.) The
+    cpu pipeline runs in 2 persistent workers, started in epoch 0: the later epochs must reach their copies."""
     from types import SimpleNamespace
 
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
@@ -197,7 +198,8 @@ def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world
 
     def images(pipeline, epochs, done=0):
         """{epoch: this epoch's augmented images over all ranks, rank by rank} from one prepared loader per rank."""
-        data = build_data(TrainConfig(pipeline=pipeline, **kw), "cpu")
+        data = build_data(TrainConfig(pipeline=pipeline, num_workers=2 if pipeline == "cpu" else None, **kw), "cpu")
+        assert data.train_loader.persistent_workers == (pipeline == "cpu")
         out = {e: [] for e in epochs}
         for rank in range(world):
             loader = prepare_data_loader(data.train_loader, num_processes=world, process_index=rank,
@@ -227,7 +229,7 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
     import signal
     import time
 
-    from accel_train.data.pipeline import _leave_signals_to_the_trainer
+    from accel_train.data.load import _leave_signals_to_the_trainer
 
     def worker(ready):
         _leave_signals_to_the_trainer(0)
@@ -251,3 +253,40 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
             proc.kill()
     cfg = TrainConfig(pipeline="cpu", num_workers=2, train_samples=16, test_samples=8, batch_size=4)
     assert build_data(cfg, "cpu").train_loader.worker_init_fn is _leave_signals_to_the_trainer
+
+
+def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatch):
+    """--num_workers auto: the process's CPU affinity (os.sched_getaffinity) shared by the processes on this machine
+    (LOCAL_WORLD_SIZE, read by Accelerate's get_cpu_distributed_information), at most MAX_WORKERS; given, as given."""
+    from accel_train.config import MAX_WORKERS
+    from accel_train.data.load import _leave_signals_to_the_trainer, loader_kwargs, worker_count
+    for cores, local, expected in ((2, 1, 2), (2, 2, 1), (3, 4, 1), (16, 2, MAX_WORKERS), (64, 2, MAX_WORKERS)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        n, why = worker_count(TrainConfig(pipeline="cpu"))
+        assert n == expected and f"{cores} cores in this process's CPU affinity / {local} process" in why, why
+    assert "at most 8" in worker_count(TrainConfig())[1] and worker_count(TrainConfig(num_workers=0))[0] == 0
+    kw = loader_kwargs(TrainConfig(pipeline="cpu"), "cuda")  # an accelerator: pinned, persistent, prefetching
+    assert kw["pin_memory"] and kw["persistent_workers"] and kw["prefetch_factor"] >= 2 and kw["num_workers"] == 8
+    assert kw["worker_init_fn"] is _leave_signals_to_the_trainer
+    assert loader_kwargs(TrainConfig(), "cpu", workers=0) == dict(num_workers=0, persistent_workers=False,
+                                                                 prefetch_factor=None, worker_init_fn=None,
+                                                                 pin_memory=False)
+    data = build_data(TrainConfig(pipeline="cpu", train_samples=16, test_samples=8, batch_size=4), "cpu")
+    assert data.train_loader.num_workers == 8 and "8 workers per process: 64 cores" in data.describe()
+
+
+def test_the_workers_crop_flip_and_normalise_as_the_device_pipeline():
+    """The cpu pipeline's own ways (slice copies per sample; in-place normalisation, channels_last as NHWC) give the
+    device pipeline's batched gather and Normalize: equal crops, floats within 1e-6."""
+    from accel_train.data.augment import Normalize, crop_flip_each
+    from accel_train.data.pipeline import Finish
+    for pad, size in ((4, 32), (2, 16), (28, 224)):
+        images = torch.randint(0, 256, (16, 3, size, size), dtype=torch.uint8)
+        params = crop_flip_params(torch.arange(16), epoch=3, seed=7, pad=pad)
+        assert params[2].sum() > 0 and torch.equal(crop_flip_each(images, *params, pad=pad),
+                                                   crop_flip(images, *params, pad=pad))
+    normalize = Normalize("cpu", (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    for memory_format in (torch.channels_last, torch.contiguous_format):
+        x = Finish(normalize, memory_format)(images)
+        assert x.is_contiguous(memory_format=memory_format) and torch.allclose(x, normalize(images), atol=1e-6)

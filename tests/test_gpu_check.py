@@ -17,5 +17,12 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
         assert f"bench/cuda_checks.py {check} --json {tmp_path}/gpu_check/{check}.json" in proc.stdout
     assert "python -m accel_train.hardware --config_precision bf16" in proc.stdout  # the chosen precision
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
-    assert list(summary) == ["precision", "bench_eager", "train", "syncs", "compile", "resume",
-                             "side_copy"]
+    assert list(summary) == ["precision", "bench_eager", "train", "syncs", "compile", "resume", "side_copy",
+                             "bigdata"]
+    # the large-folder case (issue 25): a folder made, the data-only bench on CUDA, then a run whose decoded images
+    # do not fit --device_data_mb, with the default workers (no --num_workers), its data wait in bigdata.json
+    out = tmp_path / "gpu_check"
+    assert f"python bench/data_bench.py --make {out}/bigdata_photos 1600" in proc.stdout
+    assert f"python bench/data_bench.py --data_dir {out}/bigdata_photos --device cuda" in proc.stdout
+    train = next(line for line in proc.stdout.splitlines() if "--output_dir " + str(out / "bigdata") in line)
+    assert "--device_data_mb 1 " in train and "--image_size 224" in train and "--num_workers" not in train

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from accel_train.config import TrainConfig
 from accel_train.errors import ConfigError
-from accel_train.data import CIFAR10, DataInfo, build_data, crop_flip, crop_flip_params, cpu_transforms, decode_image
-from conftest import launch, run_cli, write_cifar
+from accel_train.data import CIFAR10, DataInfo, build_data, crop_flip, crop_flip_params, decode_image
+from conftest import clean_env, launch, run_cli, write_cifar
 
 # class name -> brightness: learnable from RGB and from grayscale, survives resizing, JPEG, crops and flips
 CLASSES = {"apple": 40, "banana_split": 128, "cherry-2": 215}
@@ -160,32 +160,89 @@ def test_crop_padding_scales_with_size_and_hflip_false_never_mirrors():
     assert crop_flip_params(torch.arange(64), epoch=1, seed=3, pad=8)[2].sum() > 0  # flips by default
     # the cpu pipeline's workers augment with the same hash (and the same --hflip) as the device pipeline
     kw = dict(hflip=False, batch_size=4, train_samples=16, test_samples=4)
-    cpu = build_data(TrainConfig(pipeline="cpu", **kw), "cpu").train_loader.dataset
+    cpu = build_data(TrainConfig(pipeline="cpu", **kw), "cpu")
     device = build_data(TrainConfig(pipeline="device", **kw), "cpu")
-    cpu.set_epoch(3)
+    cpu.train_loader.dataset.set_epoch(3)
     for i in range(16):
-        assert torch.allclose(cpu[i][0], device.inputs(torch.tensor([i]), train=True, epoch=3)[0][0], atol=1e-5)
-    assert names_of(cpu_transforms(CIFAR10)) == ["ToDtype", "Normalize"]  # no random transform of its own
+        x = cpu.inputs(cpu.train_loader.dataset.__getitems__([i]), train=True, epoch=3)[0]
+        assert torch.allclose(x, device.inputs(torch.tensor([i]), train=True, epoch=3)[0], atol=1e-5)
 
 
-def names_of(compose):
-    return [type(t).__name__ for t in compose.transforms]
-
-
-def test_pipeline_choice_says_why_and_cpu_decodes_the_same_images(tmp_path):
+def test_pipeline_choice_says_why_and_cpu_decodes_the_same_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     root = write_image_folder(tmp_path / "d")
     kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4, mean="0.5,0.5,0.5",
               std="0.25,0.25,0.25")
-    small = build_data(TrainConfig(device_data_mb=0.001, **kw), "cpu")
-    assert small.pipeline == "cpu" and "do not fit the 0 MiB allowed" in small.describe()
-    assert small.test_loader.dataset.split.files is not None  # decoded per sample, in the workers
+    cached = build_data(TrainConfig(device_data_mb=0.001, **kw), "cpu")  # auto: the local disk has room
+    assert cached.pipeline == "cache" and "do not fit the 0 MiB allowed on cpu (--device_data_mb), the local disk " \
+        "has room" in cached.describe() and len(list((tmp_path / "home/accel_train/decoded").glob("*.npy"))) == 2
+    small = build_data(TrainConfig(pipeline="cpu", **kw), "cpu")
+    assert small.pipeline == "cpu" and small.test_loader.dataset.split.cache is None  # decoded per sample
     with pytest.raises(ConfigError, match="use --pipeline cpu"):
         build_data(TrainConfig(pipeline="device", device_data_mb=0.001, **kw), "cpu")
     device = build_data(TrainConfig(**kw), "cpu")
     assert device.pipeline == "device" and "fit the" in device.describe()
     xd, yd = device.inputs(next(iter(device.test_loader)), train=False)
-    xc, yc = small.inputs(next(iter(small.test_loader)), train=False)
-    assert torch.allclose(xd, xc, atol=1e-5) and torch.equal(yd, yc)
+    for data in (small, cached):
+        xc, yc = data.inputs(next(iter(data.test_loader)), train=False)
+        assert torch.allclose(xd, xc, atol=1e-5) and torch.equal(yd, yc)  # (1e-5: well below a level, 0.016)
+
+
+def test_decoded_cache_is_reused_and_rewritten_when_the_folder_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    root = write_image_folder(tmp_path / "d", train=4, val=2)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4, pipeline="cache", num_workers=0)
+    first = build_data(TrainConfig(**kw), "cpu")
+    assert re.search(r"train: decoded cache \S+ \(0 MiB\) written once for this machine", first.describe())
+    path = first.train_loader.dataset.split.cache
+    np.load(path, mmap_mode="r+")[0] = 7  # marks the cached image 0: a read of the file, not a decode, returns it
+    again = build_data(TrainConfig(**kw), "cpu")
+    assert "written by an earlier run: read, not decoded" in again.describe()
+    assert again.train_loader.dataset.split.cache == path and (again.test_loader.dataset.images([0]) != 7).all()
+    assert (again.train_loader.dataset.images([0]) == 7).all()
+    # a changed file (same name and size, new contents and mtime) makes a new cache; the stale one is removed
+    first_file = sorted((root / "train" / "apple").iterdir())[0]
+    Image.open(first_file).point(lambda v: 255 - v).save(first_file)
+    changed = build_data(TrainConfig(**kw), "cpu")
+    assert changed.train_loader.dataset.split.cache != path and not path.exists()
+    assert torch.equal(changed.train_loader.dataset.images([0])[0], decode_image(first_file, 16))
+    # a file removed: a new cache too, of one image less
+    first_file.unlink()
+    fewer = build_data(TrainConfig(**kw), "cpu")
+    assert fewer.train_size == 11 and np.load(fewer.train_loader.dataset.split.cache, mmap_mode="r").shape[0] == 11
+    assert len(list(path.parent.glob("*.npy"))) == 2 and not list(path.parent.glob(".*"))  # train + val, no temp
+
+
+def test_a_full_or_read_only_disk_decodes_per_sample_with_one_line(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = write_image_folder(tmp_path / "d", train=40, val=2)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=64, batch_size=4, num_workers=0)
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    for mnt, opts in ((full, "size=64k"), (ro, "size=64k,ro")):  # the training split is 120 x 12 KiB decoded
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True,
+                              timeout=30)
+        if proc.returncode != 0:
+            pytest.skip(f"mount refused here: {proc.stderr.strip()}")
+    try:
+        device = build_data(TrainConfig(**kw), "cpu")
+        for mnt, reason in ((full, "No space left on device"), (ro, "Read-only file system")):
+            monkeypatch.setenv("XDG_CACHE_HOME", str(mnt))
+            data = build_data(TrainConfig(pipeline="cache", **kw), "cpu")
+            line = re.search(r"train: the decoded cache cannot be written \(([^)]*)\): decoding per sample",
+                             data.describe())
+            assert line and reason in line.group(1), data.describe()
+            assert data.train_loader.dataset.split.cache is None and not list(mnt.rglob("*.*"))  # nothing partial
+            x, y = data.inputs(data.train_loader.dataset.__getitems__([0, 5]), train=False)
+            assert torch.allclose(x, device.inputs(torch.tensor([0, 5]), train=True, epoch=0)[0], atol=1e-5)
+        auto = build_data(TrainConfig(device_data_mb=0.001, **kw), "cpu")  # auto: no room -> decode per sample
+        assert auto.pipeline == "cpu" and "nor the local disk" in auto.describe()
+    finally:
+        for mnt in (full, ro):
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def test_evaluation_reads_only_the_evaluation_split(tmp_path):
@@ -219,6 +276,10 @@ def break_folder(case, root, tmp_path):
         (root / "train" / "zucchini").mkdir()
     elif case in ("not_an_image", "not_an_image_cpu"):
         (root / "train" / "banana_split" / "img_003.png").write_bytes(b"\x89PNG but then nothing")
+    elif case == "truncated_cache":  # its header reads; its pixels end early: named when the cache is written
+        jpeg = root / "train" / "cherry-2" / "img_001.jpg"
+        jpeg.write_bytes(jpeg.read_bytes()[:300])
+        return ["--pipeline", "cache"]
     elif case == "too_few":
         return ["--batch_size", "32"]
     elif case == "init_not_safetensors":
@@ -241,6 +302,7 @@ BAD = {
     "empty_class": "zucchini has no images",
     "not_an_image": "banana_split/img_003.png is not a readable image",
     "not_an_image_cpu": "banana_split/img_003.png is not a readable image",
+    "truncated_cache": "cherry-2/img_001.jpg is not a readable image (",
     "too_few": "24 training samples cannot fill one batch of 32",
     "init_not_safetensors": "is not a safetensors file",
     "init_does_not_fit": "does not fit this model (shape mismatch conv1.weight",
@@ -249,7 +311,9 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_image_folder(case, tmp_path):
+def test_bad_image_folder(case, tmp_path, monkeypatch):
+    if case == "truncated_cache":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     root = tmp_path / "d"
     extra = break_folder(case, root, tmp_path)
     out = tmp_path / "out"
@@ -259,6 +323,7 @@ def test_bad_image_folder(case, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("accel-train: error: ") and BAD[case] in errors[0], proc.stderr
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+    assert not list((tmp_path / "home").rglob("*.npy*")) and not list((tmp_path / "home").rglob(".*"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,13 +370,27 @@ def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, t
 
 
 @pytest.mark.slow
-def test_two_ranks_learn(tmp_path):
+def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
+    # the two ranks of one machine share one decoded cache per split: written by the local main process only, mapped
+    # by the other rank (its workers: the default, one each on 2 cores) without decoding
     data = write_image_folder(tmp_path / "d", train=8, val=5)
-    out = tmp_path / "out"
+    out, home = tmp_path / "out", tmp_path / "home"
     # --data_url=D: how ModelArts passes the OBS input folder
-    launch("2proc_cpu.yaml", [*SMALL, f"--data_url={data}", "--batch_size", "4", "--epochs", "3", "--output_dir", out])
+    proc = launch("2proc_cpu.yaml", [*SMALL, f"--data_url={data}", "--batch_size", "4", "--epochs", "3", "--pipeline",
+                                     "cache", "--log_all_ranks", "--output_dir", out],
+                  env=clean_env(XDG_CACHE_HOME=str(home)))
     r = rows(out)
     assert r[-1]["test_samples"] == 15 and r[-1]["step"] == 9 and r[-1]["test_acc"] >= 0.8, r
+    caches = sorted((home / "accel_train" / "decoded").iterdir())
+    assert sorted(np.load(c, mmap_mode="r").shape for c in caches) == [(15, 3, 16, 16), (24, 3, 16, 16)], caches
+    for split in ("train", "val"):
+        assert len(re.findall(rf"{split if split == 'train' else 'test'}: decoded cache \S+ \(0 MiB\) written once "
+                              "for this machine", proc.stderr)) == 1, proc.stderr[-3000:]
+        assert len(re.findall(rf"{split if split == 'train' else 'test'}: the decoded cache \S+, written by this "
+                              "machine's local main process", proc.stderr)) == 1, proc.stderr[-3000:]
+    assert re.search(r"\d+ workers? per process: \d+ cores in this process's CPU affinity / 2 processes on this "
+                     "machine", proc.stderr), proc.stderr[-3000:]
+    assert "cannot be read here" not in proc.stderr and "decoding per sample" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -332,8 +411,10 @@ def test_init_from_other_class_count_recreates_the_head_on_the_cpu_pipeline(trai
     data = write_image_folder(tmp_path / "d", train=8, val=4, classes={"dark": 40, "light": 215})
     out = tmp_path / "out"
     proc = launch("cpu.yaml", [*SMALL, "--data_dir", data, "--epochs", "1", "--init_from", first / "model.safetensors",
-                               "--device_data_mb", "0.001", "--num_workers", "1", "--output_dir", out])
-    assert re.search(r"pipeline cpu: .* do not fit the 0 MiB allowed", proc.stderr)
+                               "--device_data_mb", "0.001", "--num_workers", "1", "--output_dir", out],
+                  env=clean_env(XDG_CACHE_HOME=str(tmp_path / "home")))
+    # (auto: the cpu pipeline reading the folder decoded once into the cache)
+    assert re.search(r"pipeline cache: .* do not fit the 0 MiB allowed .*, the local disk has room", proc.stderr)
     assert "loaded 120 tensors; re-initialised fc.weight, fc.bias (3 classes in the file, 2 here)" in proc.stderr
     before, after = load_file(first / "model.safetensors"), load_file(out / "model.safetensors")
     assert after["fc.weight"].shape == (2, 512) and json.loads((out / "model_config.json").read_text())["classes"] \

@@ -5,7 +5,8 @@ run A: --compile --channels_last --ema --tta under bf16 autocast (accelerate lau
        2 epochs stopped one step into the second and resumed: torch.compile compiles one training and one
        evaluation graph in each launch (11 test samples: the last evaluation batch is padded, never recompiled)
 run B: --log_with tensorboard --grad_accum 2 --clip_grad --pipeline cpu --num_workers 2
-two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under bf16
+two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under bf16, --pipeline cpu
+       with its default (persistent) workers
 (torch.compile is left out there: it takes minutes per rank on this machine's shared cores)
 """
 
@@ -33,6 +34,7 @@ RUN_B = ["--log_with", "tensorboard", "--grad_accum", "2", "--clip_grad", "1.0",
          "--model_kwargs", '{"norm_layer": "groupnorm1"}']  # (GroupNorm: comparable with one process, below)
 HOSTS = ["--log_with", "tensorboard", "--ema", "--tta", "--grad_accum", "2", "--clip_grad", "1.0", "--channels_last",
          "--force_precision",  # bf16 whatever the CPU has
+         "--pipeline", "cpu",  # with its default workers, on each host
          "--test_samples", "11"]  # unequal shards on the 2 ranks (the last --test_samples given wins)
 TOPOLOGY = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
@@ -193,6 +195,7 @@ def test_two_hosts_tensorboard_ema_tta_grad_accum_clip_channels_last_bf16(two_ho
     text = [p.read_text() for p in paths]
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
     assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in text[0]
+    assert re.search(r"pipeline cpu: .*\d+ workers? per process: \d+ cores", text[0]), text[0][-3000:]
     row = check_run(out, ranks=2, grad_accum=2, ema=True, tracker=True, test_samples=11)
     # evaluate across the two hosts gives the run's own numbers: the EMA, flip TTA, 11 samples on 2 ranks
     (tmp_path / "eval").mkdir()

@@ -19,8 +19,10 @@ from conftest import ROOT, clean_env, run, steps_logged, trainer_pids, wait_for
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
 # kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10 s, twice the longest gap between
-# the ranks' agreed stop checks, preempt.AgreedChecks.MAX_S), 2 epochs.
-SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "4"]
+# the ranks' agreed stop checks, preempt.AgreedChecks.MAX_S), 2 epochs. Through the cpu pipeline and its default
+# (persistent) DataLoader workers: they are running when each signal and the kill land.
+SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2", "--batch_size", "4", "--pipeline",
+              "cpu"]
 RUN = [*SLOW_STEPS, "--log_every", "1"]
 
 

@@ -72,8 +72,9 @@ def main_evaluate(argv: list[str]) -> int:
     p.add_argument("--data_dir", "--data_url", default=defaults.data_dir)
     p.add_argument("--test_samples", type=int, default=None, help="only the first N test samples")
     p.add_argument("--batch_size", type=int, default=256, help="per process")
-    p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu"))
-    p.add_argument("--num_workers", type=int, default=defaults.num_workers, help="DataLoader workers (cpu pipeline)")
+    p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu", "cache"))
+    p.add_argument("--num_workers", type=int, default=defaults.num_workers,
+                   help="DataLoader workers (cpu pipeline); default: the cores per process")
     p.add_argument("--tta", action="store_true", help="horizontal-flip test-time augmentation")
     p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")

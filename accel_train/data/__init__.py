@@ -5,7 +5,7 @@ Modules: info (DataInfo), cifar, images, synthetic (random data), augment, load 
 given (your own Datasets).
 """
 
-from .augment import cpu_transforms, crop_flip, crop_flip_params
+from .augment import crop_flip, crop_flip_params
 from .cifar import read_batch, read_cifar10
 from .given import given_data
 from .images import check_images, decode_all, decode_image, native_size
@@ -14,6 +14,6 @@ from .load import device_budget
 from .pipeline import Data, build_data, set_loader_epoch
 from .synthetic import random_data
 
-__all__ = ["CIFAR10", "Data", "DataError", "DataInfo", "build_data", "check_images", "cpu_transforms", "crop_flip",
-           "crop_flip_params", "decode_all", "decode_image", "device_budget", "given_data", "native_size",
-           "random_data", "read_batch", "read_cifar10", "set_loader_epoch"]
+__all__ = ["CIFAR10", "Data", "DataError", "DataInfo", "build_data", "check_images", "crop_flip", "crop_flip_params",
+           "decode_all", "decode_image", "device_budget", "given_data", "native_size", "random_data", "read_batch",
+           "read_cifar10", "set_loader_epoch"]

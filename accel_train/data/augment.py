@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 
-from .info import CIFAR10, DataInfo
+from .info import CIFAR10
 
 
 def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
@@ -49,6 +48,20 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
     return padded[batch, chans, rows[:, None, :, None], cols[:, None, None, :]]
 
 
+def crop_flip_each(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
+                   pad: int = 4) -> torch.Tensor:
+    """crop_flip's result, made sample by sample with slice copies: on a CPU several times faster than its gather
+    (what the cpu pipeline's workers run)."""
+    n, c, h, w = images.shape
+    out = torch.zeros_like(images)
+    for k, (dy, dx, f) in enumerate(zip((top - pad).tolist(), (left - pad).tolist(), flip.tolist())):
+        crop = out[k, :, max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)]
+        crop.copy_(images[k, :, max(0, dy):h + min(0, dy), max(0, dx):w + min(0, dx)])
+        if f:
+            out[k] = out[k].flip(-1)
+    return out
+
+
 class Normalize:
     """uint8 -> float, (x/255 - mean) / std, as one fused multiply-add."""
 
@@ -59,7 +72,3 @@ class Normalize:
 
     def __call__(self, images_u8: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(self.shift, images_u8.float(), self.scale)
-
-
-def cpu_transforms(info: DataInfo = CIFAR10) -> v2.Compose:
-    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(info.mean, info.std)])

@@ -10,11 +10,13 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch.utils.data import DataLoader
 
 from ..config import TrainConfig
 from ..defaults import auto_batch
 from .info import DataError, DataInfo
-from .pipeline import Data, cpu_inputs, loaders
+from .load import loader_kwargs, worker_count
+from .pipeline import Data
 
 
 def check_item(dataset, name: str) -> torch.Tensor:
@@ -84,7 +86,20 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     for dataset, name in ((given.train_set, "train_set"), (given.test_set, "test_set")):
         check_labels(dataset, name, info.classes)
     batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
-    train_loader, test_loader = loaders(given.train_set, given.test_set, batch, cfg.num_workers, None, device)
+    workers, why = worker_count(cfg)
+    common = dict(batch_size=batch, **loader_kwargs(cfg, device, workers))
+    # training workers start anew each epoch: your Dataset's set_epoch (if any) reaches them
+    train_loader = DataLoader(given.train_set, shuffle=True, drop_last=True, **{**common, "persistent_workers": False})
+    test_loader = DataLoader(given.test_set, shuffle=False, drop_last=False, **common)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Data(train_loader, test_loader, cpu_inputs(memory_format), len(given.train_set), len(given.test_set), info,
-                "cpu", [f"your Datasets ({type(given.train_set).__name__}), as they are, {cfg.num_workers} worker(s)"])
+                "cpu", [f"your Datasets ({type(given.train_set).__name__}), as they are; {why}"])
+
+
+def cpu_inputs(memory_format):
+    """A batch of your Dataset's (images, labels) -> the model's inputs. Labels as int64, the class indices the loss
+    takes: int32 / numpy int32 labels collate to an int32 tensor, which cross_entropy refuses."""
+    def inputs(batch, train, epoch=0):
+        x, y = batch
+        return x.contiguous(memory_format=memory_format), y.long()
+    return inputs

@@ -1,7 +1,9 @@
 """Loading: the data set's description, its splits, and which pipeline holds them.
 
 `--pipeline auto` (the default) takes the device pipeline when the decoded uint8 data fits
-`--device_data_mb` (default a quarter of the device's free memory), else the cpu one.
+`--device_data_mb` (default a quarter of the device's free memory), else, for an image folder, the decoded cache
+(cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the DataLoader settings of every
+loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig
-from ..errors import ConfigError
+from ..config import MAX_WORKERS, TrainConfig
+from ..errors import ConfigError, counted
+from .cache import cache_path, has_room, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
 from .info import CIFAR10, DataInfo
 from .synthetic import random_data
 
 STATS_SAMPLE = 2048  # training images decoded to estimate mean/std when the cpu pipeline decodes per sample
+PREFETCH = 2         # batches each DataLoader worker prepares ahead (torch's default), each in /dev/shm: 8 workers
+                     # x 2 x a uint8 batch of 256 at 224 px is 0.6 GB per rank
 
 
 @dataclass
@@ -27,6 +32,7 @@ class Split:
     labels: torch.Tensor
     images: torch.Tensor | None = None  # N x 3 x S x S uint8, decoded
     files: list[Path] | None = None     # decoded per sample by the cpu pipeline
+    cache: Path | None = None           # the files decoded once on this machine (cache.py), where it was written
 
     def __len__(self):
         return len(self.labels)
@@ -49,10 +55,11 @@ def device_budget(cfg: TrainConfig, device) -> int:
     return free // 4
 
 
-def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None) -> tuple[str, str]:
-    """('device' or 'cpu', the reason in words)."""
-    if cfg.pipeline == "cpu":
-        return "cpu", "as asked (--pipeline cpu)"
+def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None,
+                    cacheable: bool = False) -> tuple[str, str]:
+    """('device', 'cache' or 'cpu', the reason in words). `cacheable`: image files, which the cache can hold."""
+    if cfg.pipeline in ("cpu", "cache"):
+        return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
     budget = device_budget(cfg, device) if budget is None else budget
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
     if nbytes <= budget:
@@ -60,7 +67,52 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
     if cfg.pipeline == "device":
         raise ConfigError(f"--pipeline device: {size} do not fit the {budget / 2**20:.0f} MiB allowed on {device}; "
                           "use --pipeline cpu (workers decode per sample) or raise --device_data_mb")
-    return "cpu", f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+    why = f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+    if cacheable and has_room(nbytes):
+        return "cache", why + ", the local disk has room for them decoded"
+    return "cpu", why + (", nor the local disk" if cacheable else "")
+
+
+def worker_count(cfg: TrainConfig) -> tuple[int, str]:
+    """DataLoader workers per process and why: --num_workers, else the cores this process may run on (its CPU
+    affinity, os.sched_getaffinity) shared by the processes on this machine (Accelerate's
+    get_cpu_distributed_information: LOCAL_WORLD_SIZE, which torchrun sets), at most MAX_WORKERS."""
+    if cfg.num_workers is not None:
+        return cfg.num_workers, f"{counted(cfg.num_workers, 'worker')} per process (--num_workers)"
+    from accelerate.utils.environment import get_cpu_distributed_information
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = max(1, get_cpu_distributed_information().local_world_size)
+    n = max(1, min(MAX_WORKERS, cores // local))
+    capped = f", at most {MAX_WORKERS}" if cores // local > MAX_WORKERS else ""
+    return n, (f"{counted(n, 'worker')} per process: {cores} cores in this process's CPU affinity / {local} process"
+               f"{'es' if local > 1 else ''} on this machine{capped} (--num_workers N to change)")
+
+
+def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
+    """The DataLoader settings of a loader that prepares samples on the CPU: `workers` (default worker_count)
+    persistent workers that leave stop signals to the trainer, PREFETCH batches each ahead, and on an accelerator
+    pinned batches, so that Accelerate's copy to the device (non_blocking=True, see accelerator.make_accelerator) does
+    not wait for it: a copy from pageable memory is a host sync."""
+    workers = worker_count(cfg)[0] if workers is None else workers
+    return dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=PREFETCH if workers else None,
+                worker_init_fn=_leave_signals_to_the_trainer if workers else None,
+                pin_memory=torch.device(device).type != "cpu")
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers leave Ctrl-C, SIGUSR1 and a first SIGTERM to the trainer, which stops at an agreed step
+    and checkpoints it: a terminal signals the whole foreground group and torchrun signals each rank's whole
+    session (os.killpg), so a worker that ended would fail the batch before that checkpoint. A second SIGTERM ends
+    the worker: it is how the DataLoader (and multiprocessing at exit) end a worker that did not stop by itself."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _end_at_the_second_sigterm)
+
+
+def _end_at_the_second_sigterm(signum, frame) -> None:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def with_flags(info: DataInfo, cfg: TrainConfig) -> DataInfo:
@@ -100,7 +152,8 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     found["test"] = subset(files, labels, cfg.test_samples)
     size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
                                                         and "train" in found else None)
-    pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget)
+    pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget,
+                                    cacheable=True)
     splits, notes = {}, [why]
     for split, (files, labels) in found.items():
         labels = torch.tensor(labels, dtype=torch.long)
@@ -108,6 +161,8 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
             images, rate = decode_all(files, size)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
+        elif pipeline == "cache":
+            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes))
         else:
             check_images(files)
             splits[split] = Split(labels, files=files)
@@ -124,3 +179,25 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
             notes.append(f"mean {mean} std {std} from the training images")
         info = DataInfo("imagefolder", classes, mean, std, size)
     return info, splits, pipeline, notes
+
+
+def cached(files: list[Path], size: int, split: str, notes: list[str]) -> Path | None:
+    """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
+    once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
+    written (a full or read-only disk, no home) the files are decoded per sample, said in one line."""
+    from accelerate import PartialState
+    try:
+        path = cache_path(files, size)
+        if path is None:
+            raise OSError("no home directory for ~/.cache")
+        if PartialState().is_local_main_process:
+            notes.append(f"{split}: " + write_cache(files, size, path))
+        else:
+            check_images(files)
+            notes.append(f"{split}: the decoded cache {path}, written by this machine's local main process")
+        return path
+    except OSError as e:
+        notes.append(f"{split}: the decoded cache cannot be written ({e.strerror or e}"
+                     f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}): decoding per sample")
+        check_images(files)
+        return None

@@ -1,0 +1,91 @@
+"""The decoded cache (`--pipeline cache`, or `auto` where the local disk has room): an image folder's split decoded
+once per machine at the training size into one .npy file (N x 3 x S x S uint8) that every rank of the machine and
+its DataLoader workers memory-map. An epoch is then a read of the mapped rows, no JPEG decoding.
+
+The file lives in ~/.cache/accel_train/decoded/ ($XDG_CACHE_HOME), named after the folder and size and a key of the
+file list, each file's size and modification time, and the image size: a changed folder gets a new file (the old
+one of the same folder and size is removed when the new one is written), never a stale one. It is written by the
+machine's local main process into a temporary file, renamed when complete; the other local ranks map it after the
+start-up's next collective (on_every_rank's gather in setup), which the writer reaches only once it is written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from ..files import cache_dir
+from .images import check_images, decode_all
+
+VERSION = 1             # of the decode (decode_image) and the file's layout: a new one re-caches
+CHUNK = 512             # images decoded (a thread pool) per write
+ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
+
+
+def cache_path(files: list[Path], size: int) -> Path | None:
+    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches)."""
+    root = cache_dir("decoded")
+    if root is None or not files:
+        return None
+    key = hashlib.sha256(f"{VERSION} {size} {len(files)}\n".encode())
+    for f in files:
+        st = os.stat(f)
+        key.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
+    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px"
+    return root / f"{name}-{key.hexdigest()[:20]}.npy"
+
+
+def has_room(nbytes: int) -> bool:
+    """Whether the disk that holds the caches has room for `nbytes` more (auto's choice)."""
+    root = cache_dir("decoded")
+    while root is not None and not root.exists() and root.parent != root:
+        root = root.parent
+    try:
+        return root is not None and shutil.disk_usage(root).free >= ROOM[0] * nbytes + ROOM[1]
+    except OSError:
+        return False
+
+
+def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
+    """The cache at `path`, memory-mapped read-only, if it is complete and of this shape; else None."""
+    try:
+        images = np.load(path, mmap_mode="r")
+    except (OSError, ValueError):
+        return None
+    return images if images.shape == (n, 3, size, size) and images.dtype == np.uint8 else None
+
+
+def write_cache(files: list[Path], size: int, path: Path) -> str:
+    """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
+    image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind."""
+    mib = len(files) * 3 * size * size / 2**20
+    if open_cache(path, len(files), size) is not None:
+        return f"decoded cache {path} ({mib:.0f} MiB), written by an earlier run: read, not decoded"
+    check_images(files)  # every unreadable file named before the long decode
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
+                                                     "shape": (len(files), 3, size, size)})
+            rates = []
+            for start in range(0, len(files), CHUNK):
+                images, rate = decode_all(files[start:start + CHUNK], size)
+                f.write(images.numpy().tobytes())
+                rates.append(rate)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    prefix = path.name.rsplit("-", 1)[0] + "-"  # the same folder at the same size: a changed folder's older cache
+    for stale in path.parent.iterdir():
+        if stale.name.startswith(prefix) and stale.suffix == ".npy" and stale != path:
+            stale.unlink(missing_ok=True)
+    return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at {np.median(rates):.0f} images/s "
+            f"(remove it with rm; README: Speed)")

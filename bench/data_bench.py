@@ -1,0 +1,159 @@
+"""Data only: images per second (and per core) from an image folder on disk to a normalised training batch on the
+device, for accel_train's cpu pipeline (0 workers, the default workers, the decoded cache) and timm's own
+`create_loader` (its workers and prefetcher, training transforms without colour jitter: crop, flip, normalise), on
+the same folder. No model runs.
+
+    python bench/data_bench.py --make /tmp/photos 2400            # write a folder: 2400 + 10% val JPEGs, ~450x350
+    python bench/data_bench.py --data_dir /tmp/photos [--image_size 224 --batch_size 64 --batches 12 --rounds 3]
+    python bench/data_bench.py --make /tmp/big 240 --photo 1300x1000  # shorter side >= 900: 4x the training size
+    python bench/data_bench.py --data_dir /tmp/big --cases full,reduced   # the reduced-scale decode vs a full one
+
+Cases (--cases, comma separated): `cpu0` (our cpu pipeline, no workers), `cpu` (its default workers), `cache`
+(`--pipeline cache`: the folder decoded once into ~/.cache/accel_train/decoded, or $XDG_CACHE_HOME; its one-time
+write is timed apart), `timm` (timm.data.create_loader, the default worker count), `full` and `reduced` (the cpu
+pipeline with default workers and JPEGs decoded at full size, i.e. Pillow's Image.draft made a no-op, or at libjpeg's
+reduced scale, our default). The cases alternate round by round on the same cores (`--rounds`); each round times
+`--batches` batches after 1 + 4 x workers of warm-up (the batches the workers prefetched before the clock starts);
+the table gives the median round. Per core: images/s over the cores the case can use, min(CPU affinity,
+max(1, workers)). The last lines are the ratios the issue asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import JpegImagePlugin
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DRAFT = JpegImagePlugin.JpegImageFile.draft  # Pillow's own: libjpeg's reduced-scale decode
+
+
+def make_folder(root: Path, n: int, photo: tuple[int, int], classes: int = 10, seed: int = 0) -> None:
+    """n training JPEGs (and n/10 validation ones) that compress like photos: smooth shading, texture, grain, each
+    image a little off `photo` in size (+-10%); written by one process per core."""
+    from multiprocessing import Pool
+    jobs = [(root / split / f"class_{i % classes}" / f"{i:06d}.jpg", photo, (seed, s, i))
+            for s, (split, count) in enumerate((("train", n), ("val", max(classes, n // 10)))) for i in range(count)]
+    for folder in {path.parent for path, _, _ in jobs}:
+        folder.mkdir(parents=True, exist_ok=True)
+    with Pool(len(os.sched_getaffinity(0))) as pool:
+        pool.starmap(write_photo, jobs, chunksize=16)
+
+
+def write_photo(path: Path, photo: tuple[int, int], seed) -> None:
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    w, h = (int(s * rng.uniform(0.9, 1.1)) for s in photo)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    a, b, c = rng.uniform(20, 200, 3)
+    shading = 128 + 90 * np.sin(x / a + c) * np.cos(y / b) + 40 * np.sin(x / 3.1) * np.sin(y / 2.7)
+    pixels = shading[..., None] * rng.uniform(0.4, 1.0, 3) + rng.normal(0, 8, (h, w, 3))
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=90)
+
+
+def ours(args, pipeline: str, workers: int | None, full_decode: bool = False):
+    """(batches: an iterator of normalised batches on the device, workers, notes)."""
+    from accel_train.config import TrainConfig
+    from accel_train.data import build_data
+    from PIL import JpegImagePlugin
+    # full: every pixel decoded, as without Image.draft (the loader's workers, forked later, inherit the patch)
+    JpegImagePlugin.JpegImageFile.draft = (lambda self, mode, size: None) if full_decode else DRAFT
+    cfg = TrainConfig(data="imagefolder", data_dir=args.data_dir, image_size=args.image_size,
+                      batch_size=args.batch_size, pipeline=pipeline, num_workers=workers, mean="0.5,0.5,0.5",
+                      std="0.25,0.25,0.25")
+    start = time.perf_counter()
+    data = build_data(cfg, args.device)
+    setup = time.perf_counter() - start
+
+    def batches():
+        while True:
+            data.train_loader.dataset.set_epoch(0)
+            for batch in data.train_loader:
+                x, _ = data.inputs(tuple(t.to(args.device, non_blocking=True) for t in batch), train=True)
+                yield x
+    return batches(), data.train_loader.num_workers, f"{setup:.1f} s to set up; " + data.describe()
+
+
+def timm_loader(args, workers: int):
+    import torch
+    from timm.data import create_dataset, create_loader
+    dataset = create_dataset("", root=str(Path(args.data_dir) / "train"), is_training=True)
+    loader = create_loader(dataset, input_size=(3, args.image_size, args.image_size), batch_size=args.batch_size,
+                           is_training=True, color_jitter=0.0, num_workers=workers, device=torch.device(args.device),
+                           pin_memory=args.device != "cpu", use_prefetcher=True, persistent_workers=True)
+
+    def batches():
+        while True:
+            for x, _ in loader:
+                yield x
+    return batches(), workers, f"timm {__import__('timm').__version__} create_loader, {workers} workers"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--make", nargs=2, metavar=("DIR", "N"), help="write a folder of N training JPEGs and exit")
+    p.add_argument("--photo", default="450x350", help="--make: the photos' size WxH")
+    p.add_argument("--data_dir")
+    p.add_argument("--image_size", type=int, default=224)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--batches", type=int, default=12, help="timed batches per case and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    p.add_argument("--cases", default="cpu0,cpu,cache,timm")
+    args = p.parse_args(argv)
+    if args.make:
+        make_folder(Path(args.make[0]), int(args.make[1]), tuple(int(v) for v in args.photo.split("x")))
+        return 0
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from accel_train.data.load import worker_count
+    from accel_train.config import TrainConfig
+    default_workers = worker_count(TrainConfig())[0]
+    cores = len(os.sched_getaffinity(0))
+    makers = {"cpu0": lambda: ours(args, "cpu", 0), "cpu": lambda: ours(args, "cpu", None),
+              "cache": lambda: ours(args, "cache", None), "timm": lambda: timm_loader(args, default_workers),
+              "reduced": lambda: ours(args, "cpu", None), "full": lambda: ours(args, "cpu", None, full_decode=True)}
+    cases = args.cases.split(",")
+    rates: dict[str, list[float]] = {c: [] for c in cases}
+    print(f"# {args.data_dir}: {args.image_size} px, batch {args.batch_size}, device {args.device}, {cores} cores in "
+          f"the CPU affinity ({os.cpu_count()} online), torch {torch.__version__}", flush=True)
+    for r in range(args.rounds):
+        for case in cases:
+            batches, workers, notes = makers[case]()  # a fresh loader per round: the cases share the cores fairly
+            if r == 0:
+                print(f"# {case}: {notes}", flush=True)
+            for _ in range(1 + 4 * workers):  # warm-up: the workers start; the batches they prefetched meanwhile
+                next(batches)                  # (up to 4 each) are taken, so that the timed ones are made while timed
+            start = time.perf_counter()
+            for _ in range(args.batches):
+                x = next(batches)
+            if x.device.type == "cuda":
+                torch.cuda.synchronize()
+            rates[case].append(args.batches * args.batch_size / (time.perf_counter() - start))
+            del batches, x
+            gc.collect()  # the loader's persistent workers end with it
+    print(f"{'case':8s} {'workers':>7s} {'img/s':>8s} {'per core':>9s} {'min':>8s} {'max':>8s}")
+    per_core = {}
+    for case in cases:
+        workers = 0 if case == "cpu0" else default_workers
+        used = min(cores, max(1, workers))
+        median = statistics.median(rates[case])
+        per_core[case] = median / used
+        print(f"{case:8s} {workers:7d} {median:8.0f} {per_core[case]:9.0f} {min(rates[case]):8.0f} "
+              f"{max(rates[case]):8.0f}")
+    for a, b in (("cache", "timm"), ("cpu", "timm"), ("cpu", "cpu0"), ("reduced", "full")):
+        if a in per_core and b in per_core:
+            print(f"{a}/{b} per core = {per_core[a] / per_core[b]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

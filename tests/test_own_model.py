@@ -122,7 +122,7 @@ def test_numpy_and_narrow_integer_labels_are_labels():
     from torch.utils.data import default_collate
 
     from accel_train.data.given import check_item, check_labels
-    from accel_train.data.pipeline import cpu_inputs
+    from accel_train.data.given import cpu_inputs
     for label in (np.int64(1), np.int32(1), torch.tensor(1, dtype=torch.int32)):
         check_item(Items((torch.zeros(3, 8, 8), label)), "train_set")
     batch = default_collate([(torch.zeros(3, 8, 8), np.int32(i)) for i in range(2)])

@@ -236,6 +236,12 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
         ready.set()
         time.sleep(60)
 
+    # the trainer's signal watch (survivor.py) reads a wakeup fd, which a forked worker inherits: a worker's signals
+    # (the DataLoader's SIGTERM at the end of a run) must not reach it. Before: a finished 2-rank run exited 3.
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)
     ready = multiprocessing.get_context("fork").Event()
     proc = multiprocessing.get_context("fork").Process(target=worker, args=(ready,), daemon=True)
     proc.start()
@@ -248,7 +254,14 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
         proc.terminate()  # what the DataLoader does to a worker that did not stop
         proc.join(10)
         assert not proc.is_alive() and proc.exitcode == -signal.SIGTERM
+        try:
+            assert os.read(read, 64) == b"", "a worker's signals reached the trainer's wakeup fd"
+        except BlockingIOError:  # nothing written: as it should be
+            pass
     finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
         if proc.is_alive():
             proc.kill()
     cfg = TrainConfig(pipeline="cpu", num_workers=2, train_samples=16, test_samples=8, batch_size=4)

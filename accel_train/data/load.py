@@ -103,8 +103,10 @@ def _leave_signals_to_the_trainer(worker_id: int) -> None:
     """DataLoader workers leave Ctrl-C, SIGUSR1 and a first SIGTERM to the trainer, which stops at an agreed step
     and checkpoints it: a terminal signals the whole foreground group and torchrun signals each rank's whole
     session (os.killpg), so a worker that ended would fail the batch before that checkpoint. A second SIGTERM ends
-    the worker: it is how the DataLoader (and multiprocessing at exit) end a worker that did not stop by itself."""
+    the worker: it is how the DataLoader (and multiprocessing at exit) end a worker that did not stop by itself. A
+    forked worker inherits the trainer's wakeup fd (survivor.py's signal watch): its signals must not reach it."""
     import signal
+    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _end_at_the_second_sigterm)

@@ -184,6 +184,7 @@ def exit_rank(code: int) -> None:
     active exception") instead of exiting with its status. CI saw it in test_full_disk; two bare gloo ranks exiting
     after a barrier: 4 of 90 runs. (A lost peer _exits at once: lost_peer.) Every file the trainer writes is
     closed by then. One process: a normal exit."""
+    end_workers()
     if process_group() is None:
         return
     # What Python's exit does before it tears the interpreter down: the atexit handlers (trackers' own shutdown,
@@ -195,6 +196,18 @@ def exit_rank(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def end_workers() -> None:
+    """Before exit: end the daemonic children (DataLoader workers) still running. A worker leaves a first SIGTERM to
+    the trainer (data/load.py), and multiprocessing's exit handler sends exactly one, then joins without a timeout:
+    a run whose persistent workers outlived its loop (your own Datasets, 2 ranks) hung there. A worker holds nothing
+    to save."""
+    mp = sys.modules.get("multiprocessing")
+    for child in mp.active_children() if mp is not None else ():
+        if child.daemon:
+            child.kill()
+            child.join(5)
 
 
 # Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).

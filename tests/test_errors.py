@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -91,3 +92,25 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
     monkeypatch.setitem(cli.COMMANDS, "smoke", command)
     assert cli.main(["smoke"]) == code
     assert calls == ([("status", code), ("atexit", None), ("_exit", code)] if in_group else [("status", code)])
+
+
+def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
+    # DataLoader workers leave a first SIGTERM to the trainer; multiprocessing's exit handler sends exactly one and
+    # joins without a timeout. Before errors.end_workers: a 2-rank run of your own Datasets (persistent workers)
+    # hung at exit (test_the_examples_train_on_two_ranks hit the suite's 600 s timeout).
+    script = tmp_path / "outlive.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from accel_train.data.load import _leave_signals_to_the_trainer\n"
+        "from accel_train.errors import exit_rank\n"
+        "def work():\n"
+        "    _leave_signals_to_the_trainer(0)\n"
+        "    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    p = multiprocessing.get_context('fork').Process(target=work, daemon=True)\n"
+        "    p.start()\n"
+        "    time.sleep(1)\n"
+        "    exit_rank(7)\n"
+        "    sys.exit(7)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7, proc.stderr

@@ -15,9 +15,9 @@ A failure inside that region (which holds no collective: only a bug) saves nothi
 A SIGTERM (torchrun's agent stops the other workers of a machine 30 s after one dies; a platform stopping the
 remaining machines) cannot wait for an agreed check whose peer is gone, and a main thread blocked in a collective
 never runs Python's signal handler: the C-level handler writes the signal to a wakeup fd read by a thread here,
-which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 pass without a step completing (each
-step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal, unless the ranks have agreed on the
-stop by then (preempt.AgreedChecks sets `stop.agreed`).
+which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 (or two measured steps, if longer) pass
+without a step completing (each step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal,
+unless the ranks have agreed on the stop by then (preempt.AgreedChecks sets `stop.agreed` and `stop.step_s`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .preempt import SIGNALS, say
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
 LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
+STALL_STEPS = 2.0  # no step for this many of the slowest rank's measured steps (and GRACE_S / 2) after a signal: stalled
 # accelerate's file names in a checkpoint (accelerate/utils/constants.py: SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCALER_NAME)
 MODEL_NAME, OPTIMIZER_NAME, SCALER_NAME = "model.safetensors", "optimizer.bin", "scaler.pt"
 
@@ -226,10 +227,14 @@ class Survivor:
             now, gone = time.monotonic(), [pid for pid in self.local if not alive(pid)]
             if self.run.state.step != step:  # a step completed: every peer answered its all-reduce
                 step, moved = self.run.state.step, now
-            stalled, late = now - moved > GRACE_S / 2, now - armed > GRACE_S - LATE_S
+            # a step that takes longer than its measured time (STALL_STEPS of them, at least GRACE_S / 2) is a peer
+            # that does not answer; before a step is measured (the first may compile), only `late` says so
+            step_s = getattr(self.stop, "step_s", None)
+            wait = max(GRACE_S / 2, STALL_STEPS * step_s) if step_s is not None else None
+            stalled, late = wait is not None and now - moved > wait, now - armed > GRACE_S - LATE_S
             if gone or stalled or late:
                 why = (f"local rank process {gone[0]} is gone" if gone else
-                       f"no step and no agreed stop for {GRACE_S / 2:.0f} s after the signal: a peer does not answer"
+                       f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
                        if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
                 said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
                 if self.owner != "watch":

@@ -243,7 +243,8 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     # ranks never agree on the stop and no step completes; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
     import types
     watch = object.__new__(survivor.Survivor)
-    watch.local, watch.stop, watch.owner = [], types.SimpleNamespace(agreed=False, signal=signal.SIGTERM), None
+    watch.local, watch.owner = [], None
+    watch.stop = types.SimpleNamespace(agreed=False, signal=signal.SIGTERM, step_s=0.1)  # (an agreed check measured)
     watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))  # no step completes: stalled
     saved, exits = [], []
 
@@ -286,10 +287,19 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
         ticking.set()
         ticker.join()
     assert time.monotonic() - start >= 0.7 and saved[1].startswith("SIGTERM while no agreed stop"), saved
+    # a step slower than GRACE_S / 2 with every peer alive (a big batch), or one not measured yet (the first step may
+    # compile): the agreed stop after it can still come; only `late` saves. Before: saved at GRACE_S / 2, exit 3
+    for step_s in (0.6, None):
+        watch.stop.step_s = step_s
+        os.write(write, bytes([signal.SIGTERM]))
+        start = time.monotonic()
+        with pytest.raises(SystemExit):
+            watch._on_signal(read)
+        assert time.monotonic() - start >= 0.75 and saved[-1].startswith("SIGTERM while no agreed stop"), saved
     watch.stop.agreed = True  # the ranks agreed (AgreedChecks): every peer answered, the agreed checkpoint follows
     os.write(write, bytes([signal.SIGTERM]))
     watch._on_signal(read)
-    assert exits == [3, 3] and len(saved) == 2
+    assert exits == [3] * 4 and len(saved) == 4
     os.close(read)
     os.close(write)
 

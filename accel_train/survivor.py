@@ -61,17 +61,27 @@ def readable_step(device: torch.device) -> str | None:
             "runs behind the host; docs/failures.md)")
 
 
+PF_EXITING = 0x4  # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
+
+
 def alive(pid: int) -> bool:
-    """A local peer that can still answer: its process exists and is neither a zombie nor stopped (SIGSTOP)."""
+    """A local peer that can still answer: its process exists and is neither exiting, a zombie nor stopped (SIGSTOP).
+    A killed process closes its sockets in its exit (do_exit: exit_files) before it is a zombie, so a peer sees the
+    connection reset while the killed one's state still reads running: its PF_EXITING flag is set by then."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return answers(Path(f"/proc/{pid}/stat").read_text())
+    except (OSError, IndexError, ValueError):
         try:
             os.kill(pid, 0)
         except OSError:
             return False
         return True
-    return state not in ("Z", "X", "x", "T", "t")
+
+
+def answers(stat: str) -> bool:
+    """From a /proc/PID/stat line: the process is neither exiting, a zombie nor stopped."""
+    fields = stat.rsplit(")", 1)[1].split()  # (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...)
+    return fields[0] not in ("Z", "X", "x", "T", "t") and not int(fields[6]) & PF_EXITING
 
 
 class Survivor:

@@ -141,6 +141,15 @@ def test_a_stopped_or_dead_peer_is_not_alive():
     assert not survivor.alive(child.pid)
 
 
+def test_a_peer_that_is_exiting_is_not_alive():
+    # a SIGKILLed rank 0 closes its sockets (do_exit) before it is a zombie: rank 1 saw the reset while rank 0's stat
+    # still read "R", took it for the lower rank that saves, and no rank saved (a 2-rank run, rank 0 killed)
+    stat = "4242 (python -m x) R 1 4242 4242 0 -1 {} 5 0 0 0"
+    assert survivor.answers(stat.format(0x400000)) and survivor.answers(stat.format(0x400040))
+    assert not survivor.answers(stat.format(0x400044))  # PF_EXITING
+    assert not survivor.answers(stat.format(0x400000).replace(" R ", " Z "))
+
+
 def test_the_time_interval_keeps_writes_at_one_percent():
     assert preempt.checkpoint_interval_s(None, None) == preempt.FIRST_CHECKPOINT_S
     assert preempt.checkpoint_interval_s(None, 0.2) == preempt.MIN_CHECKPOINT_S  # a fast write: at least a minute

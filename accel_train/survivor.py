@@ -198,6 +198,8 @@ class Survivor:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
             raise
+        if self.checkpointer.decision.writer:  # the checkpoint of this step that the lost peer interrupted, if any
+            shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
         try:
             os.replace(tmp, final)
         except OSError:  # another survivor on the same storage renamed its copy first

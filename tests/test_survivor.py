@@ -211,8 +211,9 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
         lose_peer_at(monkeypatch, metrics.MetricsLog, "log_step", lambda self, acc, s, *a: s == 5)
     elif where == "an agreed check":
         lose_peer_at(monkeypatch, preempt.AgreedChecks, "agree", lambda *a: True)
-    elif where == "writing a checkpoint":
-        lose_peer_at(monkeypatch, checkpoint, "save_checkpoint", lambda *a: True)
+    elif where == "writing a checkpoint":  # its second agree: accelerate's files are in its .tmp- folder
+        calls = iter(range(99))
+        lose_peer_at(monkeypatch, checkpoint, "_agree", lambda *a: next(calls) == 1)
     else:
         lose_peer_at(monkeypatch, loop, "evaluate", lambda *a: True)
     monkeypatch.setattr(survivor.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
@@ -237,6 +238,7 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
     rows = [json.loads(r) for r in (saved / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 1))
     assert ("loss_of" in rows[-1]) == (where == "logging a step")  # its reduce never completed: this rank's loss
+    assert not list(saved.parent.glob(".tmp-*"))  # (before: the checkpoint's own partial copy was left)
 
 
 def test_survivors_that_saved_different_steps_resume_from_the_newest():

@@ -64,6 +64,28 @@ def readable_step(device: torch.device) -> str | None:
 PF_EXITING = 0x4  # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
 
 
+WATCHED: list[int] = []  # this process's signal watch pipe (read, write) while a watch runs
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) neither writes its signals into the parent's watch pipe (Python's C handler
+    writes every handled signal to the wakeup fd, which fork copies: a SIGTERM to a worker alone made its trainer
+    save and exit 3 25 s later) nor holds the pipe open."""
+    if WATCHED:
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous not in WATCHED:  # (not the watch's: the child's own)
+                signal.set_wakeup_fd(previous)
+        except ValueError:  # (not the child's main thread)
+            pass
+        for fd in WATCHED:
+            os.close(fd)
+        WATCHED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def alive(pid: int) -> bool:
     """A local peer that can still answer: its process exists and is neither exiting, a zombie nor stopped (SIGSTOP).
     A killed process closes its sockets in its exit (do_exit: exit_files) before it is a zombie, so a peer sees the
@@ -148,8 +170,10 @@ class Survivor:
         self.row = (step, loss, lr)
 
     def close(self) -> None:
+        self.closed = True  # the training is over (or stopped): an armed watch stands down
         if self.watcher is not None:
             signal.set_wakeup_fd(self.watcher[1])
+            WATCHED.clear()
             for fd in self.watcher[:1:-1]:  # the write end first: the thread reads its end of file and returns
                 os.close(fd)
             self.watcher = None
@@ -224,6 +248,7 @@ class Survivor:
         read, write = os.pipe()
         os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        WATCHED[:] = [read, write]
         threading.Thread(target=self._on_signal, args=(read,), daemon=True, name="accel_train-survivor").start()
         return (None, previous, read, write)
 
@@ -235,7 +260,7 @@ class Survivor:
             return
         armed = moved = time.monotonic()
         step = self.run.state.step
-        while not getattr(self.stop, "agreed", False):
+        while not getattr(self.stop, "agreed", False) and not getattr(self, "closed", False):
             now, gone = time.monotonic(), [pid for pid in self.local if not alive(pid)]
             if self.run.state.step != step:  # a step completed: every peer answered its all-reduce
                 step, moved = self.run.state.step, now

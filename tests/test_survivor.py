@@ -311,8 +311,35 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     os.write(write, bytes([signal.SIGTERM]))
     watch._on_signal(read)
     assert exits == [3] * 4 and len(saved) == 4
+    watch.stop.agreed, watch.closed = False, True  # the training ended (guard closed): an armed watch stands down
+    os.write(write, bytes([signal.SIGTERM]))  # (before: it saved 'late' and exited 3 after a finished run)
+    watch._on_signal(read)
+    assert exits == [3] * 4 and len(saved) == 4
     os.close(read)
     os.close(write)
+
+
+def _wakeup_fd_in_child(queue):
+    queue.put((signal.set_wakeup_fd(-1), [fd for fd in survivor.WATCHED]))
+
+
+def test_a_forked_child_does_not_signal_into_the_watch(monkeypatch):
+    # a DataLoader worker (forked) inherits the wakeup fd: its own SIGTERM (the DataLoader ending a slow worker) armed
+    # the trainer's watch, which saved and exited 3 25 s later in a healthy 2-rank run (--num_workers 1)
+    import multiprocessing
+    import types
+    watch = object.__new__(survivor.Survivor)
+    watch.stop, watch.local = types.SimpleNamespace(agreed=True, signal=None), []
+    watch.watcher = watch._watch_signals()
+    try:
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_wakeup_fd_in_child, args=(queue,))
+        child.start()
+        assert queue.get(timeout=30) == (-1, [])
+        child.join(timeout=30)
+    finally:
+        watch.close()
 
 
 def test_on_an_accelerator_the_survivor_saves_nothing_and_says_why(tmp_path):

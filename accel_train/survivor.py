@@ -134,8 +134,7 @@ class Survivor:
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
         self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
         self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
-        if self.hooked:
-            module.register_forward_pre_hook(self._window_start)
+        self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None  # (close removes)
 
     def _window_start(self, module, args) -> None:
         state = self.run.state
@@ -171,6 +170,9 @@ class Survivor:
 
     def close(self) -> None:
         self.closed = True  # the training is over (or stopped): an armed watch stands down
+        if getattr(self, "hook", None) is not None:  # a module given to train() is handed back without it (its lock
+            self.hook.remove()  # would make copy.deepcopy and torch.save of the module fail)
+            self.hook = None
         if self.watcher is not None:
             signal.set_wakeup_fd(self.watcher[1])
             WATCHED.clear()

@@ -319,6 +319,17 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     os.close(write)
 
 
+def test_the_module_is_handed_back_without_the_buffer_hook():
+    # a module given to train() on 2 ranks kept the survivor's forward pre-hook (and its lock): copy.deepcopy or
+    # torch.save of it after train() raised "cannot pickle '_thread.lock' object"
+    import copy
+    saver = object.__new__(survivor.Survivor)
+    saver.lock, saver.watcher, module = threading.Lock(), None, torch.nn.BatchNorm1d(3)
+    saver.hook = module.register_forward_pre_hook(saver._window_start)
+    saver.close()
+    assert not module._forward_pre_hooks and copy.deepcopy(module) is not None
+
+
 def _wakeup_fd_in_child(queue):
     queue.put((signal.set_wakeup_fd(-1), [fd for fd in survivor.WATCHED]))
 

@@ -26,6 +26,7 @@ class StopRequest:
     def __init__(self):
         self.signal: int | None = None
         self.agreed = False  # the ranks agreed on the stop (AgreedChecks): every peer answered
+        self.step_s = None  # the slowest rank's seconds per training step at the last agreed check (survivor.py)
         # Who speaks, on each machine (a Ctrl-C comes from the terminal of one): its main process once start-up has
         # ended (the start-up check answers a Ctrl-C during start-up itself); the second Ctrl-C's line before that
         # comes from every process (which one is main is not known yet)
@@ -133,6 +134,8 @@ class AgreedChecks:
         write = max(r[6] for r in rows)
         self.save_now = clock is not None and max(r[5] for r in rows) >= checkpoint_interval_s(
             self.minutes, write if write >= 0 else None)
+        if clock is not None:  # (training's checks; an evaluation's count batches): how long a step may take
+            self.stop.step_s = max(r[2] for r in rows)
         self.stop.agreed = any(r[0] for r in rows)  # (the survivor's signal watch stands down: survivor.py)
         return self.stop.agreed
 

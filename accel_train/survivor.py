@@ -15,9 +15,9 @@ A failure inside that region (which holds no collective: only a bug) saves nothi
 A SIGTERM (torchrun's agent stops the other workers of a machine 30 s after one dies; a platform stopping the
 remaining machines) cannot wait for an agreed check whose peer is gone, and a main thread blocked in a collective
 never runs Python's signal handler: the C-level handler writes the signal to a wakeup fd read by a thread here,
-which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 pass without a step completing (each
-step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal, unless the ranks have agreed on the
-stop by then (preempt.AgreedChecks sets `stop.agreed`).
+which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 (or two measured steps, if longer) pass
+without a step completing (each step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal,
+unless the ranks have agreed on the stop by then (preempt.AgreedChecks sets `stop.agreed` and `stop.step_s`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from .preempt import SIGNALS, say
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
 LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
+STALL_STEPS = 2.0  # no step for this many of the slowest rank's measured steps (and GRACE_S / 2) after a signal: stalled
 # accelerate's file names in a checkpoint (accelerate/utils/constants.py: SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCALER_NAME)
 MODEL_NAME, OPTIMIZER_NAME, SCALER_NAME = "model.safetensors", "optimizer.bin", "scaler.pt"
 
@@ -60,17 +61,49 @@ def readable_step(device: torch.device) -> str | None:
             "runs behind the host; docs/failures.md)")
 
 
+PF_EXITING = 0x4  # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
+
+
+WATCHED: list[int] = []  # this process's signal watch pipe (read, write) while a watch runs
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) neither writes its signals into the parent's watch pipe (Python's C handler
+    writes every handled signal to the wakeup fd, which fork copies: a SIGTERM to a worker alone made its trainer
+    save and exit 3 25 s later) nor holds the pipe open."""
+    if WATCHED:
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous not in WATCHED:  # (not the watch's: the child's own)
+                signal.set_wakeup_fd(previous)
+        except ValueError:  # (not the child's main thread)
+            pass
+        for fd in WATCHED:
+            os.close(fd)
+        WATCHED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def alive(pid: int) -> bool:
-    """A local peer that can still answer: its process exists and is neither a zombie nor stopped (SIGSTOP)."""
+    """A local peer that can still answer: its process exists and is neither exiting, a zombie nor stopped (SIGSTOP).
+    A killed process closes its sockets in its exit (do_exit: exit_files) before it is a zombie, so a peer sees the
+    connection reset while the killed one's state still reads running: its PF_EXITING flag is set by then."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return answers(Path(f"/proc/{pid}/stat").read_text())
+    except (OSError, IndexError, ValueError):
         try:
             os.kill(pid, 0)
         except OSError:
             return False
         return True
-    return state not in ("Z", "X", "x", "T", "t")
+
+
+def answers(stat: str) -> bool:
+    """From a /proc/PID/stat line: the process is neither exiting, a zombie nor stopped."""
+    fields = stat.rsplit(")", 1)[1].split()  # (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...)
+    return fields[0] not in ("Z", "X", "x", "T", "t") and not int(fields[6]) & PF_EXITING
 
 
 class Survivor:
@@ -101,8 +134,7 @@ class Survivor:
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
         self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
         self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
-        if self.hooked:
-            module.register_forward_pre_hook(self._window_start)
+        self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None  # (close removes)
 
     def _window_start(self, module, args) -> None:
         state = self.run.state
@@ -137,8 +169,13 @@ class Survivor:
         self.row = (step, loss, lr)
 
     def close(self) -> None:
+        self.closed = True  # the training is over (or stopped): an armed watch stands down
+        if getattr(self, "hook", None) is not None:  # a module given to train() is handed back without it (its lock
+            self.hook.remove()  # would make copy.deepcopy and torch.save of the module fail)
+            self.hook = None
         if self.watcher is not None:
             signal.set_wakeup_fd(self.watcher[1])
+            WATCHED.clear()
             for fd in self.watcher[:1:-1]:  # the write end first: the thread reads its end of file and returns
                 os.close(fd)
             self.watcher = None
@@ -187,6 +224,8 @@ class Survivor:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
             raise
+        if self.checkpointer.decision.writer:  # the checkpoint of this step that the lost peer interrupted, if any
+            shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
         try:
             os.replace(tmp, final)
         except OSError:  # another survivor on the same storage renamed its copy first
@@ -211,6 +250,7 @@ class Survivor:
         read, write = os.pipe()
         os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        WATCHED[:] = [read, write]
         threading.Thread(target=self._on_signal, args=(read,), daemon=True, name="accel_train-survivor").start()
         return (None, previous, read, write)
 
@@ -224,14 +264,18 @@ class Survivor:
             return
         armed = moved = time.monotonic()
         step = self.run.state.step
-        while not getattr(self.stop, "agreed", False):
+        while not getattr(self.stop, "agreed", False) and not getattr(self, "closed", False):
             now, gone = time.monotonic(), [pid for pid in self.local if not alive(pid)]
             if self.run.state.step != step:  # a step completed: every peer answered its all-reduce
                 step, moved = self.run.state.step, now
-            stalled, late = now - moved > GRACE_S / 2, now - armed > GRACE_S - LATE_S
+            # a step that takes longer than its measured time (STALL_STEPS of them, at least GRACE_S / 2) is a peer
+            # that does not answer; before a step is measured (the first may compile), only `late` says so
+            step_s = getattr(self.stop, "step_s", None)
+            wait = max(GRACE_S / 2, STALL_STEPS * step_s) if step_s is not None else None
+            stalled, late = wait is not None and now - moved > wait, now - armed > GRACE_S - LATE_S
             if gone or stalled or late:
                 why = (f"local rank process {gone[0]} is gone" if gone else
-                       f"no step and no agreed stop for {GRACE_S / 2:.0f} s after the signal: a peer does not answer"
+                       f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
                        if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
                 said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
                 if self.owner != "watch":

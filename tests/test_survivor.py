@@ -141,6 +141,15 @@ def test_a_stopped_or_dead_peer_is_not_alive():
     assert not survivor.alive(child.pid)
 
 
+def test_a_peer_that_is_exiting_is_not_alive():
+    # a SIGKILLed rank 0 closes its sockets (do_exit) before it is a zombie: rank 1 saw the reset while rank 0's stat
+    # still read "R", took it for the lower rank that saves, and no rank saved (a 2-rank run, rank 0 killed)
+    stat = "4242 (python -m x) R 1 4242 4242 0 -1 {} 5 0 0 0"
+    assert survivor.answers(stat.format(0x400000)) and survivor.answers(stat.format(0x400040))
+    assert not survivor.answers(stat.format(0x400044))  # PF_EXITING
+    assert not survivor.answers(stat.format(0x400000).replace(" R ", " Z "))
+
+
 def test_the_time_interval_keeps_writes_at_one_percent():
     assert preempt.checkpoint_interval_s(None, None) == preempt.FIRST_CHECKPOINT_S
     assert preempt.checkpoint_interval_s(None, 0.2) == preempt.MIN_CHECKPOINT_S  # a fast write: at least a minute
@@ -202,8 +211,9 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
         lose_peer_at(monkeypatch, metrics.MetricsLog, "log_step", lambda self, acc, s, *a: s == 5)
     elif where == "an agreed check":
         lose_peer_at(monkeypatch, preempt.AgreedChecks, "agree", lambda *a: True)
-    elif where == "writing a checkpoint":
-        lose_peer_at(monkeypatch, checkpoint, "save_checkpoint", lambda *a: True)
+    elif where == "writing a checkpoint":  # its second agree: accelerate's files are in its .tmp- folder
+        calls = iter(range(99))
+        lose_peer_at(monkeypatch, checkpoint, "_agree", lambda *a: next(calls) == 1)
     else:
         lose_peer_at(monkeypatch, loop, "evaluate", lambda *a: True)
     monkeypatch.setattr(survivor.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
@@ -228,6 +238,7 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
     rows = [json.loads(r) for r in (saved / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, step + 1))
     assert ("loss_of" in rows[-1]) == (where == "logging a step")  # its reduce never completed: this rank's loss
+    assert not list(saved.parent.glob(".tmp-*"))  # (before: the checkpoint's own partial copy was left)
 
 
 def test_survivors_that_saved_different_steps_resume_from_the_newest():
@@ -243,7 +254,8 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     # ranks never agree on the stop and no step completes; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
     import types
     watch = object.__new__(survivor.Survivor)
-    watch.local, watch.stop, watch.owner = [], types.SimpleNamespace(agreed=False, signal=signal.SIGTERM), None
+    watch.local, watch.owner = [], None
+    watch.stop = types.SimpleNamespace(agreed=False, signal=signal.SIGTERM, step_s=0.1)  # (an agreed check measured)
     watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))  # no step completes: stalled
     saved, exits = [], []
 
@@ -286,12 +298,59 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
         ticking.set()
         ticker.join()
     assert time.monotonic() - start >= 0.7 and saved[1].startswith("SIGTERM while no agreed stop"), saved
+    # a step slower than GRACE_S / 2 with every peer alive (a big batch), or one not measured yet (the first step may
+    # compile): the agreed stop after it can still come; only `late` saves. Before: saved at GRACE_S / 2, exit 3
+    for step_s in (0.6, None):
+        watch.stop.step_s = step_s
+        os.write(write, bytes([signal.SIGTERM]))
+        start = time.monotonic()
+        with pytest.raises(SystemExit):
+            watch._on_signal(read)
+        assert time.monotonic() - start >= 0.75 and saved[-1].startswith("SIGTERM while no agreed stop"), saved
     watch.stop.agreed = True  # the ranks agreed (AgreedChecks): every peer answered, the agreed checkpoint follows
     os.write(write, bytes([signal.SIGTERM]))
     watch._on_signal(read)
-    assert exits == [3, 3] and len(saved) == 2
+    assert exits == [3] * 4 and len(saved) == 4
+    watch.stop.agreed, watch.closed = False, True  # the training ended (guard closed): an armed watch stands down
+    os.write(write, bytes([signal.SIGTERM]))  # (before: it saved 'late' and exited 3 after a finished run)
+    watch._on_signal(read)
+    assert exits == [3] * 4 and len(saved) == 4
     os.close(read)
     os.close(write)
+
+
+def test_the_module_is_handed_back_without_the_buffer_hook():
+    # a module given to train() on 2 ranks kept the survivor's forward pre-hook (and its lock): copy.deepcopy or
+    # torch.save of it after train() raised "cannot pickle '_thread.lock' object"
+    import copy
+    saver = object.__new__(survivor.Survivor)
+    saver.lock, saver.watcher, module = threading.Lock(), None, torch.nn.BatchNorm1d(3)
+    saver.hook = module.register_forward_pre_hook(saver._window_start)
+    saver.close()
+    assert not module._forward_pre_hooks and copy.deepcopy(module) is not None
+
+
+def _wakeup_fd_in_child(queue):
+    queue.put((signal.set_wakeup_fd(-1), [fd for fd in survivor.WATCHED]))
+
+
+def test_a_forked_child_does_not_signal_into_the_watch(monkeypatch):
+    # a DataLoader worker (forked) inherits the wakeup fd: its own SIGTERM (the DataLoader ending a slow worker) armed
+    # the trainer's watch, which saved and exited 3 25 s later in a healthy 2-rank run (--num_workers 1)
+    import multiprocessing
+    import types
+    watch = object.__new__(survivor.Survivor)
+    watch.stop, watch.local = types.SimpleNamespace(agreed=True, signal=None), []
+    watch.watcher = watch._watch_signals()
+    try:
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_wakeup_fd_in_child, args=(queue,))
+        child.start()
+        assert queue.get(timeout=30) == (-1, [])
+        child.join(timeout=30)
+    finally:
+        watch.close()
 
 
 def test_on_an_accelerator_the_survivor_saves_nothing_and_says_why(tmp_path):

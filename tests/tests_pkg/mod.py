@@ -5,6 +5,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 if os.environ.get("TESTS_PKG_IMPORTED"):
@@ -20,6 +21,8 @@ class Net(nn.Module):
         self.out = out
 
     def forward(self, x):
+        if torch.is_grad_enabled() and os.environ.get("TESTS_PKG_FAIL_WITH_GRAD"):  # (the start-up check has none)
+            raise RuntimeError("the first training step fails (TESTS_PKG_FAIL_WITH_GRAD)")
         if self.training and os.environ.get("TESTS_PKG_DELAY"):
             time.sleep(float(os.environ["TESTS_PKG_DELAY"]))
         logits = self.head(self.features(x))

@@ -125,18 +125,20 @@ def test_lost_peer_is_classified_by_type_and_origin_not_by_words():
     assert not is_lost_peer(ValueError("connection closed by peer"))
 
 
-def launch_sh(tmp_path, *args):
-    env = clean_env(ACCEL_RESTART_DELAY="1")
+def launch_sh(tmp_path, *args, **env_vars):
+    env = clean_env(ACCEL_RESTART_DELAY="1", **env_vars)
     return subprocess.run(["bash", ROOT / "launch.sh", "--max_restarts", "2", *map(str, args)], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=300)
 
 
 def test_launch_sh_does_not_relaunch_an_error(tmp_path):
-    # a deterministic bug at the first step (a one-channel model fed RGB): traceback kept, exit 1, no relaunch
+    # a deterministic bug at the first step (a forward that fails with gradients; a model that fails on any batch is
+    # bad input, caught by the one-batch start-up check): traceback kept, exit 1, no relaunch
     proc = launch_sh(tmp_path, "--train_samples", "64", "--test_samples", "8", "--batch_size", "16", "--epochs", "1",
-                     *TINY, "--model_kwargs", '{"in_chans": 1}', "--output_dir", tmp_path / "bug")
+                     *TINY, "--model", "tests_pkg.mod:build", "--output_dir", tmp_path / "bug",
+                     TESTS_PKG_FAIL_WITH_GRAD="1", PYTHONPATH=str(ROOT / "tests"))
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" in proc.stderr and "expected input" in proc.stderr
+    assert "Traceback" in proc.stderr and "the first training step fails" in proc.stderr
     assert "lost contact" not in proc.stderr and "relaunching" not in proc.stderr
     assert "not relaunched" in proc.stderr and "(attempt 2 of 3)" not in proc.stderr
     # (bad input, exit 2, is not relaunched either: test_launch.py, and test_multinode.py's start-up refusals)

@@ -204,10 +204,16 @@ def end_workers() -> None:
     a run whose persistent workers outlived its loop (your own Datasets, 2 ranks) hung there. A worker holds nothing
     to save."""
     mp = sys.modules.get("multiprocessing")
-    for child in mp.active_children() if mp is not None else ():
-        if child.daemon:
-            child.kill()
-            child.join(5)
+    children = [c for c in mp.active_children() if c.daemon] if mp is not None else []
+    if children:
+        import signal
+        try:  # torch's DataLoader SIGCHLD handler would raise "DataLoader worker ... is killed by signal" in the join
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except ValueError:  # (not the main thread)
+            pass
+    for child in children:
+        child.kill()
+        child.join(5)
 
 
 # Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).

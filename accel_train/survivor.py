@@ -260,8 +260,6 @@ class Survivor:
                 pass
         except (OSError, IndexError):
             return
-        if self.watcher is None:  # the run has ended (close): a signal now is not this run's to answer
-            return
         armed = moved = time.monotonic()
         step = self.run.state.step
         while not getattr(self.stop, "agreed", False) and not getattr(self, "closed", False):

@@ -255,9 +255,11 @@ def test_dataloader_workers_leave_stop_signals_to_the_trainer():
         proc.join(10)
         assert not proc.is_alive() and proc.exitcode == -signal.SIGTERM
         try:
-            assert os.read(read, 64) == b"", "a worker's signals reached the trainer's wakeup fd"
+            written = set(os.read(read, 64))
         except BlockingIOError:  # nothing written: as it should be
-            pass
+            written = set()
+        # (this process's own signals, e.g. the worker's SIGCHLD, may be there: not the worker's)
+        assert not written & {signal.SIGINT, signal.SIGUSR1, signal.SIGTERM}, "a worker's signals reached the fd"
     finally:
         signal.set_wakeup_fd(previous)
         os.close(read)

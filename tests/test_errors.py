@@ -1,5 +1,6 @@
 """Exit statuses: one list in accel_train/errors.py, the same order in launch.sh's trainer_status()."""
 
+import os
 import re
 import subprocess
 import sys
@@ -100,17 +101,21 @@ def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
     # hung at exit (test_the_examples_train_on_two_ranks hit the suite's 600 s timeout).
     script = tmp_path / "outlive.py"
     script.write_text(
-        "import multiprocessing, sys, time\n"
+        "import multiprocessing, signal, sys, time\n"
         "from accel_train.data.load import _leave_signals_to_the_trainer\n"
         "from accel_train.errors import exit_rank\n"
         "def work():\n"
         "    _leave_signals_to_the_trainer(0)\n"
         "    time.sleep(120)\n"
+        "def worker_died(*args):\n"  # (torch's DataLoader SIGCHLD handler raises when a worker is killed)
+        "    raise RuntimeError('DataLoader worker is killed by signal')\n"
         "if __name__ == '__main__':\n"
         "    p = multiprocessing.get_context('fork').Process(target=work, daemon=True)\n"
+        "    signal.signal(signal.SIGCHLD, worker_died)\n"
         "    p.start()\n"
         "    time.sleep(1)\n"
         "    exit_rank(7)\n"
         "    sys.exit(7)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 7, proc.stderr
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 7 and "killed" not in proc.stderr, proc.stderr

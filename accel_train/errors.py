@@ -88,9 +88,13 @@ LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError", "LostPeer")
 # ("NCCL operation timed out"; "... aborted after a previous error": the watchdog's communicator error, which a
 # fault of this rank's own device can also be). The stock backend's "NCCL communicator was aborted on rank N. Original
 # reason ..." (NCCLUtils.cpp getNcclComm) counts only by the reason it quotes, matched by the other patterns.
-LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|ncclRemoteError|ncclSystemError|remote process exited|"
+# gloo's own timeout (tcp/unbound_buffer.cc waitRecv): the rank whose recv timed out signals every pair of its context
+# with the bare "Application timeout caused pair closure" (no file location), and another pending operation of that
+# rank (DDP's all-reduce in the backward) can raise that text first: a peer silent for --timeout_s, a lost peer.
+LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|^Application timeout caused pair closure$|"
+                               r"ncclRemoteError|ncclSystemError|remote process exited|"
                                r"Watchdog caught collective operation timeout|NCCL operation timed out|"
-                               r"NCCL communicator was aborted after a previous error|HCCL.*(timeout|heartbeat)", re.I)
+                               r"NCCL communicator was aborted after a previous error|HCCL.*(timeout|heartbeat)", re.I | re.M)
 
 
 def is_lost_peer(error: BaseException) -> bool:

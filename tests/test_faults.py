@@ -116,6 +116,9 @@ def test_lost_peer_is_classified_by_type_and_origin_not_by_words():
     assert is_lost_peer(RuntimeError("[/w/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                                      "60000ms for recv operation to complete"))
     assert is_lost_peer(DistNetworkError("failed to recv, got 0 bytes"))
+    # the other pairs of a timed-out gloo context (a frozen host, CI's run: DDP's backward raised this, exit 1)
+    assert is_lost_peer(RuntimeError("Application timeout caused pair closure"))
+    assert not is_lost_peer(RuntimeError("my own Application timeout caused pair closure in a test"))
     assert is_lost_peer(DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited or there "
                                          "was a network error, NCCL version 2.21.5 ncclRemoteError"))
     # real bugs keep their traceback: the old classifier matched "timed out" and "nccl" in any message

@@ -292,16 +292,22 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
 
 
 def test_the_workers_crop_flip_and_normalise_as_the_device_pipeline():
-    """The cpu pipeline's own ways (slice copies per sample; in-place normalisation, channels_last as NHWC) give the
-    device pipeline's batched gather and Normalize: equal crops, floats within 1e-6."""
+    """The cpu pipeline's own ways (slice copies per sample into the run's memory format; in-place normalisation,
+    channels_last as NHWC rows) give the device pipeline's batched gather and Normalize: equal crops, floats within
+    1e-6, in the memory format asked for whatever the batch's."""
     from accel_train.data.augment import Normalize, crop_flip_each
-    from accel_train.data.pipeline import Finish
+    from accel_train.data.pipeline import Finish, _batch_zeros
+    normalize = Normalize("cpu", (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
     for pad, size in ((4, 32), (2, 16), (28, 224)):
         images = torch.randint(0, 256, (16, 3, size, size), dtype=torch.uint8)
         params = crop_flip_params(torch.arange(16), epoch=3, seed=7, pad=pad)
-        assert params[2].sum() > 0 and torch.equal(crop_flip_each(images, *params, pad=pad),
-                                                   crop_flip(images, *params, pad=pad))
-    normalize = Normalize("cpu", (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
-    for memory_format in (torch.channels_last, torch.contiguous_format):
-        x = Finish(normalize, memory_format)(images)
-        assert x.is_contiguous(memory_format=memory_format) and torch.allclose(x, normalize(images), atol=1e-6)
+        want = crop_flip(images, *params, pad=pad)
+        assert params[2].sum() > 0 and torch.equal(crop_flip_each(images, *params, pad=pad), want)
+        for memory_format in (torch.channels_last, torch.contiguous_format):
+            out = crop_flip_each(images, *params, pad=pad, out=_batch_zeros(images.shape, memory_format))
+            assert out.is_contiguous(memory_format=memory_format) and torch.equal(out, want)
+            for batch in (want, out):
+                x = Finish(normalize, memory_format)(batch)
+                assert x.is_contiguous(memory_format=memory_format) and x.dtype == torch.float32
+                assert torch.allclose(x, normalize(want), atol=1e-6)
+

@@ -116,6 +116,27 @@ def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
         "    time.sleep(1)\n"
         "    exit_rank(7)\n"
         "    sys.exit(7)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_script(script)
     assert proc.returncode == 7 and "killed" not in proc.stderr, proc.stderr
+
+
+def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
+    # Its traceback keeps the loader's iterator alive into multiprocessing's exit handler, which sends each worker
+    # the one SIGTERM that workers leave to the trainer and joins without a timeout: before data/load.py's atexit
+    # end_workers this script hung there (found by a probe of the cache's speed, issue 25).
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "from accel_train.config import TrainConfig\n"
+        "from accel_train.data import build_data\n"
+        "data = build_data(TrainConfig(pipeline='cpu', train_samples=64, test_samples=8, batch_size=4, "
+        "num_workers=1), 'cpu')\n"
+        "batches = iter(data.train_loader)\n"
+        "next(batches)\n"
+        "raise ValueError('a bug in the script')\n")
+    proc = run_script(script)
+    assert proc.returncode == 1 and "ValueError: a bug in the script" in proc.stderr, proc.stderr[-2000:]
+
+
+def run_script(script) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -252,3 +252,21 @@ def test_launch_sh_keeps_a_named_config_and_the_trainer_flag(tmp_path):
     assert precision is None  # the trainer runs the config's bf16 anyway, as asked
     _, opts, trainer = parse(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": BF16_CPU}, ["--mixed_precision", "no"]))
     assert "--mixed_precision" not in opts and trainer[-2:] == ["--mixed_precision", "no"]
+
+
+def test_the_trainer_turns_on_torchs_huge_pages_before_torch_is_imported_unless_set():
+    """c10/core/impl/alloc_cpu.cpp reads THP_MEM_ALLOC_ENABLE once, at the first CPU allocation: __main__ sets it
+    (unless the user did) before anything imports torch (`import accel_train` imports nothing heavy)."""
+    import subprocess
+    probe = ("import os, runpy, sys; sys.argv = ['accel_train', '--help']; import accel_train; "
+             "assert 'torch' not in sys.modules, 'torch imported before __main__'; out = sys.stdout; "
+             "sys.stdout = open(os.devnull, 'w')\n"
+             "try: runpy.run_module('accel_train', run_name='__main__')\n"
+             "except SystemExit: pass\n"
+             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), file=out)")
+    for preset, expected in ((None, "1"), ("0", "0")):
+        env = {k: v for k, v in clean_env().items() if k != "THP_MEM_ALLOC_ENABLE"}
+        if preset is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = preset
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stderr[-2000:]

@@ -49,11 +49,12 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
 
 
 def crop_flip_each(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-                   pad: int = 4) -> torch.Tensor:
+                   pad: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """crop_flip's result, made sample by sample with slice copies: on a CPU several times faster than its gather
-    (what the cpu pipeline's workers run)."""
+    (what the cpu pipeline's workers run). `out`: zeros of images' shape to write it into, in any memory format
+    (channels_last: the same copies transpose), else a new tensor."""
     n, c, h, w = images.shape
-    out = torch.zeros_like(images)
+    out = torch.zeros_like(images) if out is None else out
     for k, (dy, dx, f) in enumerate(zip((top - pad).tolist(), (left - pad).tolist(), flip.tolist())):
         crop = out[k, :, max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)]
         crop.copy_(images[k, :, max(0, dy):h + min(0, dy), max(0, dx):w + min(0, dx)])

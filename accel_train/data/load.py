@@ -8,6 +8,7 @@ loader that has workers (how many, persistent, prefetch, pinned memory, their si
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import MAX_WORKERS, TrainConfig
-from ..errors import ConfigError, counted
+from ..errors import ConfigError, counted, end_workers
 from .cache import cache_path, has_room, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
@@ -94,9 +95,18 @@ def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
     pinned batches, so that Accelerate's copy to the device (non_blocking=True, see accelerator.make_accelerator) does
     not wait for it: a copy from pageable memory is a host sync."""
     workers = worker_count(cfg)[0] if workers is None else workers
+    if workers and not _ends_workers_at_exit:  # (after multiprocessing's own exit handler, so it runs before it)
+        atexit.register(end_workers)
+        _ends_workers_at_exit.append(True)
     return dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=PREFETCH if workers else None,
                 worker_init_fn=_leave_signals_to_the_trainer if workers else None,
                 pin_memory=torch.device(device).type != "cpu")
+
+
+# A process that exits with a loader's iterator alive (an uncaught exception in your script: its traceback holds the
+# frames) would hang in multiprocessing's exit handler, which sends its workers one SIGTERM, the one they leave to the
+# trainer, and joins them without a timeout: errors.end_workers ends them first.
+_ends_workers_at_exit: list = []
 
 
 def _leave_signals_to_the_trainer(worker_id: int) -> None:

@@ -58,9 +58,11 @@ def _identity(batch):
 
 class TransformDataset(Dataset):
     """uint8 images (tensors, the decoded cache's mapped rows, or image files decoded here), cropped and flipped per
-    sample, as a batch: the cpu pipeline, run in DataLoader workers. `finish` (a CPU device: normalisation, the
-    memory format) runs there too; on an accelerator the batch stays uint8 (a quarter of the bytes to pin and copy)
-    and `inputs` normalises it on the device.
+    sample into a uint8 batch in the run's memory format: the cpu pipeline, run in DataLoader workers. Inside a worker
+    the batch is written straight into shared memory (as torch's default_collate allocates one there), which is how
+    it reaches the trainer without another copy; `inputs` then normalises it on the device (on a CPU too: Finish).
+    uint8 is a quarter of the float bytes to write, send, pin and copy: on a CPU device, making float32 batches in
+    the workers cost them ~0.3 ms an image in fresh shared memory's page faults alone (bench/RESULTS.md, issue 25).
 
     The crop and flip of sample i in epoch e are the device pipeline's hash of (seed, e, i), not the workers' RNG,
     so a resumed run (and any number of workers or ranks) augments exactly alike. The epoch lives in shared memory:
@@ -69,8 +71,9 @@ class TransformDataset(Dataset):
     that way. `augment`: (seed, pad, hflip), or None for no augmentation.
     """
 
-    def __init__(self, split: Split, size: int, augment: tuple | None = None, finish=None):
-        self.split, self.size, self.augment, self.finish = split, size, augment, finish
+    def __init__(self, split: Split, size: int, augment: tuple | None = None,
+                 memory_format=torch.contiguous_format):
+        self.split, self.size, self.augment, self.memory_format = split, size, augment, memory_format
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
         self._mapped = None  # the decoded cache, mapped in each process on first use (never pickled)
 
@@ -103,40 +106,51 @@ class TransformDataset(Dataset):
     def __getitems__(self, indices):
         images = self.images(indices)
         idx = torch.as_tensor(indices, dtype=torch.long)
+        out = _batch_zeros(images.shape, self.memory_format)
         if self.augment is not None:
             seed, pad, hflip = self.augment
-            images = crop_flip_each(images, *crop_flip_params(idx, self.epoch, seed, pad, hflip), pad=pad)
-        return (images if self.finish is None else self.finish(images)), self.split.labels[idx]
+            crop_flip_each(images, *crop_flip_params(idx, self.epoch, seed, pad, hflip), pad=pad, out=out)
+        else:
+            out.copy_(images)
+        return out, self.split.labels[idx]
 
     def __getitem__(self, i):
         x, y = self.__getitems__([i])
         return x[0], y[0]
 
 
+def _batch_zeros(shape, memory_format) -> torch.Tensor:
+    """uint8 zeros of `shape` (N, C, H, W) in `memory_format`; in shared memory inside a DataLoader worker (a new
+    shared file is zeros), as torch's default_collate allocates a batch there (torch/utils/data/_utils/collate.py,
+    collate_tensor_fn): sent to the main process without another copy."""
+    n, c, h, w = shape
+    dims = (n, h, w, c) if memory_format == torch.channels_last else (n, c, h, w)
+    if get_worker_info() is None:
+        out = torch.zeros(dims, dtype=torch.uint8)
+    else:
+        out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(math.prod(dims)), 0, dims)
+    return out.permute(0, 3, 1, 2) if memory_format == torch.channels_last else out
+
+
 class Finish:
-    """uint8 batch -> normalised floats in the run's memory format (picklable: workers may be spawned)."""
+    """uint8 batch (either memory format) -> normalised floats in the run's memory format, on the batch's device
+    (picklable). On a CPU: copied into new floats, then scaled and shifted in place (~1.6x faster than Normalize's
+    addcmul); channels_last as NHWC rows of W x 3 values, whose constants repeat per pixel (a last dimension of 3
+    broadcast per channel is ~5x slower). Fresh batches of 38 MB and more are new pages for the CPU allocator each
+    time: the trainer turns on torch's transparent huge pages for them (__main__.py), 0.44 -> 0.14 ms an image."""
 
     def __init__(self, normalize: Normalize, memory_format):
         self.normalize, self.memory_format = normalize, memory_format
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        """On a CPU, in place on a contiguous copy (~1.6x faster than Normalize's addcmul); channels_last as NHWC,
-        whose per-channel constants broadcast along the last dimension (~1.5x faster than normalising, then
-        converting the floats)."""
-        scale, shift = self.normalize.scale, self.normalize.shift
-        if self.memory_format == torch.channels_last:
-            images, scale, shift = images.permute(0, 2, 3, 1).contiguous(), scale.view(3), shift.view(3)
-        x = _worker_empty(images.shape).copy_(images).mul_(scale).add_(shift)
-        return x.permute(0, 3, 1, 2) if self.memory_format == torch.channels_last else x
-
-
-def _worker_empty(shape) -> torch.Tensor:
-    """float32 `shape`, in shared memory inside a DataLoader worker, as torch's default_collate allocates a batch
-    there (torch/utils/data/_utils/collate.py, collate_tensor_fn): sent to the main process without another copy."""
-    if get_worker_info() is None:
-        return torch.empty(shape)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * 4)
-    return torch.empty(0).set_(storage, 0, shape)
+        scale, shift = self.normalize.scale.to(images.device), self.normalize.shift.to(images.device)
+        if self.memory_format != torch.channels_last:
+            return torch.empty(images.shape, device=images.device).copy_(images).mul_(scale).add_(shift)
+        nhwc = images.permute(0, 2, 3, 1).contiguous()  # (no copy when the workers made it channels_last)
+        n, h, w, c = nhwc.shape
+        x = torch.empty(nhwc.shape, device=images.device).copy_(nhwc)
+        x.view(n * h, w * c).mul_(scale.view(c).repeat(w)).add_(shift.view(c).repeat(w))
+        return x.permute(0, 3, 1, 2)
 
 
 def set_loader_epoch(loader, epoch: int) -> None:
@@ -195,18 +209,15 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         test_ds = IndexDataset(len(test))
         workers = 0
     else:
-        on_cpu = torch.device(device).type == "cpu"  # the workers normalise, in parallel; else the device does
-
         finish = Finish(normalize, memory_format)
 
         def inputs(batch, train, epoch=0):
             x, y = batch
-            return (x if on_cpu else finish(x)), y
+            return finish(x), y
 
         augment = (cfg.seed, info.pad, cfg.hflip) if cfg.augment else None
-        train_ds = TransformDataset(train, info.image_size, augment, finish if on_cpu else None) \
-            if train is not None else None
-        test_ds = TransformDataset(test, info.image_size, None, finish if on_cpu else None)
+        train_ds = TransformDataset(train, info.image_size, augment, memory_format) if train is not None else None
+        test_ds = TransformDataset(test, info.image_size, None, memory_format)
         workers, why = worker_count(cfg)
         notes.append(why)
 

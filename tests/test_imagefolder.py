@@ -3,6 +3,7 @@ class names that are not numbers), both pipelines, the data set's facts in model
 predict, --init_from, exact resume, and every bad input of the layout."""
 
 import json
+import os
 import re
 import shutil
 
@@ -206,10 +207,18 @@ def test_decoded_cache_is_reused_and_rewritten_when_the_folder_changes(tmp_path,
     changed = build_data(TrainConfig(**kw), "cpu")
     assert changed.train_loader.dataset.split.cache != path and not path.exists()
     assert torch.equal(changed.train_loader.dataset.images([0])[0], decode_image(first_file, 16))
-    # a file removed: a new cache too, of one image less
+    # a file removed: a new cache too, of one image less; a writer of this machine killed mid-write left its
+    # temporary file (pid 2**22 + 1: above Linux's pid_max, never running): removed; a running writer's stays
     first_file.unlink()
+    host = __import__("socket").gethostname()
+    abandoned = path.with_name(f".{path.name.rsplit('-', 1)[0]}-0123.npy.{host}.{2**22 + 1}.tmp")
+    running = path.with_name(f".{path.name.rsplit('-', 1)[0]}-4567.npy.{host}.{os.getpid()}.tmp")
+    abandoned.write_bytes(b"x" * 1000)
+    running.write_bytes(b"x")
     fewer = build_data(TrainConfig(**kw), "cpu")
     assert fewer.train_size == 11 and np.load(fewer.train_loader.dataset.split.cache, mmap_mode="r").shape[0] == 11
+    assert not abandoned.exists() and running.exists()
+    running.unlink()
     assert len(list(path.parent.glob("*.npy"))) == 2 and not list(path.parent.glob(".*"))  # train + val, no temp
 
 
@@ -391,6 +400,14 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     assert re.search(r"\d+ workers? per process: \d+ cores in this process's CPU affinity / 2 processes on this "
                      "machine", proc.stderr), proc.stderr[-3000:]
     assert "cannot be read here" not in proc.stderr and "decoding per sample" not in proc.stderr
+    # evaluate on 2 ranks, no cache yet on this "machine": the other rank maps it once it is written (before
+    # data/load.py's build_data ran under on_every_rank there, it found no cache and decoded per sample)
+    home = tmp_path / "home2"
+    proc = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", out, f"--data_dir={data}", "--batch_size", "4",
+                                     "--pipeline", "cache"], env=clean_env(XDG_CACHE_HOME=str(home)))
+    assert f"test accuracy {r[-1]['test_acc']:.2%} on 15 samples (2 process(es))" in proc.stdout, proc.stdout
+    assert "cannot be read here" not in proc.stderr and "decoding per sample" not in proc.stderr, proc.stderr[-3000:]
+    assert [c.name.split("-")[0] for c in (home / "accel_train" / "decoded").iterdir()] == ["val"]
 
 
 @pytest.mark.slow

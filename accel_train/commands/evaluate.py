@@ -86,7 +86,7 @@ def main_evaluate(argv: list[str]) -> int:
 
     from ..data import DataInfo, build_data, device_budget
     from ..hardware import has_accelerator
-    from ..ranks import rank0s
+    from ..ranks import on_every_rank, rank0s
     model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
     info = DataInfo.from_model_config(meta)
     data_name = args.data or meta.get("data", "cifar10")
@@ -95,7 +95,9 @@ def main_evaluate(argv: list[str]) -> int:
                       image_size=info.image_size if data_name != "cifar10" else None)
     accelerator = Accelerator(cpu=not has_accelerator())
     budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks
-    data = build_data(cfg, accelerator.device, info=info, eval_only=True, budget=budget)
+    # (on_every_rank: its collective is the point past which a machine's other ranks map the decoded cache that its
+    # local main process writes, data/load.py cached; and a bad folder on one rank is one line on all)
+    data = on_every_rank(accelerator, build_data, cfg, accelerator.device, info=info, eval_only=True, budget=budget)
     model, test_loader = accelerator.prepare(model, data.test_loader)
     preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)
     log = get_logger("accel_train")

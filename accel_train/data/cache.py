@@ -10,6 +10,7 @@ start-up's next collective (on_every_rank's gather in setup), which the writer r
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -60,6 +61,20 @@ def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
     return images if images.shape == (n, 3, size, size) and images.dtype == np.uint8 else None
 
 
+def remove_abandoned(path: Path) -> None:
+    """The temporary files of this folder's caches at this size left by a writer of this machine that no longer runs
+    (killed mid-write: hundreds of GB for a large folder); a live writer's file (its pid runs) stays."""
+    prefix, host = path.name.rsplit("-", 1)[0] + "-", socket.gethostname()
+    for tmp in path.parent.glob(f".{glob.escape(prefix)}*.{glob.escape(host)}.*.tmp"):
+        pid = tmp.name[:-len(".tmp")].rsplit(".", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, OSError):  # not ours, or it runs (as another user)
+            pass
+
+
 def write_cache(files: list[Path], size: int, path: Path) -> str:
     """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
     image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind."""
@@ -68,6 +83,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
         return f"decoded cache {path} ({mib:.0f} MiB), written by an earlier run: read, not decoded"
     check_images(files)  # every unreadable file named before the long decode
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(path)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

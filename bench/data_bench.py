@@ -33,7 +33,7 @@ from PIL import JpegImagePlugin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the trainer sets it (accel_train/__main__.py), before torch:
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the trainer sets it (accel_train/cli.py main), before torch:
                                                     # every case here (timm's too) allocates with it
 DRAFT = JpegImagePlugin.JpegImageFile.draft  # Pillow's own: libjpeg's reduced-scale decode
 

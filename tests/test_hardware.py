@@ -254,14 +254,17 @@ def test_launch_sh_keeps_a_named_config_and_the_trainer_flag(tmp_path):
     assert "--mixed_precision" not in opts and trainer[-2:] == ["--mixed_precision", "no"]
 
 
-def test_the_trainer_turns_on_torchs_huge_pages_before_torch_is_imported_unless_set():
-    """c10/core/impl/alloc_cpu.cpp reads THP_MEM_ALLOC_ENABLE once, at the first CPU allocation: __main__ sets it
-    (unless the user did) before anything imports torch (`import accel_train` imports nothing heavy)."""
+@pytest.mark.parametrize("entry", ["runpy.run_module('accel_train', run_name='__main__')",  # python -m accel_train
+                                   "from accel_train.cli import main; main()"])  # the accel-train script (pyproject)
+def test_the_trainer_turns_on_torchs_huge_pages_before_torch_is_imported_unless_set(entry):
+    """c10/core/impl/alloc_cpu.cpp reads THP_MEM_ALLOC_ENABLE once, at the first CPU allocation: cli.main sets it
+    (unless the user did) before anything imports torch (`import accel_train` imports nothing heavy), whichever
+    entry point runs it (before, the `accel-train` script, which calls cli.main without __main__, did not set it)."""
     import subprocess
-    probe = ("import os, runpy, sys; sys.argv = ['accel_train', '--help']; import accel_train; "
-             "assert 'torch' not in sys.modules, 'torch imported before __main__'; out = sys.stdout; "
+    probe = ("import os, runpy, sys; sys.argv = ['accel_train', '--help']; import accel_train.cli; "
+             "assert 'torch' not in sys.modules, 'torch imported before cli.main'; out = sys.stdout; "
              "sys.stdout = open(os.devnull, 'w')\n"
-             "try: runpy.run_module('accel_train', run_name='__main__')\n"
+             f"try: {entry}\n"
              "except SystemExit: pass\n"
              "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), file=out)")
     for preset, expected in ((None, "1"), ("0", "0")):

@@ -222,6 +222,22 @@ def test_decoded_cache_is_reused_and_rewritten_when_the_folder_changes(tmp_path,
     assert len(list(path.parent.glob("*.npy"))) == 2 and not list(path.parent.glob(".*"))  # train + val, no temp
 
 
+def test_a_cache_writer_removes_only_its_own_machines_abandoned_files(tmp_path, monkeypatch):
+    # ~/.cache on a home shared by several machines: "gpu1" must not take "gpu1.cluster"'s or "login.gpu1"'s file of
+    # a writer running there for its own (their pids do not run here); before, its glob matched them and removed them
+    from accel_train.data.cache import remove_abandoned
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu1")
+    path = tmp_path / "imgs-0123abcd-16px-0123456789abcdef0123.npy"
+    name = f".{path.name.rsplit('-', 1)[0]}-ffffffffffffffffffff.npy"
+    dead = 2**22 + 1  # above Linux's pid_max: never running
+    others = [tmp_path / f"{name}.{host}.{dead}.tmp" for host in ("gpu1.cluster", "login.gpu1", "gpu1.7")]
+    mine = tmp_path / f"{name}.gpu1.{dead}.tmp"
+    for f in (*others, mine, tmp_path / f"{name}.gpu1.{2**70}.tmp"):  # (and a pid no machine has: no crash)
+        f.write_bytes(b"x")
+    remove_abandoned(path)
+    assert all(f.exists() for f in others) and not mine.exists()
+
+
 def test_a_full_or_read_only_disk_decodes_per_sample_with_one_line(tmp_path, monkeypatch):
     import os
     import subprocess

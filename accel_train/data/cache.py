@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -64,14 +65,19 @@ def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
 def remove_abandoned(path: Path) -> None:
     """The temporary files of this folder's caches at this size left by a writer of this machine that no longer runs
     (killed mid-write: hundreds of GB for a large folder); a live writer's file (its pid runs) stays."""
-    prefix, host = path.name.rsplit("-", 1)[0] + "-", socket.gethostname()
-    for tmp in path.parent.glob(f".{glob.escape(prefix)}*.{glob.escape(host)}.*.tmp"):
-        pid = tmp.name[:-len(".tmp")].rsplit(".", 1)[-1]
+    prefix = path.name.rsplit("-", 1)[0] + "-"
+    # exactly write_cache's name with this host: a glob's `*` would take "gpu1.cluster"'s files (a shared home) for
+    # "gpu1"'s, whose pids do not run here
+    host = re.escape(socket.gethostname())
+    ours = re.compile(re.escape(f".{prefix}") + rf"[0-9a-f]+\.npy\.{host}\.(\d{{1,9}})\.tmp")
+    for tmp in path.parent.glob(f".{glob.escape(prefix)}*.tmp"):
+        if (mine := ours.fullmatch(tmp.name)) is None:
+            continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(mine[1]), 0)
         except ProcessLookupError:
             tmp.unlink(missing_ok=True)
-        except (ValueError, OSError):  # not ours, or it runs (as another user)
+        except OSError:  # it runs (as another user)
             pass
 
 

@@ -137,7 +137,7 @@ class Finish:
     (picklable). On a CPU: copied into new floats, then scaled and shifted in place (~1.6x faster than Normalize's
     addcmul); channels_last as NHWC rows of W x 3 values, whose constants repeat per pixel (a last dimension of 3
     broadcast per channel is ~5x slower). Fresh batches of 38 MB and more are new pages for the CPU allocator each
-    time: the trainer turns on torch's transparent huge pages for them (__main__.py), 0.44 -> 0.14 ms an image."""
+    time: the trainer turns on torch's transparent huge pages for them (cli.main), 0.44 -> 0.14 ms an image."""
 
     def __init__(self, normalize: Normalize, memory_format):
         self.normalize, self.memory_format = normalize, memory_format

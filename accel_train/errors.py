@@ -15,6 +15,7 @@ import atexit
 import faulthandler
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -203,14 +204,13 @@ def exit_rank(code: int) -> None:
 
 
 def end_workers() -> None:
-    """Before exit: end the daemonic children (DataLoader workers) still running. A worker leaves a first SIGTERM to
-    the trainer (data/load.py), and multiprocessing's exit handler sends exactly one, then joins without a timeout:
-    a run whose persistent workers outlived its loop (your own Datasets, 2 ranks) hung there. A worker holds nothing
-    to save."""
+    """Before exit: end the DataLoader workers still running. A worker leaves a first SIGTERM to the trainer
+    (data/load.py), and multiprocessing's exit handler sends exactly one, then joins without a timeout: a run whose
+    persistent workers outlived its loop (your own Datasets, 2 ranks) hung there. A worker holds nothing to save.
+    Other daemonic processes (a script's own) are left to that handler's SIGTERM."""
     mp = sys.modules.get("multiprocessing")
-    children = [c for c in mp.active_children() if c.daemon] if mp is not None else []
+    children = [c for c in mp.active_children() if c.daemon and _is_loader_worker(c)] if mp is not None else []
     if children:
-        import signal
         try:  # torch's DataLoader SIGCHLD handler would raise "DataLoader worker ... is killed by signal" in the join
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         except ValueError:  # (not the main thread)
@@ -218,6 +218,20 @@ def end_workers() -> None:
     for child in children:
         child.kill()
         child.join(5)
+
+
+def _is_loader_worker(process) -> bool:
+    """A DataLoader worker that leaves signals to the trainer: it ignores SIGINT and SIGUSR1
+    (data/load.py _leave_signals_to_the_trainer), as /proc/<pid>/status's SigIgn mask says (bit signum - 1). Python
+    3.11's Process.start drops the target it ran, so the process object cannot say. Without /proc: every daemonic
+    child, as before."""
+    try:
+        with open(f"/proc/{process.pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration, ValueError):
+        return True
+    wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGUSR1 - 1))
+    return mask & wanted == wanted
 
 
 # Variables a launcher of several processes sets (torchrun; MPI's, which accelerate reads for CPU ranks).

@@ -98,22 +98,19 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
 def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
     # DataLoader workers leave a first SIGTERM to the trainer; multiprocessing's exit handler sends exactly one and
     # joins without a timeout. Before errors.end_workers: a 2-rank run of your own Datasets (persistent workers)
-    # hung at exit (test_the_examples_train_on_two_ranks hit the suite's 600 s timeout).
+    # hung at exit (test_the_examples_train_on_two_ranks hit the suite's 600 s timeout). torch's SIGCHLD handler
+    # (set by the loader's iterator) must not turn the kill into "DataLoader worker ... is killed by signal".
     script = tmp_path / "outlive.py"
     script.write_text(
-        "import multiprocessing, signal, sys, time\n"
+        "import sys\n"
+        "from torch.utils.data import DataLoader\n"
         "from accel_train.data.load import _leave_signals_to_the_trainer\n"
         "from accel_train.errors import exit_rank\n"
-        "def work():\n"
-        "    _leave_signals_to_the_trainer(0)\n"
-        "    time.sleep(120)\n"
-        "def worker_died(*args):\n"  # (torch's DataLoader SIGCHLD handler raises when a worker is killed)
-        "    raise RuntimeError('DataLoader worker is killed by signal')\n"
         "if __name__ == '__main__':\n"
-        "    p = multiprocessing.get_context('fork').Process(target=work, daemon=True)\n"
-        "    signal.signal(signal.SIGCHLD, worker_died)\n"
-        "    p.start()\n"
-        "    time.sleep(1)\n"
+        "    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,\n"
+        "                        worker_init_fn=_leave_signals_to_the_trainer)\n"
+        "    batches = iter(loader)\n"
+        "    next(batches)\n"
         "    exit_rank(7)\n"
         "    sys.exit(7)\n")
     proc = run_script(script)
@@ -132,9 +129,16 @@ def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
         "num_workers=1), 'cpu')\n"
         "batches = iter(data.train_loader)\n"
         "next(batches)\n"
+        "import multiprocessing, signal, sys, time\n"  # the script's own daemonic process: multiprocessing's SIGTERM
+        "def own(marker):\n"                            # at exit, as without accel_train, not a kill
+        "    signal.signal(signal.SIGTERM, lambda *a: (open(marker, 'w').close(), sys.exit(0)))\n"
+        "    time.sleep(60)\n"
+        f"multiprocessing.Process(target=own, args=({str(tmp_path / 'flushed')!r},), daemon=True).start()\n"
+        "time.sleep(1)\n"
         "raise ValueError('a bug in the script')\n")
     proc = run_script(script)
     assert proc.returncode == 1 and "ValueError: a bug in the script" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "flushed").exists()  # (the review's case: end_workers killed every daemonic child)
 
 
 def run_script(script) -> subprocess.CompletedProcess:

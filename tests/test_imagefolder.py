@@ -416,8 +416,9 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     assert re.search(r"\d+ workers? per process: \d+ cores in this process's CPU affinity / 2 processes on this "
                      "machine", proc.stderr), proc.stderr[-3000:]
     assert "cannot be read here" not in proc.stderr and "decoding per sample" not in proc.stderr
-    # evaluate on 2 ranks, no cache yet on this "machine": the other rank maps it once it is written (before
-    # data/load.py's build_data ran under on_every_rank there, it found no cache and decoded per sample)
+    # evaluate on 2 ranks, no cache yet on this "machine": written during the evaluation by the local main process,
+    # mapped by the other rank, the whole split evaluated (the other rank's workers open it only at the first batch,
+    # after DDP's start-up broadcast: a review found no race to reproduce before evaluate's on_every_rank)
     home = tmp_path / "home2"
     proc = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", out, f"--data_dir={data}", "--batch_size", "4",
                                      "--pipeline", "cache"], env=clean_env(XDG_CACHE_HOME=str(home)))

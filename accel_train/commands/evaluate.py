@@ -95,8 +95,8 @@ def main_evaluate(argv: list[str]) -> int:
                       image_size=info.image_size if data_name != "cifar10" else None)
     accelerator = Accelerator(cpu=not has_accelerator())
     budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks
-    # (on_every_rank: its collective is the point past which a machine's other ranks map the decoded cache that its
-    # local main process writes, data/load.py cached; and a bad folder on one rank is one line on all)
+    # (on_every_rank: a bad folder on one rank is one line on every rank, not a wait in the next collective; its
+    # gather is also the point past which a machine's other ranks may map the decoded cache its local main writes)
     data = on_every_rank(accelerator, build_data, cfg, accelerator.device, info=info, eval_only=True, budget=budget)
     model, test_loader = accelerator.prepare(model, data.test_loader)
     preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
+from accelerate.utils.constants import OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from .checkpoint import TrainState, save_safetensors
@@ -46,8 +47,9 @@ from .preempt import SIGNALS, say
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
 LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
 STALL_STEPS = 2.0  # no step for this many of the slowest rank's measured steps (and GRACE_S / 2) after a signal: stalled
-# accelerate's file names in a checkpoint (accelerate/utils/constants.py: SAFE_WEIGHTS_NAME, OPTIMIZER_NAME, SCALER_NAME)
-MODEL_NAME, OPTIMIZER_NAME, SCALER_NAME = "model.safetensors", "optimizer.bin", "scaler.pt"
+# accelerate's file names in a checkpoint, as save_state (accelerate/checkpointing.py save_accelerator_state) names
+# the first model, optimizer and scaler
+MODEL_NAME, OPTIMIZER_NAME = SAFE_WEIGHTS_NAME, f"{ACCELERATE_OPTIMIZER_NAME}.bin"
 
 
 def readable_step(device: torch.device) -> str | None:

@@ -231,6 +231,9 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
     epoch = 0 if where == "evaluating" else expected["epoch"]  # (the epoch's evaluation is redone on resume)
     assert (state["epoch"], state["run_id"] != expected["run_id"]) == (epoch, True)
     assert state["survivor"]["failure"].startswith("[/w/third_party/gloo") and state["survivor"]["rank"] == 0
+    # the files save_state and the checkpointer write, by their names (no random state: a function of the step)
+    assert {p.name for p in ref.iterdir() if not p.name.startswith("random_states")} <= {p.name for p in
+                                                                                           saved.iterdir()}
     for name in ("model.safetensors", "ema.safetensors"):
         assert max_diff(ref / name, saved / name) == 0, name
     a, b = torch.load(ref / "optimizer.bin"), torch.load(saved / "optimizer.bin")

@@ -238,6 +238,36 @@ def test_a_cache_writer_removes_only_its_own_machines_abandoned_files(tmp_path, 
     assert all(f.exists() for f in others) and not mine.exists()
 
 
+def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_path, monkeypatch):
+    # a home shared by several machines (NFS): both decode the same folder; the one that finishes second keeps the
+    # first one's file (its ranks may have it mapped), removes its own temporary file, and reads the same images
+    from accel_train.data import cache
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    root = write_image_folder(tmp_path / "d", train=4, val=2)
+    files = sorted((root / "train").rglob("*.png"))
+    path = cache.cache_path(files, 16)
+    decode = cache.decode_all
+
+    others = []
+
+    def other_machine_finishes_first(chunk, size):
+        images, rate = decode(chunk, size)
+        if not path.exists():
+            np.save(path, images.numpy())
+            others.append(path.stat().st_ino)
+        return images, rate
+    monkeypatch.setattr(cache, "decode_all", other_machine_finishes_first)
+    note = cache.write_cache(files, 16, path)
+    assert "written once" in note and not list(path.parent.glob(".*"))
+    assert path.stat().st_ino == others[0]  # (os.replace put this machine's file there)
+    assert cache.write_cache(files, 16, path).endswith("written by an earlier run: read, not decoded")
+    # a damaged file under the name (not a complete cache of this shape) is replaced
+    path.write_bytes(b"damaged")
+    monkeypatch.setattr(cache, "decode_all", decode)
+    cache.write_cache(files, 16, path)
+    assert cache.open_cache(path, len(files), 16) is not None
+
+
 def test_a_full_or_read_only_disk_decodes_per_sample_with_one_line(tmp_path, monkeypatch):
     import os
     import subprocess

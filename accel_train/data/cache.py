@@ -81,6 +81,19 @@ def remove_abandoned(path: Path) -> None:
             pass
 
 
+def publish(tmp: Path, path: Path, n: int, size: int) -> None:
+    """The complete `tmp` becomes the cache at `path`, but never over a complete one that another machine sharing this
+    home (NFS) wrote meanwhile from the same key: its ranks may have it mapped, and a file replaced under another
+    client's mapping can fail its reads (ESTALE). A hard link fails if the name exists; without hard links, a rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        if open_cache(path, n, size) is None:  # (a damaged file there: ours replaces it)
+            os.replace(tmp, path)
+    except OSError:
+        os.replace(tmp, path)
+
+
 def write_cache(files: list[Path], size: int, path: Path) -> str:
     """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
     image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind."""
@@ -102,7 +115,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
                 rates.append(rate)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path, len(files), size)
     finally:
         tmp.unlink(missing_ok=True)
     prefix = path.name.rsplit("-", 1)[0] + "-"  # the same folder at the same size: a changed folder's older cache

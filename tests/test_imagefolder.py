@@ -268,6 +268,28 @@ def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_p
     assert cache.open_cache(path, len(files), 16) is not None
 
 
+def test_auto_takes_the_cache_only_on_a_local_disk(tmp_path, monkeypatch):
+    # a home on NFS (a cluster's shared home): every epoch would read the cache over the network, and machines with
+    # their own copies of the folder would remove each other's caches; auto decodes per sample and says why
+    from accel_train.data import cache
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    mounts = tmp_path / "mounts"
+    table = f"overlay / overlay rw 0 0\nserver:/export {tmp_path} nfs4 rw 0 0\n"
+    mounts.write_text(table)
+    assert cache.file_system(home, str(mounts)) == "nfs4" and cache.file_system("/usr", str(mounts)) == "overlay"
+    assert "is nfs4, not local: set XDG_CACHE_HOME to a local disk" in cache.no_room(1, str(mounts))
+    mounts.write_text(table.replace("nfs4", "ext4"))
+    assert cache.no_room(1, str(mounts)) is None and "GiB free" in cache.no_room(2**60, str(mounts))
+    monkeypatch.setattr(cache, "file_system", lambda path, mounts="": "nfs")
+    root = write_image_folder(tmp_path / "d", train=4, val=2)
+    auto = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4,
+                                  num_workers=0, device_data_mb=0.001), "cpu")
+    assert auto.pipeline == "cpu" and "is nfs, not local: set XDG_CACHE_HOME" in auto.describe()
+    assert not list(home.rglob("*.*"))
+
+
 def test_a_full_or_read_only_disk_decodes_per_sample_with_one_line(tmp_path, monkeypatch):
     import os
     import subprocess

@@ -42,15 +42,38 @@ def cache_path(files: list[Path], size: int) -> Path | None:
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 
 
-def has_room(nbytes: int) -> bool:
-    """Whether the disk that holds the caches has room for `nbytes` more (auto's choice)."""
+def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
+    """Why auto does not take the cache (None: it does): the disk that holds the caches lacks room for `nbytes` more
+    (1.1x + 1 GiB), or it is not local (a network file system, /proc/mounts: a shared home would be read over the
+    network by every epoch, and machines with their own copies of a folder would remove each other's caches)."""
     root = cache_dir("decoded")
     while root is not None and not root.exists() and root.parent != root:
         root = root.parent
+    if root is None:
+        return "no home directory for ~/.cache"
+    kind = file_system(root, mounts)
+    if kind.startswith(NETWORK_FS):
+        return f"the cache's disk ({root}) is {kind}, not local: set XDG_CACHE_HOME to a local disk"
     try:
-        return root is not None and shutil.disk_usage(root).free >= ROOM[0] * nbytes + ROOM[1]
+        free = shutil.disk_usage(root).free
+    except OSError as e:
+        return f"the cache's disk ({root}): {e.strerror or e}"
+    return None if free >= ROOM[0] * nbytes + ROOM[1] else f"nor the local disk ({free / 2**30:.1f} GiB free in {root})"
+
+
+NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p", "afs")
+
+
+def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
+    """The type of the file system that holds `path`: the longest mount point above it in `mounts` ('' if unknown)."""
+    try:
+        with open(mounts) as f:
+            table = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
-        return False
+        return ""
+    path = os.path.realpath(path)
+    above = [(point, kind) for point, kind in table if path == point or path.startswith(point.rstrip("/") + "/")]
+    return max(above, key=lambda m: len(m[0]))[1] if above else ""
 
 
 def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:

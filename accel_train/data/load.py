@@ -17,7 +17,7 @@ import torch
 
 from ..config import MAX_WORKERS, TrainConfig
 from ..errors import ConfigError, counted, end_workers
-from .cache import cache_path, has_room, write_cache
+from .cache import cache_path, no_room, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
 from .info import CIFAR10, DataInfo
@@ -69,9 +69,10 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         raise ConfigError(f"--pipeline device: {size} do not fit the {budget / 2**20:.0f} MiB allowed on {device}; "
                           "use --pipeline cpu (workers decode per sample) or raise --device_data_mb")
     why = f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
-    if cacheable and has_room(nbytes):
+    reason = no_room(nbytes) if cacheable else None
+    if cacheable and reason is None:
         return "cache", why + ", the local disk has room for them decoded"
-    return "cpu", why + (", nor the local disk" if cacheable else "")
+    return "cpu", why + (f", {reason}" if cacheable else "")
 
 
 def worker_count(cfg: TrainConfig) -> tuple[int, str]:

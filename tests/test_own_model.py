@@ -388,3 +388,23 @@ def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
         in_process_train(TrainConfig(output_dir=str(tmp_path / "out"), epochs=1), model=tests_pkg.mod.Net(3),
                          train_set=data, test_set=data, classes=10)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
+    # issue 24 item 2's --compile for a model of your own (one fresh process: torch.compile's caches belong to it):
+    # the module prepare() made is compiled, two graphs (train, eval) whatever the batches, the EMA follows it and the
+    # export is a plain state dict of your class
+    from test_matrix import COMPILED
+    out = tmp_path / "out"
+    proc = launch("cpu.yaml", ["--model", "tests_pkg.mod:build", *SMALL, "--batch_size", "8", "--compile",
+                               "--channels_last", "--ema", "--output_dir", out], timeout=600,
+                  env=clean_env(PYTHONPATH=python_path(TESTS)))
+    assert re.findall(r"\bmodel (\w+(?:\(\w+)*\)*)", proc.stderr) == ["OptimizedModule(Net)"], proc.stderr[-3000:]
+    assert {int(r): int(g) for r, g in COMPILED.findall(proc.stderr)} == {0: 2}, proc.stderr[-3000:]
+    weights = load_file(out / "model.safetensors")
+    assert set(weights) == set(tests_pkg.mod.Net(10).state_dict()) and all(w.isfinite().all() for w in weights.values())
+    meta = json.loads((out / "model_config.json").read_text())
+    assert meta["architecture"] == "tests_pkg.mod:build" and "final_test_acc_ema" in meta["metrics"]
+    ema = load_file(out / "model_ema.safetensors")
+    assert set(ema) == set(weights) and any(not torch.equal(ema[k], weights[k]) for k in weights)

@@ -207,10 +207,11 @@ def end_workers() -> None:
     """Before exit: end the DataLoader workers still running. A worker leaves a first SIGTERM to the trainer
     (data/load.py), and multiprocessing's exit handler sends exactly one, then joins without a timeout: a run whose
     persistent workers outlived its loop (your own Datasets, 2 ranks) hung there. A worker holds nothing to save.
-    Other daemonic processes (a script's own) are left to that handler's SIGTERM."""
+    Other daemonic processes (a script's own) get that handler's SIGTERM, here, and up to 5 s to end."""
     mp = sys.modules.get("multiprocessing")
-    children = [c for c in mp.active_children() if c.daemon and _is_loader_worker(c)] if mp is not None else []
-    if children:
+    daemonic = [c for c in mp.active_children() if c.daemon] if mp is not None else []
+    children = [c for c in daemonic if _is_loader_worker(c)]
+    if daemonic:
         try:  # torch's DataLoader SIGCHLD handler would raise "DataLoader worker ... is killed by signal" in the join
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         except ValueError:  # (not the main thread)
@@ -218,6 +219,18 @@ def end_workers() -> None:
     for child in children:
         child.kill()
         child.join(5)
+    # A worker still starting when we looked (fork copies the trainer's SIGTERM handler, which only records it)
+    # absorbs multiprocessing's one SIGTERM and then waits for batches: the exit hung (review25b). The others get
+    # that SIGTERM here; one that becomes a loader worker meanwhile is killed.
+    others = [c for c in daemonic if c.is_alive()]
+    for child in others:
+        child.terminate()
+    deadline = time.monotonic() + 5
+    while others and time.monotonic() < deadline:
+        others = [c for c in others if c.is_alive()]
+        for child in [c for c in others if _is_loader_worker(c)]:
+            child.kill()
+        time.sleep(0.05)
 
 
 def _is_loader_worker(process) -> bool:

@@ -141,6 +141,29 @@ def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
     assert (tmp_path / "flushed").exists()  # (the review's case: end_workers killed every daemonic child)
 
 
-def run_script(script) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
+    # A worker forked but not yet past worker_init_fn when end_workers looks does not ignore SIGINT/SIGUSR1 yet: it
+    # was left to multiprocessing's one SIGTERM, which the trainer's handler it inherited only records (or which it
+    # leaves to the trainer once started), and the exit hung in multiprocessing's join (review25b: also without
+    # the at-fork delay below, which stands for a busy machine).
+    script = tmp_path / "starting.py"
+    script.write_text(
+        "import os, time\n"
+        "from torch.utils.data import DataLoader\n"
+        "from accel_train.config import TrainConfig\n"
+        "from accel_train.data.load import loader_kwargs\n"
+        "from accel_train.preempt import StopRequest\n"
+        "if __name__ == '__main__':\n"
+        "    os.register_at_fork(after_in_child=lambda: time.sleep(1))\n"
+        "    StopRequest().install()\n"
+        "    loader = DataLoader(list(range(8)), batch_size=2, **loader_kwargs(TrainConfig(), 'cpu', workers=2))\n"
+        "    batches = iter(loader)\n"
+        "    raise ValueError('a bug in the script')\n")
+    proc = run_script(script, timeout=30)
+    assert proc.returncode == 1 and "ValueError: a bug in the script" in proc.stderr, proc.stderr[-2000:]
+    assert "killed by signal" not in proc.stderr, proc.stderr[-2000:]
+
+
+def run_script(script, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -266,6 +266,14 @@ def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_p
     monkeypatch.setattr(cache, "decode_all", decode)
     cache.write_cache(files, 16, path)
     assert cache.open_cache(path, len(files), 16) is not None
+    # a file system without hard links (link(2): EPERM on FAT/exFAT, ENOTSUP/EOPNOTSUPP on some FUSE mounts): renamed
+    path.unlink()
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(cache.os, "link", no_links)
+    assert "written once" in cache.write_cache(files, 16, path) and not list(path.parent.glob(".*"))
+    assert cache.open_cache(path, len(files), 16) is not None
 
 
 def test_auto_takes_the_cache_only_on_a_local_disk(tmp_path, monkeypatch):

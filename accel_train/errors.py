@@ -95,7 +95,8 @@ LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError", "LostPeer")
 LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|^Application timeout caused pair closure$|"
                                r"ncclRemoteError|ncclSystemError|remote process exited|"
                                r"Watchdog caught collective operation timeout|NCCL operation timed out|"
-                               r"NCCL communicator was aborted after a previous error|HCCL.*(timeout|heartbeat)", re.I | re.M)
+                               r"NCCL communicator was aborted after a previous error|HCCL.*(timeout|heartbeat)",
+                               re.I | re.M)
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -48,8 +48,8 @@ GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (
 LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
 STALL_STEPS = 2.0  # no step for this many of the slowest rank's measured steps (and GRACE_S / 2) after a signal: stalled
 # accelerate's file names in a checkpoint, as save_state (accelerate/checkpointing.py save_accelerator_state) names
-# the first model, optimizer and scaler
-MODEL_NAME, OPTIMIZER_NAME = SAFE_WEIGHTS_NAME, f"{ACCELERATE_OPTIMIZER_NAME}.bin"
+# the first model (SAFE_WEIGHTS_NAME), optimizer and scaler (SCALER_NAME)
+OPTIMIZER_NAME = f"{ACCELERATE_OPTIMIZER_NAME}.bin"
 
 
 def readable_step(device: torch.device) -> str | None:
@@ -297,7 +297,7 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     # what save_state writes: the models prepare() registered (the module itself, not its DDP wrapper), its own call
     weights = acc.get_state_dict(acc._models[0], unwrap=False)
     weights = clean_state_dict_for_safetensors(state_to_host({**weights, **buffers}))
-    save_safetensors(weights, tmp / MODEL_NAME, metadata={"format": "pt"})
+    save_safetensors(weights, tmp / SAFE_WEIGHTS_NAME, metadata={"format": "pt"})
     torch.save(state_to_host(run.optimizer.state_dict()), tmp / OPTIMIZER_NAME)
     if getattr(acc, "scaler", None) is not None:
         torch.save(state_to_host(acc.scaler.state_dict()), tmp / SCALER_NAME)

@@ -85,10 +85,15 @@ def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
     return images if images.shape == (n, 3, size, size) and images.dtype == np.uint8 else None
 
 
+def _same_folder_and_size(path: Path) -> str:
+    """The start of the names of every cache of `path`'s folder at its size, whatever the key (cache_path)."""
+    return path.name.rsplit("-", 1)[0] + "-"
+
+
 def remove_abandoned(path: Path) -> None:
     """The temporary files of this folder's caches at this size left by a writer of this machine that no longer runs
     (killed mid-write: hundreds of GB for a large folder); a live writer's file (its pid runs) stays."""
-    prefix = path.name.rsplit("-", 1)[0] + "-"
+    prefix = _same_folder_and_size(path)
     # exactly write_cache's name with this host: a glob's `*` would take "gpu1.cluster"'s files (a shared home) for
     # "gpu1"'s, whose pids do not run here
     host = re.escape(socket.gethostname())
@@ -141,7 +146,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
         publish(tmp, path, len(files), size)
     finally:
         tmp.unlink(missing_ok=True)
-    prefix = path.name.rsplit("-", 1)[0] + "-"  # the same folder at the same size: a changed folder's older cache
+    prefix = _same_folder_and_size(path)  # a changed folder's older cache
     for stale in path.parent.iterdir():
         if stale.name.startswith(prefix) and stale.suffix == ".npy" and stale != path:
             stale.unlink(missing_ok=True)

@@ -141,6 +141,7 @@ class Finish:
 
     def __init__(self, normalize: Normalize, memory_format):
         self.normalize, self.memory_format = normalize, memory_format
+        self.rows = {}  # (width, device) -> the constants of one NHWC row, made once
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         scale, shift = self.normalize.scale.to(images.device), self.normalize.shift.to(images.device)
@@ -148,8 +149,12 @@ class Finish:
             return torch.empty(images.shape, device=images.device).copy_(images).mul_(scale).add_(shift)
         nhwc = images.permute(0, 2, 3, 1).contiguous()  # (no copy when the workers made it channels_last)
         n, h, w, c = nhwc.shape
+        key = (w, images.device)
+        if key not in self.rows:
+            self.rows[key] = scale.view(c).repeat(w), shift.view(c).repeat(w)
+        row_scale, row_shift = self.rows[key]
         x = torch.empty(nhwc.shape, device=images.device).copy_(nhwc)
-        x.view(n * h, w * c).mul_(scale.view(c).repeat(w)).add_(shift.view(c).repeat(w))
+        x.view(n * h, w * c).mul_(row_scale).add_(row_shift)
         return x.permute(0, 3, 1, 2)
 
 

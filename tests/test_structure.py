@@ -79,3 +79,15 @@ def test_no_module_is_two_concerns_long():
 def test_train_reads_on_one_screen():
     from accel_train.loop import train
     assert len(inspect.getsource(train).splitlines()) <= 60
+
+
+def test_no_binary_or_large_file_is_tracked():
+    # issue 33 item 8: a 2.9 MB wheel sat at the repository root; nothing downloaded or generated belongs in git
+    import subprocess
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    paths = [p for p in tracked.decode().split("\0") if p and (ROOT / p).is_file()]
+    assert paths, "git ls-files listed nothing"
+    big = [p for p in paths if (ROOT / p).stat().st_size > 1 << 20]
+    archives = [p for p in paths if p.endswith((".whl", ".tar.gz", ".tgz", ".zip", ".egg", ".tar", ".so", ".pt",
+                                                 ".pth", ".safetensors", ".bin"))]
+    assert not big and not archives, f"binaries or files over 1 MB are tracked: {big + archives}"

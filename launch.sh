@@ -323,9 +323,20 @@ fi
 # The config must load with accelerate's own loader (an unknown key is an error), before anything starts
 # (and before the precision probe prints its line); a file that loaded before is not read again
 # (accel_train/accel_config.py).
-if ((dry_run == 0)) && ! problem="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accel_train.accel_config \
-    "$config_file" 2>/dev/null)"; then
-  die "accelerate config $config_file is invalid: ${problem:-it does not load}"
+# Status 3: the interpreter cannot import accelerate (a venv not activated): say which one, not "invalid config".
+if ((dry_run == 0)); then
+  check_err="$(mktemp)"
+  check_status=0
+  problem="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m accel_train.accel_config "$config_file" \
+    2>"$check_err")" || check_status=$?
+  last_err="$(grep -v '^\s*$' "$check_err" | sed -n '$p' || true)"
+  rm -f "$check_err"
+  case "$check_status" in
+    0) ;;
+    1) die "accelerate config $config_file is invalid: ${problem:-it does not load}" ;;
+    3) die "$problem" ;;
+    *) die "$PYTHON ($(command -v "$PYTHON" || echo 'not found')) could not check accelerate config $config_file: ${last_err:-exit status $check_status}" ;;
+  esac
 fi
 
 # Precision: one the device has (accel_train/hardware.py; README: Precision and memory format per platform):

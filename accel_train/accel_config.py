@@ -1,6 +1,6 @@
 """`python -m accel_train.accel_config FILE`: launch.sh's check that an accelerate config loads with accelerate's
 own loader (an unknown key, a bad `distributed_type` is an error) before anything starts; prints the one-line
-reason and exits 1 where it does not.
+reason and exits 1 where it does not, 3 (with the interpreter's path) where this Python cannot import accelerate.
 
 Importing accelerate costs ~2 s of CPU (torch comes with it), on every launch.sh start and relaunch loop. A file
 that loaded is remembered by its contents and the accelerate and PyYAML versions that read it (an empty marker
@@ -31,9 +31,17 @@ def marker(path: str) -> Path | None:
     return root / digest.hexdigest() if root is not None else None
 
 
+class CannotCheck(Exception):
+    """The interpreter that runs the check cannot import accelerate: the config is not the problem."""
+
+
 def problem(path: str) -> str | None:
     """None where accelerate's loader takes the file, else its reason in one line."""
-    from accelerate.commands.config.config_args import load_config_from_file
+    try:
+        from accelerate.commands.config.config_args import load_config_from_file
+    except ImportError as e:  # (issue 39 item 2: launch.sh said "the config does not load")
+        raise CannotCheck(f"{sys.executable} cannot import {e.name or 'accelerate'} ({e}): activate the "
+                          "environment accel_train is installed in, or set PYTHON=/path/to/its/python") from None
     try:
         load_config_from_file(path)
     except Exception as e:
@@ -50,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except OSError:
         seen = None
-    why = problem(path)
+    try:
+        why = problem(path)
+    except CannotCheck as e:
+        print(e)
+        return 3
     if why is not None:
         print(why)
         return 1

@@ -513,3 +513,22 @@ def test_every_shell_script_is_checked():
     found = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.sh"), *ROOT.glob("bench/*.sh"), *ROOT.glob(".ci/*")]
              if p.read_text().startswith("#!/usr/bin/env bash")}
     assert found == set(SHELL_SCRIPTS)
+
+
+def test_a_python_without_accelerate_is_named_not_the_config(tmp_path):
+    """Issue 39 item 2: the config check's stderr went to /dev/null, so a `python3` that cannot import accelerate
+    (a venv not activated) was reported as "accelerate config ... is invalid: it does not load"."""
+    bare = tmp_path / "bare-python"  # no site-packages: accel_train (launch.sh's PYTHONPATH) imports, accelerate not
+    bare.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S \"$@\"\n")
+    bare.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS}
+    env.update(PATH=tool_path(), PYTHON=str(bare), ACCEL_TRAIN_DEVICE_FACTS=PLAIN_CPU, XDG_CACHE_HOME=str(tmp_path))
+    proc = subprocess.run(["bash", str(LAUNCH), "--epochs", "1"], capture_output=True, text=True, env=env, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "invalid" not in lines[0] and "cannot import accelerate" in lines[0] and sys.executable in lines[0], lines
+    assert "PYTHON=" in lines[0]  # the fix is named
+    # an interpreter that does not start at all is named too, with what it said
+    env["PYTHON"] = str(tmp_path / "no-such-python")
+    proc = subprocess.run(["bash", str(LAUNCH), "--epochs", "1"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "no-such-python" in proc.stderr and "invalid" not in proc.stderr, proc.stderr

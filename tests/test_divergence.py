@@ -99,3 +99,39 @@ def test_weights_that_diverge_within_an_epoch_are_neither_evaluated_exported_nor
     rows = strict_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
     assert all(r["step"] < diverged for r in rows), rows
     assert not (out / "model.safetensors").exists()
+
+
+def test_an_infinite_loss_stops_the_run_as_a_nan_does(tmp_path):
+    """+inf is as non-finite as NaN (issue 39: a watch that tested isnan let a loss of +inf train on, exit 0 and
+    export, with `loss: null` in steps.jsonl)."""
+    from types import SimpleNamespace
+
+    from accel_train.divergence import NonFiniteWatch
+    from accel_train.errors import Diverged
+
+    gather = SimpleNamespace(gather=lambda t: t)  # one process: gather is the identity
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        watch = NonFiniteWatch("cpu", tmp_path)
+        watch.update(torch.tensor(1.5), 1, 0.1)
+        watch.update(torch.tensor(bad), 2, 0.1)
+        watch.update(torch.tensor(1.0), 3, 0.1)  # a finite loss after it does not hide it
+        with pytest.raises(Diverged, match=r"the training loss became non-finite at step 2 \(lr 0\.1\)"):
+            watch.check(gather, 3)
+    fine = NonFiniteWatch("cpu", tmp_path)
+    fine.update(torch.tensor(3.0e38), 1, 0.1)  # large but finite: no alarm from the loss watch
+    fine.check(gather, 1)
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
+    """A checkpoint taken mid-epoch (--checkpoint_every 1, 2 steps per epoch) after a step that left the weights
+    non-finite is not written, and the error names no non-finite checkpoint as the "newest finite" one (issue 39: the
+    divergence tests had one step per epoch, so the epoch-end check always ran before any checkpoint)."""
+    out = tmp_path / "out"
+    proc = run_cli(["--model", "test_resnet", "--data", "random", "--batch_size", "16", "--train_samples", "32",
+                    "--test_samples", "16", "--epochs", "2", "--lr", "1e37", "--weight_decay", "1000",
+                    "--warmup_epochs", "0", "--checkpoint_every", "1", "--output_dir", out])
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert re.search(r"accel-train: error: the weights became non-finite after step 1 .*no checkpoint was written",
+                     proc.stderr), proc.stderr[-3000:]
+    written = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").exists() else []
+    assert not written, written

@@ -216,3 +216,40 @@ def test_two_ranks_agree_when_only_one_sees_wrong_gradients_and_launch_sh_s_pick
     # the gathered verdict is what the machine remembers, not whichever rank wrote last (rank 0's own pass)
     verdicts = [json.loads(f.read_text()) for f in (tmp_path / "cache" / "accel_train").rglob("*.json")]
     assert len(verdicts) == 1 and verdicts[0]["bad"], verdicts
+
+
+class _Scaled(torch.autograd.Function):
+    """Identity whose gradient is `factor` x the true one under autocast only: a kernel wrong by a modest factor."""
+
+    @staticmethod
+    def forward(ctx, w, factor):
+        ctx.factor = factor if torch.is_autocast_enabled(w.device.type) else 1.0
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+class _ScaledNet(Net):
+    def __init__(self, factor):
+        super().__init__(bad=False)
+        self.factor = factor
+
+    def forward(self, x):
+        w = _Scaled.apply(self.conv.weight, self.factor)
+        x = torch.relu(self.bn(nn.functional.conv2d(x, w, self.conv.bias, padding=1)))
+        return self.fc(self.drop(x.mean((2, 3))))
+
+
+@pytest.mark.parametrize("factor", [1.5, 10.0])
+def test_a_gradient_wrong_by_a_modest_factor_fails_the_check(factor):
+    """The check's promise is its bound (0.19 for this 2-layer model in bf16), not only non-finite or 1e15 errors
+    (issue 39: a bound made 1000x looser passed every test): a gradient 1.5x (error 0.5) or 10x (error 9) of the
+    fp32 one fails, and the right one passes under the same bound."""
+    x, y = batch()
+    v = gradcheck.check(_ScaledNet(factor), x, y, nn.CrossEntropyLoss(), "bf16")
+    assert v.limit == pytest.approx(gradcheck.bound("bf16", 2)) and v.limit < 0.2
+    assert not v.ok and set(v.bad) == {"conv.weight"}, v
+    assert v.bad["conv.weight"] == pytest.approx(factor - 1, rel=0.05), v
+    assert gradcheck.check(_ScaledNet(1.0), x, y, nn.CrossEntropyLoss(), "bf16").ok

@@ -541,3 +541,21 @@ def test_sample_limits_on_a_folder_keep_every_class(tmp_path):
                                   test_samples=3, batch_size=2), "cpu")
     _, y = data.inputs(torch.arange(6), train=True)
     assert data.train_size == 6 and data.test_size == 3 and sorted(set(y.tolist())) == [0, 1, 2]
+
+
+def test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the_cache(tmp_path, monkeypatch):
+    """The cache's promise: a changed folder gets a new cache, never a stale one. A file rewritten with other
+    contents and another size whose mtime is then restored (cp -p, rsync -a, tar x keep mtimes) must not be read
+    from the old cache (issue 39: a key without the file size passed the suite)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    root = write_image_folder(tmp_path / "d", train=2, val=1)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=2, pipeline="cache", num_workers=0)
+    first = build_data(TrainConfig(**kw), "cpu")
+    target = sorted((root / "train" / "apple").iterdir())[0]
+    st = os.stat(target)
+    Image.new("RGB", (41, 23), (250, 10, 10)).save(target, format=Image.open(target).format)  # another size
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(target).st_size != st.st_size and os.stat(target).st_mtime_ns == st.st_mtime_ns
+    again = build_data(TrainConfig(**kw), "cpu")
+    assert again.train_loader.dataset.split.cache != first.train_loader.dataset.split.cache
+    assert torch.equal(again.train_loader.dataset.images([0])[0], decode_image(target, 16))

@@ -88,3 +88,22 @@ def test_epoch_meter_data_share_is_measured_not_clamped():
     assert (row["train_samples"], row["train_loss"], row["train_acc"]) == (12, 2.0, 0.5)
     meter.data_time = 2 * row["epoch_seconds"] + 10  # a wrong measurement shows, it is not hidden at 1
     assert meter.result(OneRank())["data_wait_frac"] > 1
+
+
+def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again():
+    """The promise (README: exact resume, N ranks): every random draw of a step is a function of (seed, step,
+    micro-batch, rank). Ranks that drew the same dropout masks would train correlated noise (issue 39: a reseed
+    with rank 0 on every rank passed the suite)."""
+    from types import SimpleNamespace
+
+    from accel_train.loop import reseed
+
+    def masks(rank, step=7, batch_in_epoch=3, accum=2):
+        run = SimpleNamespace(state=SimpleNamespace(step=step, batch_in_epoch=batch_in_epoch), run_math={"seed": 42},
+                              accelerator=SimpleNamespace(process_index=rank, gradient_accumulation_steps=accum))
+        reseed(run)
+        return torch.nn.functional.dropout(torch.ones(4096), 0.5)
+    rank0, rank1 = masks(0), masks(1)
+    assert not torch.equal(rank0, rank1), "rank 0 and rank 1 drew the same dropout mask"
+    assert torch.equal(rank0, masks(0)) and torch.equal(rank1, masks(1))  # a function of its inputs: resume is exact
+    assert not torch.equal(rank0, masks(0, step=8)) and not torch.equal(rank0, masks(0, batch_in_epoch=4))

@@ -123,3 +123,19 @@ def test_cifar_stem_export_loads_with_timm_plus_the_documented_stem_change(finis
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(model.eval()(x), ours(x), atol=1e-5)
+
+
+def test_only_the_global_main_process_writes_the_runs_outputs(tmp_path):
+    """README: the model is written by the main process only. On two machines each machine's local main process is
+    not the main process: machine 1's must not write (issue 39: exporting on every local main process was caught
+    only by the root-only two-host test)."""
+    from types import SimpleNamespace
+
+    from accel_train.outputs import main_process_writes
+    wrote = []
+    for rank, main, local_main in [(0, True, True), (2, False, True), (1, False, False)]:
+        acc = SimpleNamespace(process_index=rank, num_processes=4, is_main_process=main,
+                              is_local_main_process=local_main)
+        result = main_process_writes(acc, lambda: wrote.append(rank) or f"written by {rank}", tmp_path)
+        assert result == (f"written by {rank}" if main else None)
+    assert wrote == [0], wrote

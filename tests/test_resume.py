@@ -249,3 +249,17 @@ def test_cpu_pipeline_with_workers_resumes_exactly(tmp_path):
     launch("cpu.yaml", small(part, *run, "--max_steps", "11"))
     launch("cpu.yaml", small(part, *run, "--resume", "auto"))
     assert worst(load_file(full / "model.safetensors"), load_file(part / "model.safetensors")) <= 1e-6
+
+
+@pytest.mark.parametrize("newest_on", [0, 1, 2])
+def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on):
+    """README (resume, each machine's own disk): --resume auto continues from the newest complete step any machine
+    holds. Issue 39: every test put the newest copy on the last machine, so taking the last machine's step passed."""
+    from accel_train.config import TrainConfig
+    from accel_train.resume import _choose
+    listings = [[(8, "run"), (16, "run")], [(8, "run"), (16, "run")], [(8, "run"), (16, "run")]]
+    listings[newest_on].append((24, "run"))
+    reports = [{"listing": listing, "launch": "run", "explicit": None} for listing in listings]
+    assert _choose(TrainConfig(resume="auto"), reports) == ((24, "run"), {"run"})
+    # launch.sh's relaunch of an --overwrite run (--resume auto --overwrite): that run's newest, wherever it is
+    assert _choose(TrainConfig(resume="auto", overwrite=True), reports) == ((24, "run"), {"run"})

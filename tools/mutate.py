@@ -1,0 +1,151 @@
+"""Mutation test: plant each of a fixed list of small, plausible bugs, one at a time, in a copy of the tree, run the
+tests that cover the promise it breaks, and print which survive. A survivor names a missing test (issue 39: six of
+sixteen planted bugs passed the suite). Extend MUTANTS as features land: a promise of the README, the one line of
+code that keeps it, and the tests that must fail without it.
+
+    python tools/mutate.py                  # every mutant; exit 1 if any survives
+    python tools/mutate.py resume_newest    # some of them, by name
+    python tools/mutate.py --check          # only that every mutant still applies to the tree (tests/test_mutate.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    promise: str        # what the bug breaks, as the README promises it
+    path: str           # the file it is planted in
+    old: str            # text that occurs exactly once in that file ...
+    new: str            # ... and what it becomes
+    tests: tuple        # pytest node ids that must fail with the bug planted
+
+
+MUTANTS = [
+    Mutant("resume_newest", "--resume auto continues from the newest complete step any machine holds",
+           "accel_train/resume.py",
+           'found = [entry for r in reports for entry in r["listing"]]\n        return (max(found) if found else None)',
+           'found = [entry for r in reports for entry in r["listing"]]\n        return (found[-1] if found else None)',
+           ("tests/test_resume.py::test_resume_auto_takes_the_newest_step_whichever_machine_holds_it",)),
+    Mutant("reseed_rank", "every random draw is a function of (seed, step, micro-batch, rank): ranks differ",
+           "accel_train/loop.py",
+           'draw_seed(run.run_math["seed"], state.step, micro, accelerator.process_index)',
+           'draw_seed(run.run_math["seed"], state.step, micro, 0)',
+           ("tests/test_loop.py::test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again",)),
+    Mutant("loss_isnan", "a non-finite loss (NaN or inf) stops every rank with exit status 5",
+           "accel_train/divergence.py",
+           "bad = ~torch.isfinite(loss.detach())", "bad = torch.isnan(loss.detach())",
+           ("tests/test_divergence.py::test_an_infinite_loss_stops_the_run_as_a_nan_does",)),
+    Mutant("gradcheck_loose", "a reduced precision whose gradients exceed the rounding bound falls back to fp32",
+           "accel_train/gradcheck.py",
+           "limit = bound(precision, depth(model))", "limit = 1000 * bound(precision, depth(model))",
+           ("tests/test_gradcheck.py::test_a_gradient_wrong_by_a_modest_factor_fails_the_check",)),
+    Mutant("cache_key_size", "a changed image folder gets a new decoded cache, never a stale one",
+           "accel_train/data/cache.py",
+           r'key.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())',
+           r'key.update(f"{os.path.abspath(f)}\0{st.st_mtime_ns}\n".encode())',
+           ("tests/test_imagefolder.py::test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the"
+            "_cache",)),
+    Mutant("checkpoint_unchecked", "no checkpoint holds non-finite weights (the newest finite one is named)",
+           "accel_train/checkpoint.py",
+           "self.watch.check(self.accelerator, state.step, self.model)", "self.watch.check(self.accelerator, state.step)",
+           ("tests/test_divergence.py::test_a_checkpoint_is_never_written_with_non_finite_weights",)),
+    Mutant("resume_lr", "after a resume every step trains with the lr of its global step",
+           "accel_train/setup.py",
+           "    scheduler.step_update(state.step)\n", "    scheduler.step_update(state.step + 1)\n",
+           ("tests/test_resume.py::test_more_epochs_on_resume_rebuild_the_schedule",)),
+    Mutant("export_local_main", "the model and the run's outputs are written by the main process only",
+           "accel_train/outputs.py",
+           "if not accelerator.is_main_process:\n            return None",
+           "if not accelerator.is_local_main_process:\n            return None",
+           ("tests/test_outputs.py::test_only_the_global_main_process_writes_the_runs_outputs",)),
+]
+
+
+def problems(m: Mutant, root: Path = ROOT) -> list[str]:
+    """Why the mutant no longer applies to the tree at `root` (empty: it does)."""
+    found = []
+    text = (root / m.path).read_text() if (root / m.path).is_file() else None
+    if text is None:
+        return [f"{m.name}: {m.path} does not exist"]
+    if text.count(m.old) != 1:
+        found.append(f"{m.name}: its text occurs {text.count(m.old)} times in {m.path} (want once): update MUTANTS")
+    for node in m.tests:
+        file, _, test = node.partition("::")
+        if not (root / file).is_file() or f"def {test.split('[')[0]}(" not in (root / file).read_text():
+            found.append(f"{m.name}: no test {node}")
+    return found
+
+
+def tree_copy(dest: Path) -> None:
+    """The tracked and the untracked, not ignored files: what CI would clone, plus work not yet committed."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run(m: Mutant, timeout: float) -> tuple[str, float]:
+    """'killed' (a covering test failed), 'SURVIVED' (all passed), or 'error: ...'."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        tree = Path(tmp)
+        tree_copy(tree)
+        target = tree / m.path
+        target.write_text(target.read_text().replace(m.old, m.new))
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
+        try:  # the copy's own package and tests (cwd first on sys.path, and its subprocesses' cwd)
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", "0",
+                                   "--timeout", str(int(timeout)), *m.tests], cwd=tree, env=env, capture_output=True,
+                                  text=True, timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            return "error: timed out", time.monotonic() - start
+    seconds = time.monotonic() - start
+    if proc.returncode == 0:
+        return "SURVIVED", seconds
+    if proc.returncode == 1:
+        return "killed", seconds
+    return f"error: pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]}", seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--check", action="store_true", help="only check that every mutant still applies")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant's tests")
+    args = parser.parse_args(argv)
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutant(s) {', '.join(sorted(unknown))}; known: {', '.join(m.name for m in MUTANTS)}")
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    stale = [p for m in chosen for p in problems(m)]
+    if stale or args.check:
+        print("\n".join(stale) or f"{len(chosen)} mutants apply")
+        return 1 if stale else 0
+    survivors = errors = 0
+    for m in chosen:
+        verdict, seconds = run(m, args.timeout)
+        survivors += verdict == "SURVIVED"
+        errors += verdict.startswith("error")
+        print(f"{m.name:22} {verdict:9} {seconds:5.0f} s  {m.promise}", flush=True)
+    print(f"{len(chosen)} mutants: {len(chosen) - survivors - errors} killed, {survivors} survived, {errors} errors")
+    return 1 if survivors or errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

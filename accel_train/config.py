@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, resolve_batch
+from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, infer_data, resolve_batch
 from .errors import ConfigError
 
 
@@ -37,9 +37,10 @@ def opt(default, help, group, **extra):
 @dataclass
 class TrainConfig:
     # data
-    data: str = opt("random", "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' reads "
-                    "<data_dir>/train/<class>/* and <data_dir>/val|validation|test/<class>/*, 'random' makes "
-                    "random images (deterministic by --seed)", "data", choices=("cifar10", "imagefolder", "random"))
+    data: str | None = opt(None, "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' reads "
+                           "<data_dir>/train/<class>/* and <data_dir>/val|validation|test/<class>/*, 'random' makes "
+                           "random images (deterministic by --seed); default: what --data_dir holds (random "
+                           "without --data_dir)", "data", choices=("cifar10", "imagefolder", "random"))
     data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
                         "(imagefolder)", "data", aliases=("--data_url",))
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "
@@ -159,6 +160,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.custom_data is not None:
             self.data = "random" if self.custom_data else "cifar10"
+        if self.data is None:
+            self.data = infer_data(self.data_dir, self.data_dir == TrainConfig.data_dir)
         self.validate()
 
     def validate(self) -> None:

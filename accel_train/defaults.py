@@ -9,6 +9,10 @@ them, when they cannot fill one) are left out of every epoch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from .errors import ConfigError
+
 BATCH_SIZE = 128  # the recipe's per-process batch, kept wherever the data has MIN_STEPS global batches of it
 MIN_STEPS = 10    # the default batch gives an epoch at least this many steps: under 1/MIN_STEPS of the samples dropped
 MAX_DROP = 0.1    # a given --batch_size that leaves more than this share out of every epoch is said
@@ -70,3 +74,22 @@ def auto_stem_said(model: str) -> str:
         return f"--stem imagenet ({model}, your own model, unchanged; --stem cifar replaces a ResNet conv1 + maxpool)"
     return (f"--stem imagenet ({model} has no ResNet conv1 + maxpool for the cifar stem to replace: timm's stem "
             "unchanged; --stem cifar fits resnet18-style models)")
+
+
+def infer_data(data_dir: str, default_dir: bool) -> str:
+    """--data not given: the kind of data --data_dir holds, as timm infers a folder from its path (issue 40: a
+    --data_dir of photos without --data trained on random noise, silently). The default --data_dir trains the
+    embedded default, random data; a --data_dir that holds neither kind is refused rather than ignored."""
+    if default_dir:
+        return "random"
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"--data_dir {data_dir} does not exist; pass the folder that holds cifar-10-batches-py/ "
+                          "or train/<class>/, or --data random (random data reads no folder)")
+    if (root / "cifar-10-batches-py").is_dir():
+        return "cifar10"
+    if (root / "train").is_dir():
+        return "imagefolder"
+    raise ConfigError(f"--data_dir {data_dir} holds neither cifar-10-batches-py/ (cifar10) nor train/<class>/ "
+                      "(imagefolder): point it at the folder that holds one of them, or pass --data to say which "
+                      "(--data random reads no folder)")

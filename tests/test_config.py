@@ -161,3 +161,26 @@ def test_custom_data_never_silently_overrides_an_explicit_data(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert " on imagefolder, " in proc.stderr, proc.stderr[-2000:]
         assert yaml.safe_load((out / "config.yaml").read_text())["data"] == "imagefolder"
+
+
+def test_the_data_kind_is_what_data_dir_holds_and_a_folder_of_neither_is_refused(tmp_path):
+    """Issue 40 item 1: `--data_dir /photos` without --data trained on random noise, silently, a whole run."""
+    (tmp_path / "c" / "cifar-10-batches-py").mkdir(parents=True)
+    (tmp_path / "f" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "none" / "photos").mkdir(parents=True)
+    assert parse_train_args(["--data_dir", str(tmp_path / "c")]).data == "cifar10"
+    assert parse_train_args(["--data_dir", str(tmp_path / "f")]).data == "imagefolder"
+    assert parse_train_args([]).data == "random"  # the embedded default: no --data_dir, random data
+    assert parse_train_args(["--data_dir", str(tmp_path / "f"), "--data", "random"]).data == "random"  # as asked
+    assert parse_train_args(["--data_url", str(tmp_path / "f"), "--custom_data", "true"]).data == "random"
+    for folder, says in (("none", "holds neither cifar-10-batches-py/"), ("missing", "does not exist")):
+        with pytest.raises(ConfigError, match=says):
+            parse_train_args(["--data_dir", str(tmp_path / folder)])
+
+
+def test_a_data_dir_of_neither_kind_exits_2_with_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(["--data_dir", tmp_path, "--output_dir", out, "--epochs", "1"], timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1 and "--data random" in errors[0], proc.stderr
+    assert not out.exists()

@@ -420,7 +420,9 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("folder")
     data = write_image_folder(root / "d", train=8, val=4)
     out = root / "out"
-    proc = launch("cpu.yaml", [*SMALL, "--data_dir", data, "--epochs", "3", "--output_dir", out])
+    no_kind = [a for a in SMALL if a not in ("--data", "imagefolder")]  # issue 40 item 1: inferred from train/
+    assert len(no_kind) == len(SMALL) - 2
+    proc = launch("cpu.yaml", [*no_kind, "--data_dir", data, "--epochs", "3", "--output_dir", out])
     return data, out, proc.stderr
 
 
@@ -432,6 +434,7 @@ def test_one_rank_learns_and_exports_the_data_sets_facts(trained):
     meta = json.loads((out / "model_config.json").read_text())
     assert meta["classes"] == list(CLASSES) and meta["num_classes"] == 3 and meta["input_size"] == [3, 16, 16]
     assert meta["data"] == "imagefolder" and meta["mean"] != list(CIFAR10.mean) and len(meta["std"]) == 3
+    assert "data: imagefolder" in (out / "config.yaml").read_text()  # --data was not given: what the folder holds
     assert load_file(out / "model.safetensors")["fc.weight"].shape == (3, 512)
 
 

@@ -46,10 +46,11 @@ def test_every_unknown_argument_is_named_and_a_stray_word_too():
     assert "unknown arguments 'stray' (not a flag), --frobnicate;" in str(e.value) and IGNORE_ARGS in str(e.value)
 
 
-def test_platform_arguments_still_accepted_and_others_only_when_named():
-    cfg = parse_train_args(["--data_url=/in", "--train_url", "/out", "--init_method", "tcp://h:1", "--rank", "0",
-                            "--world_size", "1"], env={})
-    assert (cfg.data_dir, cfg.output_dir, cfg.rank) == ("/in", "/out", 0)
+def test_platform_arguments_still_accepted_and_others_only_when_named(tmp_path):
+    (tmp_path / "cifar-10-batches-py").mkdir()  # a ModelArts data_url without --custom_data: the data it holds
+    cfg = parse_train_args([f"--data_url={tmp_path}", "--train_url", "/out", "--init_method", "tcp://h:1", "--rank",
+                            "0", "--world_size", "1"], env={})
+    assert (cfg.data_dir, cfg.output_dir, cfg.rank, cfg.data) == (str(tmp_path), "/out", 0, "cifar10")
     env = {IGNORE_ARGS: "--num_gpus, --job_name"}
     cfg = parse_train_args(["--num_gpus=8", "--job_name", "x", "--epochs", "2"], env=env)
     assert cfg.epochs == 2

@@ -130,6 +130,24 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
     return {**values, "data": implied, "custom_data": None}
 
 
+# timm train.py's flags that a timm user types (issue 40 item 5): a near-miss hint misled (--sched "did you mean
+# --seed?", --aa "--data?") and the ACCEL_TRAIN_IGNORE_ARGS hint made another run than the one asked for (--opt
+# adamw trained SGD). Each is refused with what this trainer does instead, never let through, never "did you mean".
+TIMM_FLAGS = {
+    "--opt": "no --opt yet: the optimizer is SGD with nesterov momentum (--momentum, --weight_decay)",
+    "--sched": "no --sched yet: the schedule is warmup + cosine (--warmup_epochs, --min_lr)",
+    "--aa": "no AutoAugment/RandAugment yet: --augment, --hflip",
+    "--mixup": "no mixup yet", "--cutmix": "no cutmix yet", "--reprob": "no random erasing yet",
+    "--color-jitter": "no colour jitter yet", "--layer-decay": "no layer-wise lr decay yet",
+    "--drop-path": "here: --model_kwargs '{\"drop_path_rate\": X}'", "--drop": "here: --model_kwargs '{\"drop_rate\": X}'",
+    "--pretrained": "no --pretrained yet: --init_from FILE.safetensors loads weights from a file",
+    "--smoothing": "here: --label_smoothing", "--model-ema": "here: --ema", "--model-ema-decay": "here: --ema_decay",
+    "--amp": "here: --mixed_precision bf16 (or fp16)", "--initial-checkpoint": "here: --init_from",
+    "--output": "here: --output_dir", "--workers": "here: --num_workers", "-j": "here: --num_workers",
+    "-b": "here: --batch_size", "--img-size": "here: --image_size", "--input-size": "here: --image_size",
+}
+
+
 def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: str) -> None:
     """Arguments argparse did not know: an error naming each one with its nearest known flag, unless named in
     ACCEL_TRAIN_IGNORE_ARGS ('--a,--b' or '--a --b'; '*' lets every unknown argument through), then ignored
@@ -145,7 +163,8 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
     let_through, wrong = [], []
     for group in groups:
         name = group[0].split("=", 1)[0]
-        (let_through if "*" in allow or name in allow else wrong).append(group)
+        let = ("*" in allow or name in allow) and name not in TIMM_FLAGS  # (a timm flag changes the run)
+        (let_through if let else wrong).append(group)
     if let_through:
         logging.getLogger("accel_train").warning(
             f"ignoring arguments named in {IGNORE_ARGS}: {' '.join(t for g in let_through for t in g)}")
@@ -158,9 +177,13 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
         if not name.startswith("-"):
             parts.append(f"{name!r} (not a flag)")
             continue
+        if name in TIMM_FLAGS:
+            parts.append(f"{name} (timm train.py's flag; {TIMM_FLAGS[name]})")
+            continue
         near = difflib.get_close_matches("--" + name.lstrip("-").replace("-", "_"), known, n=1, cutoff=0.75)
         parts.append(name + (f" (did you mean {near[0]}?)" if near else ""))
-    hint = "" if any("did you mean" in part for part in parts) else (  # a typo: the fix is the flag, not the escape
+    fixed = any("did you mean" in part or "timm train.py" in part for part in parts)
+    hint = "" if fixed else (  # a typo or a timm flag: the fix is the flag, not the escape
         f" (to let a platform's own arguments through: {IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})")
     raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see {parser.prog} --help{hint}")
 

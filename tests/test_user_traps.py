@@ -228,3 +228,22 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
     line = one_error_line(run_cli([*args, "--seed", "7"]).stderr)  # another run's: the message as before
     assert "already holds checkpoints of another run" in line
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "step_00000006", "trainer_state.json"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--opt", "adamw"], "no --opt yet: the optimizer is SGD"),
+    (["--sched", "cosine"], "no --sched yet"),
+    (["--aa", "rand-m9-mstd0.5"], "no AutoAugment/RandAugment yet"),
+    (["--smoothing", "0.1"], "here: --label_smoothing"),
+    (["--model-ema"], "here: --ema"),
+    (["-b", "64"], "here: --batch_size"),
+])
+def test_timm_train_flags_are_refused_with_what_this_trainer_does_instead(argv, says):
+    """Issue 40 item 5: --sched got "did you mean --seed?", --aa "--data?", and --opt adamw the hint to let it
+    through ACCEL_TRAIN_IGNORE_ARGS, which then trained SGD with one warning: a different run than asked for."""
+    for env in ({}, {IGNORE_ARGS: argv[0]}, {IGNORE_ARGS: "*"}):  # never let through, even when named
+        with pytest.raises(ConfigError) as e:
+            parse_train_args([*argv, "--epochs", "1"], env=env)
+        text = str(e.value)
+        assert says in text and "timm train.py" in text, text
+        assert "did you mean" not in text and IGNORE_ARGS not in text, text

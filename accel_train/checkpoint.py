@@ -30,8 +30,9 @@ from safetensors.torch import load_file, save
 
 from .changes import settings_from_flags
 from .errors import ConfigError
-from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, SET_ASIDE, STATE_FILE, checkpoint_dirs,
+from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs,
                     dumps, read_jsonl, step_dir)
+from .runs import delete_set_aside
 
 @dataclass
 class TrainState:
@@ -89,28 +90,6 @@ class Checkpointer:
         self.saved_at = time.perf_counter()
         self.write_s = self.saved_at - start
         return path
-
-
-def set_aside(paths: list[Path]) -> None:
-    """--overwrite, at the end of start-up (every input checked), on each writer: the earlier run's checkpoints are
-    renamed out of every listing (`.overwritten-step_N`: neither resumed, nor named by an error, nor a second run),
-    and deleted with the rotation once this run's first checkpoint is complete (`delete_set_aside`). A run that fails before that
-    leaves them set aside, not deleted: a relaunch with --resume auto starts afresh, as --overwrite asked."""
-    for path in paths:
-        logging.getLogger("accel_train").info(f"--overwrite: setting {path} of an earlier run aside; it is deleted "
-                                              "once this run has saved a checkpoint")
-        aside = path.with_name(SET_ASIDE + path.name)
-        try:
-            shutil.rmtree(aside, ignore_errors=True)  # (one set aside before whose deletion did not happen)
-            os.replace(path, aside)
-        except OSError as e:
-            raise ConfigError(f"--overwrite: cannot rename {path} ({e}); delete it by hand, or another --output_dir")
-
-
-def delete_set_aside(root: Path) -> None:
-    for path in sorted(root.glob(SET_ASIDE + "step_*")):
-        logging.getLogger("accel_train").info(f"--overwrite: deleting {path}")
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,

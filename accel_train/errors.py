@@ -157,11 +157,11 @@ def end_progress_line() -> bool:
 def lost_peer(error: Exception, cfg) -> None:
     """A collective failed: a peer died or stopped answering. One line, then exit without teardown
     (destroying a process group whose peer is gone can hang)."""
-    from .files import checkpoint_dirs
+    from .files import checkpoint_dirs, resumed_from
     text = " ".join(str(error).split())
     peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text)
     detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
-    found = checkpoint_dirs(cfg.output_dir)
+    found = checkpoint_dirs(cfg.output_dir) or [p for p in [resumed_from(cfg.output_dir)] if p]  # (or its start)
     where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
     if getattr(error, "survivor", None):  # the last completed step, written by this machine's survivor (survivor.py)
         where = error.survivor if found and str(found[-1]) in error.survivor else f"{error.survivor}; {where}"

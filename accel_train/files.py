@@ -19,6 +19,7 @@ STEPS_FILE = "steps.jsonl"                  # one row per logged step
 CURVES_FILE = "training_curves.png"
 CKPT_DIR = "checkpoints"                    # step_<global step>/ each
 SET_ASIDE = ".overwritten-"                 # --overwrite: an earlier run's checkpoint until this run has one
+ORIGIN_FILE = "resumed_from.json"            # in CKPT_DIR: the checkpoint a --resume PATH started the run from
 # in a checkpoint, beside Accelerate's own files (model.safetensors, optimizer.bin, random_states_<rank>.pkl)
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
@@ -39,6 +40,16 @@ def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
     if run_id is not None:
         found = [p for p in found if _run_of(p) == run_id]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def resumed_from(output_dir) -> Path | None:
+    """The checkpoint an explicit --resume PATH started this output dir's run from, while it is complete: a relaunch's
+    --resume auto continues from it until the run has saved its own (issue 33 item 2)."""
+    try:
+        path = Path(json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file() else None
 
 
 def _run_of(path: Path) -> str | None:

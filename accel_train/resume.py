@@ -21,12 +21,13 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from accelerate.utils import gather_object
 
 from .changes import check_changes
-from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, step_dir
+from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, resumed_from, step_dir
 from .config import TrainConfig
 from .defaults import BATCH_SIZE
 from .errors import ConfigError
@@ -52,6 +53,8 @@ class Decision:
     meta: dict | None            # its trainer_state.json
     run_id: str
     overwritten: list[Path] = field(default_factory=list)  # --overwrite: an earlier run's checkpoints, to delete
+    abandoned: list[Path] = field(default_factory=list)    # newer steps of the branch a resume from an older one leaves
+    origin: Path | None = None   # the checkpoint an explicit --resume PATH starts from (recorded for relaunches)
 
 
 def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
@@ -62,9 +65,11 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
             listing.append((int(meta["step"]), meta.get("run_id", "legacy")))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a checkpoint accel_train wrote
-    explicit = None
-    if cfg.resume and cfg.resume != "auto":
-        p = Path(cfg.resume)
+    explicit, given = None, None  # --resume PATH; for --resume auto, the one that started this run (files.resumed_from)
+    if cfg.resume:
+        given = resumed_from(out) if cfg.resume == "auto" else Path(cfg.resume)
+    if given is not None:
+        p = given
         if (p / STATE_FILE).is_file() and (p / MODEL_FILE).is_file():
             try:
                 meta = json.loads((p / STATE_FILE).read_text())
@@ -80,7 +85,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
-            "listing": listing, "explicit": explicit, "probes": probes, "out": str(out),
+            "listing": listing, "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
             "alike": alike and (alike["step"], alike.get("epoch", 0)), "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
@@ -127,7 +132,7 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
         if len(runs) > 1:
             raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
                               f"({', '.join(sorted(runs))}); keep one run per output directory (move the others away)")
-        found = [entry for r in reports for entry in r["listing"]]
+        found = [entry for r in reports for entry in [*r["listing"], r.get("explicit")] if entry]  # (own, or its start)
         return (max(found) if found else None), runs
     held = [r["explicit"] for r in reports if r["explicit"]]
     if not held:
@@ -177,12 +182,14 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     newer = sorted({s for r in reports for s, run in r["listing"] if run == run_id and s > step})
     if newer:  # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
         log(f"--resume {cfg.resume}: this run's newer checkpoint(s) {', '.join(step_dir(out, s).name for s in newer)} "
-            "belong to the branch this resume abandons; they are deleted when it saves its first checkpoint")
-    # a rank reads the checkpoint from --resume PATH if its machine has it, else from its output dir
-    at_path = [explicit and r["explicit"] == target for r in reports]
+            "belong to the branch this resume abandons; they are set aside now and deleted when it saves its first "
+            "checkpoint")
+    # a rank reads the checkpoint from --resume PATH (or the one that started the run) if its machine has it, else
+    # from its output dir
+    at_path = [r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]
     needs = [not a and not o for a, o in zip(at_path, in_out)]
-    local = Path(cfg.resume) if at_path[rank] else step_dir(out, step)
+    local = Path(reports[rank]["given"]) if at_path[rank] and not in_out[rank] else step_dir(out, step)
     if shared:  # one storage: its writer (rank 0) writes the copy if any rank needs it there
         missing = [0] if any(needs) else []
     else:       # each machine's writer (its local main process) for its own ranks
@@ -192,7 +199,9 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
         send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
-    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [])
+    abandoned = [p for p in map(partial(step_dir, out), newer) if p.is_dir()] if writer else []
+    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [],
+                    abandoned, local if explicit else None)
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:

@@ -1,15 +1,19 @@
 """The runs an output directory holds. Every checkpoint records its run's id (trainer_state.json): a fresh run where
 another run's checkpoints are is refused in one line, said with the facts of the machine that holds them;
---overwrite sets the other runs' checkpoints aside (checkpoint.set_aside); a resume keeps the run's math."""
+--overwrite sets the other runs' checkpoints aside, and so does a resume from an older step with the newer steps of
+the branch it abandons (start_branch: one rule for every way a step is written); a resume keeps the run's math."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
 from pathlib import Path
 
 from .config import TrainConfig
 from .errors import ConfigError
-from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs
+from .files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, checkpoint_dirs
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
 # size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
@@ -54,3 +58,43 @@ def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
         return meta if alike and "step" in meta else None
     except (OSError, ValueError, TypeError, AttributeError):
         return None
+
+
+def start_branch(output_dir, decision, keep_origin: bool) -> None:
+    """At the end of start-up (every input checked), on each writer. The checkpoints no step of this run may
+    follow are renamed out of every listing (`.overwritten-step_N`: neither resumed, nor taken for a step already
+    saved, nor named by an error): --overwrite's earlier runs, and the newer steps of the branch that a resume from
+    an older step abandons. They are deleted once this run has a complete checkpoint of its own (delete_set_aside);
+    a run that fails before that leaves them aside, so a relaunch with --resume auto continues this branch (issue
+    33 item 1: a survivor's save of the new branch was skipped over for the abandoned branch's newer step). Where an
+    explicit --resume PATH started the run, that checkpoint is recorded (ORIGIN_FILE, files.resumed_from): --resume
+    auto continues from the newest complete step of the run, which is that checkpoint until the run saves its own
+    (issue 33 item 2: launch.sh's relaunch passes --resume auto). A fresh run drops an earlier record."""
+    if not decision.writer:
+        return
+    set_aside(decision.overwritten, "of an earlier run (--overwrite)")
+    set_aside(decision.abandoned, "of the branch this resume from an older step abandons")
+    record = Path(output_dir) / CKPT_DIR / ORIGIN_FILE
+    if decision.origin is not None:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"path": str(decision.origin.resolve())}))
+    elif not keep_origin:
+        record.unlink(missing_ok=True)
+
+
+def set_aside(paths: list[Path], why: str) -> None:
+    for path in paths:
+        logging.getLogger("accel_train").info(f"setting {path} {why} aside; it is deleted once this run has saved "
+                                              "a checkpoint")
+        aside = path.with_name(SET_ASIDE + path.name)
+        try:
+            shutil.rmtree(aside, ignore_errors=True)  # (one set aside before whose deletion did not happen)
+            os.replace(path, aside)
+        except OSError as e:
+            raise ConfigError(f"cannot rename {path} ({e}) to set it aside; delete it by hand, or another --output_dir")
+
+
+def delete_set_aside(root: Path) -> None:
+    for path in sorted(root.glob(SET_ASIDE + "step_*")):
+        logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of this run")
+        shutil.rmtree(path, ignore_errors=True)

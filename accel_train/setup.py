@@ -23,7 +23,7 @@ from timm.utils import ModelEmaV3
 from . import __version__
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
 from .changes import log_changes, settings
-from .checkpoint import TrainState, load_checkpoint, load_ema, read_history, set_aside
+from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
 from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
 from .defaults import dropped_note
@@ -36,6 +36,7 @@ from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size,
 from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
+from .runs import start_branch
 from .user import Given, check_forward
 
 logger = get_logger("accel_train")
@@ -104,7 +105,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
         accelerator.init_trackers("accel_train", config=tracker_config(cfg),  # on the main process only
                                   init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step))  # (resumed: purge)
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
-    on_every_rank(accelerator, set_aside, decision.overwritten)  # --overwrite: only now, every input checked
+    on_every_rank(accelerator, start_branch, cfg.output_dir, decision, cfg.resume == "auto")  # every input checked
     return run
 
 

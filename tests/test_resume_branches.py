@@ -1,6 +1,12 @@
 """A resumed run leaves what the uninterrupted run leaves: its rows, its best model, its newest checkpoint."""
 
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import uuid
 
 import pytest
 import torch
@@ -8,7 +14,7 @@ from safetensors.torch import load_file
 
 from accel_train.outputs import exported_best
 
-from conftest import TINY, run_cli
+from conftest import ROOT, TINY, clean_env, run, run_cli, trainer_pids, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -80,9 +86,100 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
     # back to step 14, one step on: step 16 belongs to the branch this run abandons
     proc = ok(run_cli(small(out, "--checkpoint_every", "2", "--resume", ckpts / "step_00000014", "--max_steps", "15")))
     assert "step_00000016" in proc.stderr and "abandon" in proc.stderr, proc.stderr[-3000:]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000014", "step_00000015"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["resumed_from.json", "step_00000014", "step_00000015"]
     # --resume auto continues the newest work: this run's step 15, not the abandoned step 16
     proc = ok(run_cli(small(out, "--checkpoint_every", "2", "--resume", "auto")))
     assert "step_00000015: epoch 2, step 15" in proc.stderr, proc.stderr[-3000:]
     final = load_file(out / "model.safetensors")
     assert all(torch.allclose(final[k], uninterrupted[k], atol=1e-6) for k in final)  # and ends where it would have
+
+
+# --- a fault after a resume from a given checkpoint, through launch.sh --max_restarts (issue 33 items 1 and 2) ---
+# 256 random samples, 2 ranks x 4: 32 steps an epoch; the older run checkpoints steps 16 and 32, the new branch goes
+# back to step 16 with another lr and is killed between steps 18 and 28, before its own first checkpoint (step 32)
+BRANCH = [*TINY, "--train_samples", "256", "--test_samples", "32", "--epochs", "1", "--batch_size", "4",
+          "--log_every", "1", "--checkpoint_every", "16"]
+NEW = ["--lr", "0.05", "--max_restarts", "1"]
+
+
+def last_step(out):
+    found = rows(out / "steps.jsonl") if (out / "steps.jsonl").exists() else []
+    return found[-1]["step"] if found else 0
+
+
+def launch_and_kill(args, out, log, victims, lo=18, hi=28):
+    """launch.sh on 2 ranks; SIGKILL the ranks `victims` once the run has logged a step in lo..hi; its status and
+    output once it ended (with its relaunch)."""
+    tag = uuid.uuid4().hex
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *args, "--output_dir", out], stdout=f,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: lo <= last_step(out) <= hi, timeout=240, interval=0.005)
+        pids = trainer_pids(tag)
+        for rank in victims:
+            os.kill(pids[rank], signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return code, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def older_and_new_branch(tmp_path_factory):
+    """The older run (steps 16 and 32 checkpointed) and, uninterrupted, the new branch from its step 16."""
+    root = tmp_path_factory.mktemp("branches")
+    env = clean_env(NPROC_PER_NODE="2")
+    older, new = root / "older", root / "new"
+    for cmd in ([*BRANCH, "--max_steps", "32", "--output_dir", older], None):
+        if cmd is None:
+            shutil.copytree(older, new)
+            cmd = [*BRANCH, "--resume", new / "checkpoints" / "step_00000016", *NEW, "--output_dir", new]
+        proc = run(["bash", ROOT / "launch.sh", *cmd], 300, env, ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (older / "checkpoints").glob("step_*")) == ["step_00000016", "step_00000032"]
+    return older, new
+
+
+def same_weights(a, b):
+    a, b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return a.keys() == b.keys() and all(torch.allclose(a[k].double(), b[k].double(), atol=1e-6) for k in a)
+
+
+def test_a_survivor_save_after_resuming_an_older_step_is_the_step_the_relaunch_continues(tmp_path,
+                                                                                          older_and_new_branch):
+    """Item 1: the older run's step 32 (another lr) was resumed instead of the survivor's step of the new branch,
+    and rotation then deleted the survivor's save. Missed before: no test combined a resume from an older step with
+    a fault; the abandoned steps were removed only by the next regular checkpoint."""
+    older, new = older_and_new_branch
+    out = tmp_path / "out"
+    shutil.copytree(older, out)
+    code, text = launch_and_kill([*BRANCH, "--resume", out / "checkpoints" / "step_00000016", *NEW], out,
+                                 tmp_path / "run.log", victims=[1])
+    assert code == 0, text[-4000:]
+    saved = re.search(r"step (\d+) saved by the survivor in (\S+)", text)
+    assert saved and 17 <= int(saved.group(1)) < 32, text[-4000:]
+    assert f"resumed from {saved.group(2)}:" in text and "step_00000032:" not in text, text[-4000:]
+    assert same_weights(out, new)  # the new branch's lr all the way, nothing of the older branch's step 32
+    assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))
+    assert [r["lr"] for r in rows(out / "steps.jsonl")] == [r["lr"] for r in rows(new / "steps.jsonl")]
+    assert not list((out / "checkpoints").glob(".overwritten-*"))  # set aside, then deleted with the new step 32
+
+
+def test_a_relaunch_continues_from_the_given_checkpoint_until_the_run_has_saved_its_own(tmp_path,
+                                                                                          older_and_new_branch):
+    """Item 2: launch.sh's relaunch passes --resume auto, which looked only in --output_dir: a job started from a
+    checkpoint elsewhere and killed (here every rank of the machine: no survivor) before its first own checkpoint
+    restarted from step 1. Missed before: relaunch tests started fresh runs or resumed inside --output_dir."""
+    older, new = older_and_new_branch
+    out = tmp_path / "out"
+    given = older / "checkpoints" / "step_00000016"
+    code, text = launch_and_kill([*BRANCH, "--resume", given, *NEW], out, tmp_path / "run.log", victims=[0, 1])
+    assert code == 0, text[-4000:]
+    assert text.count("relaunching to resume") == 1 and "saved by the survivor" not in text, text[-4000:]
+    assert text.count(f"resumed from {given}: epoch 1, step 16") == 2, text[-4000:]  # the start and the relaunch
+    assert same_weights(out, new)
+    assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))

@@ -472,6 +472,35 @@ abort_backends() {  # one line per rank that ended by SIGABRT: its process group
 aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
 crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
+# Ranks of this attempt that outlive its launcher (torchrun starts each in a session of its own: a SIGKILLed agent
+# leaves them running) stop by themselves with a checkpoint (exit 3, accel_train/preempt.py watch_launcher); nothing
+# is relaunched, and no status read, before every rank this attempt started on this machine (each notes its pid in
+# ACCEL_TRAIN_STATUS_DIR/running/) has ended. Past RANK_STOP_S they are SIGKILLed (issue 33 item 3).
+RANK_STOP_S="${ACCEL_RANK_STOP_S:-120}"
+ranks_ended() {
+  local pid left waited=0 said=0
+  while true; do
+    left=()
+    for pid in "$1"/running/*; do
+      pid="${pid##*/}"
+      # alive and still that rank (its environment names this attempt's folder: never a reused pid)
+      if is_uint "$pid" && grep -qsaF "ACCEL_TRAIN_STATUS_DIR=$1" "/proc/$pid/environ"; then left+=("$pid"); fi
+    done
+    ((${#left[@]})) || return 0
+    if ((said == 0)); then
+      echo "launch.sh: the launcher ended but rank process(es) ${left[*]} of this attempt still run: waiting for them to stop (they checkpoint the step they reached)" >&2
+      said=1
+    fi
+    if ((waited >= RANK_STOP_S * 10)); then
+      echo "launch.sh: rank process(es) ${left[*]} did not stop within ${RANK_STOP_S} s: killed" >&2
+      kill -9 "${left[@]}" 2>/dev/null || true
+      sleep 1
+      return 0
+    fi
+    sleep 0.1; waited=$((waited + 1))
+  done
+}
+
 # One run id for every attempt (the trainer's ACCEL_TRAIN_RUN_ID: a fresh run takes it): a relaunch of an --overwrite
 # run (then --overwrite with --resume auto) resumes that run's own checkpoints only, never the run it replaces.
 printf -v run_id '%08x%04x' "${SRANDOM:-$((RANDOM << 15 | RANDOM))}" "$RANDOM"  # (bash alone: no od on PATH)
@@ -483,6 +512,7 @@ while true; do
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
   run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" ACCEL_TRAIN_RUN_ID="$run_id" "${cmd[@]}" || status=$?
+  ranks_ended "$status_dir"
   reported="$(trainer_status "$status_dir")"
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
     echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2

@@ -61,10 +61,12 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
+    from .runs import release_output_dir
     try:
         with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
             return loop_train(cfg, given)
     except ConfigError:
+        release_output_dir(cfg.output_dir, refused=True)
         remove_if_empty(created)
         raise
     except Preempted as e:  # said by the main process (status.status_of), by every rank with --log_all_ranks
@@ -74,6 +76,8 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
         if isinstance(e, Diverged) or not is_lost_peer(e):  # layer of the collective library), never by loose words
             raise
         lost_peer(e, cfg)
+    finally:
+        release_output_dir(cfg.output_dir)
 
 
 def main(script) -> None:

@@ -20,7 +20,6 @@ from .checkpoint import Checkpointer
 from .config import TrainConfig
 from .data import set_loader_epoch
 from .divergence import NonFiniteWatch
-from .errors import Preempted
 from .evaluate import evaluate
 from .metrics import EpochMeter, MetricsLog, Pace
 from .model import bare_model
@@ -76,7 +75,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
                     if last:
                         break  # --max_steps, or the end of the last whole accumulation window
                     if checks.due(state.step) and checks.agree(accelerator, state.step, watch, checkpoints):
-                        raise Preempted(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
+                        raise stop.stopped(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
                                         f"checkpoint {checkpoints.save(state)}; continue with --resume auto")
                     if checks.checkpoint_due(state.step, cfg.checkpoint_every):
                         checkpoints.save(state)
@@ -84,7 +83,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
             watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
             row = end_of_epoch(run, cfg, meter, epoch, stop)
             if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
-                raise Preempted(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
+                raise stop.stopped(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
                                 f"{checkpoints.save(state)}; continue with --resume auto")
             record_epoch(run, cfg, metrics, best, row)
             next_epoch(run, epoch, survivor.lock)

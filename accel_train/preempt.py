@@ -15,9 +15,10 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
-from .errors import EXIT_INTERRUPTED, Preempted, of_step, report_status
+from .errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, EXIT_PREEMPTED, Preempted, of_step, report_status
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -32,14 +33,25 @@ class StopRequest:
         # comes from every process (which one is main is not known yet)
         self.announce = True  # this process prints the second Ctrl-C's line
         self.notice = False  # this process answers a first Ctrl-C at once
+        self.launcher_gone: int | None = None  # the pid of this rank's launcher, once it is gone (watch_launcher)
+        self.any_launcher_gone = False  # some rank's launcher is gone (agreed): every rank's status is then 3
         self._previous = {}
 
     def install(self) -> "StopRequest":
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        watch_launcher(self)
         return self
 
+    def stopped(self, text: str) -> Preempted:
+        """The stop's exception: a preemption (4), or where a launcher is gone a lost launcher (3: relaunched)."""
+        e = Preempted(text)
+        e.status = EXIT_LOST_PEER if self.any_launcher_gone or self.launcher_gone else EXIT_PREEMPTED
+        return e
+
     def uninstall(self) -> None:
+        if _watching and _watching[0] is self:  # (a launcher that ends after the run: nothing to stop)
+            _watching.clear()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -63,11 +75,44 @@ class StopRequest:
         if self.signal is not None:
             accelerator.set_trigger()
         if accelerator.check_trigger():
-            raise Preempted(f"stopped by {self.name} during start-up, before step {step + 1}")
+            raise self.stopped(f"stopped by {self.name} during start-up, before step {step + 1}")
 
     @property
     def name(self) -> str:
+        if self.launcher_gone:
+            return f"the end of its launcher (pid {self.launcher_gone}, killed or crashed)"
+        if self.any_launcher_gone and not self.signal:
+            return "the end of another machine's launcher"
         return signal.Signals(self.signal).name if self.signal else "a signal on another rank"
+
+
+# A launcher (`accelerate launch`: torchrun's agent, or its one-process launcher) whose ranks run on without it:
+# torchrun starts each rank in a session of its own, so a SIGKILL (or the OOM killer) that ends the agent leaves them
+# training, re-parented, outside any control, while launch.sh relaunches into the same output directory (issue 33
+# item 3). Each rank started by one looks every LAUNCHER_POLL_S whether the process that started it is still its
+# parent; once it is not, the rank signals itself SIGTERM: the ranks agree on a stop at their next agreed check,
+# checkpoint that step and exit 3 (the survivor's signal watch saves where no agreed stop comes).
+LAUNCHER_POLL_S = 1.0
+LAUNCHED_BY = "ACCELERATE_MIXED_PRECISION"  # set for every process `accelerate launch` starts (utils/launch.py)
+_watching: list = []
+
+
+def watch_launcher(stop: StopRequest) -> None:
+    if LAUNCHED_BY not in os.environ or threading.current_thread() is not threading.main_thread():
+        return
+    _watching[:] = [stop]  # the run in progress (a script may call train() again: one thread for the process)
+    if getattr(watch_launcher, "started", False):
+        return
+    watch_launcher.started = True
+    parent = os.getppid()
+
+    def poll():
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        if _watching:
+            _watching[0].launcher_gone = parent
+            os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=poll, daemon=True, name="accel_train-launcher-watch").start()
 
 
 def say(text: str) -> None:
@@ -121,7 +166,7 @@ class AgreedChecks:
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
         since, write_s = (start - clock.saved_at, clock.write_s or -1.0) if clock is not None else (0.0, -1.0)
-        mine = torch.tensor([[float(self.stop.signal is not None), 0.0, per_step, self.cost, 0.0, since, write_s,
+        mine = torch.tensor([[float(self.stop.signal is not None) + bool(self.stop.launcher_gone), 0.0, per_step, self.cost, 0.0, since, write_s,
                               float(step)]], dtype=torch.float64, device=accelerator.device)
         if watch is not None:
             mine[0, 1], mine[0, 4] = watch.first, watch.jumped  # stay on the device until the one read below
@@ -137,6 +182,7 @@ class AgreedChecks:
         if clock is not None:  # (training's checks; an evaluation's count batches): how long a step may take
             self.stop.step_s = max(r[2] for r in rows)
         self.stop.agreed = any(r[0] for r in rows)  # (the survivor's signal watch stands down: survivor.py)
+        self.stop.any_launcher_gone = any(r[0] > 1 for r in rows)  # (every rank's status: 3)
         return self.stop.agreed
 
     def checkpoint_due(self, step: int, every: int) -> bool:

@@ -5,10 +5,13 @@ the branch it abandons (start_branch: one rule for every way a step is written);
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
+import socket
+import time
 from pathlib import Path
 
 from .config import TrainConfig
@@ -20,6 +23,8 @@ from .files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, che
 # the checkpoint's.
 RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
 AUTOMATIC = (None, "auto")
+LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends
+HELD: dict[str, tuple] = {}      # output dir -> (the open lock file of this process, whether this process made it)
 
 
 def others(out: Path, run_id: str) -> list[Path]:
@@ -98,3 +103,46 @@ def delete_set_aside(root: Path) -> None:
     for path in sorted(root.glob(SET_ASIDE + "step_*")):
         logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of this run")
         shutil.rmtree(path, ignore_errors=True)
+
+
+def hold_output_dir(out: Path) -> None:
+    """Each writer of an --output_dir (rank 0 for a shared one, else each machine's local main process) holds an
+    exclusive lock on it for the run: two jobs never write one output directory at once (issue 33 item 3: a
+    relaunch into the directory of a killed launcher's ranks, which trained on, had both delete each other's
+    checkpoint writes). The second gets one line naming the holder. The lock is the kernel's (flock): it ends with
+    the process that holds it, however that process ends, so it never goes stale."""
+    key = str(out.resolve())
+    if key in HELD:
+        return
+    made = not (out / LOCK_FILE).exists()
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = {}
+        for _ in range(20):  # (its holder writes who it is right after it locked)
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+                break
+            except ValueError:
+                time.sleep(0.05)
+        os.close(fd)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
+        raise ConfigError(f"--output_dir {out} is being written by another job (host {holder.get('host', '?')}, pid "
+                          f"{holder.get('pid', '?')}, since {since}); wait for it to end or stop it, or pass another "
+                          "--output_dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
+    HELD[key] = fd, made
+
+
+def release_output_dir(out, refused: bool = False) -> None:
+    """The end of a run in this process (a script may start another one in the same directory). A refused start
+    leaves the directory as it was: the lock file removed if it made it, else emptied as it was."""
+    fd, made = HELD.pop(str(Path(out).resolve()), (None, False))
+    if fd is not None:
+        if refused and made:
+            Path(out, LOCK_FILE).unlink(missing_ok=True)
+        else:  # who held it is no longer true
+            os.ftruncate(fd, 0)
+        os.close(fd)

@@ -36,7 +36,7 @@ from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size,
 from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
-from .runs import start_branch
+from .runs import hold_output_dir, start_branch
 from .user import Given, check_forward
 
 logger = get_logger("accel_train")
@@ -120,6 +120,7 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)
+        on_every_rank(accelerator, lambda: decision.writer and hold_output_dir(out))  # one job writes it at a time
         if decision.meta:
             reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
     return decision

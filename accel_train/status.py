@@ -23,9 +23,10 @@ def status_of(call) -> int:
         code = EXIT_BAD_INPUT
     except Preempted as e:  # every rank stopped at the same step: the main process says it
         group = process_group()
+        code = getattr(e, "status", EXIT_PREEMPTED)  # (3: a launcher is gone, preempt.watch_launcher)
         if group is None or group.is_main_process or getattr(e, "every_rank", False):  # (--log_all_ranks)
-            print(f"accel-train: preempted: {e}", file=sys.stderr, flush=True)
-        code = EXIT_PREEMPTED
+            print(f"accel-train: {'preempted' if code == EXIT_PREEMPTED else 'error'}: {e}", file=sys.stderr,
+                  flush=True)
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         group = process_group()
         if group is None or group.is_main_process:

@@ -1,6 +1,7 @@
 """One resume decision per job: elastic resume, runs that own their checkpoints, EMA and cpu-pipeline resume."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -263,3 +264,25 @@ def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on)
     assert _choose(TrainConfig(resume="auto"), reports) == ((24, "run"), {"run"})
     # launch.sh's relaunch of an --overwrite run (--resume auto --overwrite): that run's newest, wherever it is
     assert _choose(TrainConfig(resume="auto", overwrite=True), reports) == ((24, "run"), {"run"})
+
+
+def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_path):
+    """Issue 33 item 3: two jobs never write one output directory at once. The holder here is this test process
+    (as the ranks of a killed launcher were, training on): the second job gets one line with its host and pid,
+    exit 2, and the directory is left as it was; once the holder ends, the directory is free again."""
+    import socket
+
+    from accel_train.runs import LOCK_FILE, hold_output_dir, release_output_dir
+    out = tmp_path / "out"
+    out.mkdir()
+    hold_output_dir(out)
+    try:
+        before = sorted(p.name for p in out.iterdir())
+        proc = run_cli(small(out, "--max_steps", "1"), fresh=True)  # (another process)
+        errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+        assert f"host {socket.gethostname()}, pid {os.getpid()}" in errors[0] and "another job" in errors[0], errors
+        assert sorted(p.name for p in out.iterdir()) == before == [LOCK_FILE]
+    finally:
+        release_output_dir(out)
+    launch("cpu.yaml", small(out, "--max_steps", "1"))  # the holder gone: the run takes the directory

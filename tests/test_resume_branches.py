@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,9 +96,10 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
 
 
 # --- a fault after a resume from a given checkpoint, through launch.sh --max_restarts (issue 33 items 1 and 2) ---
-# 256 random samples, 2 ranks x 4: 32 steps an epoch; the older run checkpoints steps 16 and 32, the new branch goes
-# back to step 16 with another lr and is killed between steps 18 and 28, before its own first checkpoint (step 32)
-BRANCH = [*TINY, "--train_samples", "256", "--test_samples", "32", "--epochs", "1", "--batch_size", "4",
+# 1024 random samples, 2 ranks x 16: 32 steps an epoch (~0.2 s each here: a stop agreed ~2 s of work after the fault
+# still lands before the end); the older run checkpoints steps 16 and 32, the new branch goes back to step 16 with
+# another lr and is killed between steps 18 and 28, before its own first checkpoint (step 32)
+BRANCH = [*TINY, "--train_samples", "1024", "--test_samples", "32", "--epochs", "1", "--batch_size", "16",
           "--log_every", "1", "--checkpoint_every", "16"]
 NEW = ["--lr", "0.05", "--max_restarts", "1"]
 
@@ -182,4 +184,52 @@ def test_a_relaunch_continues_from_the_given_checkpoint_until_the_run_has_saved_
     assert text.count("relaunching to resume") == 1 and "saved by the survivor" not in text, text[-4000:]
     assert text.count(f"resumed from {given}: epoch 1, step 16") == 2, text[-4000:]  # the start and the relaunch
     assert same_weights(out, new)
+    assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))
+
+
+def launcher_pid(tag):
+    """The `accelerate launch` (torchrun agent) process started with ACCEL_TEST_TAG=tag."""
+    for d in Path("/proc").iterdir():
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"ACCEL_TEST_TAG={tag}".encode() in env and b"accelerate.commands.launch" in cmd:
+            return int(d.name)
+    return None
+
+
+def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path, older_and_new_branch):
+    """Item 3: `kill -9` of the agent left its ranks (each in a session of its own) training while launch.sh
+    relaunched into the same directory: two jobs deleted each other's writes. Now the ranks see their launcher
+    gone, agree on a stop, checkpoint it and exit 3; launch.sh relaunches only once they have ended. Missed before:
+    every fault test killed or stopped ranks, never the process that started them."""
+    older, new = older_and_new_branch
+    out, log, tag = tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
+    shutil.copytree(older, out)
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--resume", out / "checkpoints" /
+                                 "step_00000016", *NEW, "--output_dir", out], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: 17 <= last_step(out) <= 20, timeout=240, interval=0.005)
+        agent, ranks = launcher_pid(tag), trainer_pids(tag)
+        assert agent and len(ranks) == 2
+        os.kill(agent, signal.SIGKILL)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert not trainer_pids(tag) and launcher_pid(tag) is None  # nothing of the job left running
+    stopped = re.search(r"accel-train: error: stopped by the end of its launcher \(pid (\d+), killed or crashed\) "
+                        r"at step (\d+) .*checkpoint (\S+);", text)
+    assert stopped and int(stopped.group(1)) == agent, text[-4000:]
+    assert text.count("relaunching to resume") == 1 and "being written by another job" not in text, text[-4000:]
+    assert f"resumed from {stopped.group(3)}: epoch 1, step {stopped.group(2)}" in text, text[-4000:]
+    assert same_weights(out, new)  # an agreed stop: exactly the uninterrupted run
     assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save
 from .changes import settings_from_flags
 from .errors import ConfigError
 from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs,
-                    dumps, read_jsonl, step_dir)
+                    dumps, read_jsonl, seal, step_dir, sync_dir)
 from .runs import delete_set_aside
 
 @dataclass
@@ -80,13 +80,18 @@ class Checkpointer:
         self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
         self.saved_at, self.write_s = time.perf_counter(), None  # (a checkpoint by time: preempt.AgreedChecks)
+        self.writing = False  # a save in progress: the survivor's signal watch does not save beside it
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
         start = time.perf_counter()
-        path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
-                               self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
-                               keep=self.keep, facts=self.facts)
+        self.writing = True
+        try:
+            path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
+                                   self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
+                                   keep=self.keep, facts=self.facts)
+        finally:
+            self.writing = False
         self.saved_at = time.perf_counter()
         self.write_s = self.saved_at - start
         return path
@@ -142,17 +147,14 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
                 (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
             for name, rows in (history or {}).items():
                 (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
-            meta = {**asdict(state), "run": run_math, "ema": ema is not None,
-                    "num_processes": accelerator.num_processes}
-            with open(tmp / STATE_FILE, "w") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
+            seal(tmp, {**asdict(state), "run": run_math, "ema": ema is not None,
+                       "num_processes": accelerator.num_processes})
     agree()  # every rank's files are in tmp
     if writer:
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
             shutil.rmtree(final)
         os.replace(tmp, final)
+        sync_dir(root)
         own = checkpoint_dirs(output_dir, state.run_id)  # oldest first; newer ones: a resume from an older step
         newer = [p for p in own if int(p.name.split("_")[1]) > state.step]  # abandoned their branch
         for old in newer + [p for p in own if p not in newer][:-keep]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 # --output_dir
@@ -36,7 +37,7 @@ def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
     root = Path(output_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    found = [p for p in root.glob("step_*") if complete(p)]
     if run_id is not None:
         found = [p for p in found if _run_of(p) == run_id]
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
@@ -49,7 +50,48 @@ def resumed_from(output_dir) -> Path | None:
         path = Path(json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())["path"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return path if (path / STATE_FILE).is_file() and (path / MODEL_FILE).is_file() else None
+    return path if complete(path) and (path / MODEL_FILE).is_file() else None
+
+
+def seal(folder: Path, meta: dict) -> None:
+    """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes recorded in its
+    trainer_state.json, which is written and flushed last. Only that file used to be flushed (issue 33): after a
+    crash of the machine a "complete" step could hold data the disk never got."""
+    sizes = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name != STATE_FILE:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            sizes[p.name] = p.stat().st_size
+    with open(folder / STATE_FILE, "w") as f:
+        json.dump({**meta, "files": sizes}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_dir(folder: Path) -> None:
+    """A rename into `folder` made durable (the directory's entry flushed); where a file system cannot, nothing."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def complete(path: Path) -> bool:
+    """A checkpoint is complete when its trainer_state.json reads and every file it lists has the size it recorded
+    (one of an older accel_train lists none: the file alone)."""
+    try:
+        meta = json.loads((Path(path) / STATE_FILE).read_text())
+        files = meta.get("files", {})
+        return all((Path(path) / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def _run_of(path: Path) -> str | None:
@@ -116,3 +158,21 @@ def remove_if_empty(dirs: list[Path]) -> None:
             d.rmdir()
         except OSError:
             return
+
+
+def publish(tmp: Path, final: Path) -> bool:
+    """`tmp` renamed to `final` (then made durable); False where another survivor on the same storage renamed its
+    complete copy first. An incomplete directory under the name (never a complete step: a crash's leftover) is
+    replaced, not taken for another survivor's copy (issue 33: os.replace onto it failed and the complete save was
+    discarded)."""
+    for _ in range(2):
+        try:
+            os.replace(tmp, final)
+            sync_dir(final.parent)
+            return True
+        except OSError:
+            if complete(final):
+                break
+            shutil.rmtree(final, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return False

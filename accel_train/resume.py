@@ -27,7 +27,8 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .changes import check_changes
-from .files import CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, nothing_to_resume, resumed_from, step_dir
+from .files import (CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete, nothing_to_resume, resumed_from,
+                    step_dir)
 from .config import TrainConfig
 from .defaults import BATCH_SIZE
 from .errors import ConfigError
@@ -70,7 +71,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
         given = resumed_from(out) if cfg.resume == "auto" else Path(cfg.resume)
     if given is not None:
         p = given
-        if (p / STATE_FILE).is_file() and (p / MODEL_FILE).is_file():
+        if complete(p) and (p / MODEL_FILE).is_file():
             try:
                 meta = json.loads((p / STATE_FILE).read_text())
                 explicit = (meta["step"], meta.get("run_id", "legacy"))

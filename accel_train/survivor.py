@@ -41,7 +41,8 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 from .checkpoint import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
 from .errors import EXIT_LOST_PEER, is_lost_peer, report_status
-from .files import EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STATE_FILE, STEPS_FILE, dumps, step_dir
+from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
+                    step_dir)
 from .preempt import SIGNALS, say
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
@@ -213,7 +214,7 @@ class Survivor:
         if any(alive(pid) for pid in self.lower):
             return f"step {state.step} is saved by a lower rank of this machine"
         final = step_dir(self.cfg.output_dir, state.step)
-        if (final / STATE_FILE).is_file():
+        if complete(final):
             return f"step {state.step} was already saved in {final}"
         tmp = final.parent / f".tmp-{final.name}-survivor-{run.accelerator.process_index}"
         # the buffers of the completed step: rank 0's (or, compiled, this rank's own) as kept, else the live ones (no
@@ -228,10 +229,7 @@ class Survivor:
             raise
         if self.checkpointer.decision.writer:  # the checkpoint of this step that the lost peer interrupted, if any
             shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another survivor on the same storage renamed its copy first
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not publish(tmp, final):
             return f"step {state.step} was saved in {final} by another survivor"
         return f"step {state.step} saved by the survivor in {final} in {time.perf_counter() - start:.1f} s"
 
@@ -272,7 +270,11 @@ class Survivor:
             # that does not answer; before a step is measured (the first may compile), only `late` says so
             step_s = getattr(self.stop, "step_s", None)
             wait = max(GRACE_S / 2, STALL_STEPS * step_s) if step_s is not None else None
-            stalled, late = wait is not None and now - moved > wait, now - armed > GRACE_S - LATE_S
+            # a checkpoint being written is this step being saved (a peer lost in its collectives raises there): no
+            # save beside it, which would remove the writer's .tmp-step_N and exit 3 instead of the agreed stop's 4
+            writing = getattr(getattr(self, "checkpointer", None), "writing", False)
+            moved = now if writing else moved
+            stalled, late = wait is not None and now - moved > wait, not writing and now - armed > GRACE_S - LATE_S
             if gone or stalled or late:
                 why = (f"local rank process {gone[0]} is gone" if gone else
                        f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
@@ -313,7 +315,4 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
             "num_processes": acc.num_processes,
             "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
                          "buffers_of": source}}  # BatchNorm's statistics (README: What a failure costs)
-    with open(tmp / STATE_FILE, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    seal(tmp, meta)

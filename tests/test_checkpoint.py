@@ -163,3 +163,41 @@ def test_tensorboard_steps_stay_increasing_after_a_kill_and_resume_auto(tmp_path
     for tag, seen in steps.items():
         assert seen == sorted(set(seen)), (tag, seen)  # strictly increasing, no duplicates
     assert steps["epoch/test_acc"] == [25]
+
+
+def test_a_checkpoint_is_complete_only_with_every_file_it_recorded_and_publish_replaces_an_incomplete_one(tmp_path):
+    """Issue 33 (suspected, verified): only trainer_state.json was flushed, so after a machine's crash a "complete"
+    step could hold truncated tensors; and a survivor's rename onto an incomplete directory of the same step was
+    taken for another survivor's copy, discarding its own complete one."""
+    from accel_train.files import checkpoint_dirs, complete, publish, seal, step_dir
+    out = tmp_path / "out"
+    for step in (8, 16):
+        folder = step_dir(out, step)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"w" * 100)
+        (folder / "optimizer.bin").write_bytes(b"o" * 50)
+        seal(folder, {"step": step, "run_id": "r"})
+    meta = json.loads((step_dir(out, 16) / "trainer_state.json").read_text())
+    assert meta["files"] == {"model.safetensors": 100, "optimizer.bin": 50} and meta["step"] == 16
+    assert checkpoint_dirs(out) == [step_dir(out, 8), step_dir(out, 16)]
+    with open(step_dir(out, 16) / "model.safetensors", "r+b") as f:  # what a crash can leave of unflushed data
+        f.truncate(40)
+    assert not complete(step_dir(out, 16)) and checkpoint_dirs(out) == [step_dir(out, 8)]  # resume takes step 8
+    (step_dir(out, 8) / "optimizer.bin").unlink()
+    assert checkpoint_dirs(out) == []
+    legacy = step_dir(out, 4)  # an older accel_train's checkpoint: its state file alone says complete
+    legacy.mkdir()
+    (legacy / "trainer_state.json").write_text('{"step": 4}')
+    assert complete(legacy)
+    # publish: an incomplete directory under the final name is replaced; a complete one is another survivor's
+    tmp = out / "checkpoints" / ".tmp-step_00000016-survivor-1"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"n" * 100)
+    seal(tmp, {"step": 16, "run_id": "r"})
+    assert publish(tmp, step_dir(out, 16)) and complete(step_dir(out, 16)) and not tmp.exists()
+    assert (step_dir(out, 16) / "model.safetensors").read_bytes() == b"n" * 100
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"x")
+    seal(tmp, {"step": 16, "run_id": "r"})
+    assert not publish(tmp, step_dir(out, 16)) and not tmp.exists()
+    assert (step_dir(out, 16) / "model.safetensors").read_bytes() == b"n" * 100  # the first complete copy stays

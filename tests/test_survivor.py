@@ -369,3 +369,36 @@ def test_on_an_accelerator_the_survivor_saves_nothing_and_says_why(tmp_path):
     saver.first_step, saver.lower, saver.cfg = 0, [], types.SimpleNamespace(output_dir=tmp_path)
     assert saver._save("ncclRemoteError").startswith("nothing saved: on cuda")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkeypatch):
+    """Issue 33 (suspected, verified): a SIGTERM during a checkpoint write longer than the watch's wait made it save
+    the same step beside the writer, remove the writer's .tmp-step_N and exit 3 instead of the agreed stop's 4. While
+    the checkpoint is written the watch waits; the agreed stop after it stands the watch down."""
+    import types
+    watch = object.__new__(survivor.Survivor)
+    watch.local, watch.owner = [], None
+    watch.stop = types.SimpleNamespace(agreed=False, signal=signal.SIGTERM, step_s=0.1)
+    watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))
+    watch.checkpointer = types.SimpleNamespace(writing=True)
+    saved = []
+    watch.save = lambda failure, in_main=False: saved.append(failure) or "saved"
+    monkeypatch.setattr(survivor, "GRACE_S", 1.0)
+    monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s, without the write)
+    monkeypatch.setattr(survivor.os, "_exit", lambda code: pytest.fail(f"the watch exited {code}"))
+
+    def write_then_agree():
+        time.sleep(1.5)  # past both
+        watch.checkpointer.writing = False
+        watch.stop.agreed = True  # the agreed check after the write: every peer answered
+    writer = threading.Thread(target=write_then_agree)
+    writer.start()
+    read, write = os.pipe()
+    os.write(write, bytes([signal.SIGTERM]))
+    try:
+        watch._on_signal(read)
+    finally:
+        writer.join()
+        os.close(read)
+        os.close(write)
+    assert saved == []

@@ -38,13 +38,26 @@ def rows(path):
 @pytest.fixture(scope="module")
 def stopped_mid_epoch(tmp_path_factory):
     """The same run uninterrupted ("full") and stopped by --max_steps 12 (4 steps into epoch 2), then resumed
-    ("part"); --lr 1.0 --seed 11: the partial epoch 2 evaluates better than epoch 1, the whole epoch 2 does not."""
+    ("part"); the partial epoch 2 evaluates better than epoch 1, the whole epoch 2 does not. The accuracies are
+    scripted by step (the runs are in this process): a seed found by trying held on one set of package versions
+    only (it failed with today's: 0.109375 vs 0.109375)."""
+    import accel_train.loop
     root = tmp_path_factory.mktemp("stopped")
-    args = ["--lr", "1.0", "--seed", "11", "--log_every", "5"]  # (found by trying seeds, fp32 facts)
-    full = ok(run_cli(small(root / "full", *args)))
-    ok(run_cli(small(root / "part", *args, "--max_steps", "12")))
-    stopped = rows(root / "part" / "metrics.jsonl"), rows(root / "part" / "steps.jsonl")
-    resumed = ok(run_cli(small(root / "part", *args, "--resume", "auto")))
+    args = ["--lr", "1.0", "--seed", "11", "--log_every", "5"]
+    scripted = {8: 0.5, 12: 0.75, 16: 0.25}
+    real = accel_train.loop.end_of_epoch
+
+    def end_of_epoch(*a, **kw):
+        row = real(*a, **kw)
+        if row is not None:
+            row["test_acc"] = scripted[row["step"]]
+        return row
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(accel_train.loop, "end_of_epoch", end_of_epoch)
+        full = ok(run_cli(small(root / "full", *args)))
+        ok(run_cli(small(root / "part", *args, "--max_steps", "12")))
+        stopped = rows(root / "part" / "metrics.jsonl"), rows(root / "part" / "steps.jsonl")
+        resumed = ok(run_cli(small(root / "part", *args, "--resume", "auto")))
     return root / "full", root / "part", stopped, resumed
 
 

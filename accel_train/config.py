@@ -37,10 +37,9 @@ def opt(default, help, group, **extra):
 @dataclass
 class TrainConfig:
     # data
-    data: str | None = opt(None, "data set: 'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' reads "
-                           "<data_dir>/train/<class>/* and <data_dir>/val|validation|test/<class>/*, 'random' makes "
-                           "random images (deterministic by --seed); default: what --data_dir holds (random "
-                           "without --data_dir)", "data", choices=("cifar10", "imagefolder", "random"))
+    data: str | None = opt(None, "'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' <data_dir>/train/"
+                           "<class>/* and val|validation|test/<class>/*, 'random' random images (by --seed); default: "
+                           "what --data_dir holds", "data", choices=("cifar10", "imagefolder", "random"))
     data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
                         "(imagefolder)", "data", aliases=("--data_url",))
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "

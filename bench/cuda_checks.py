@@ -141,7 +141,8 @@ def main() -> int:
     p.add_argument("--json", required=True, help="file for the figures")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--compile_mode", default="default", help="compile: torch.compile's mode (reduce-overhead: CUDA graphs)")
+    p.add_argument("--compile_mode", default="default", help="compile: torch.compile's mode (reduce-overhead: "
+                   "CUDA graphs)")
     if sys.argv[1:2] == ["deterministic-train"]:
         return deterministic_train(sys.argv[sys.argv.index("--") + 1:])
     a = p.parse_args()

@@ -100,7 +100,8 @@ def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_p
     stub = bin_dir / "python3"
     stub.write_text(STUB.format(python=sys.executable))
     smi = bin_dir / "nvidia-smi"
-    smi.write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H200 (UUID: GPU-0)" || echo "NVIDIA H200, 143771 MiB"\n')
+    smi.write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H200 (UUID: GPU-0)" || '
+                   'echo "NVIDIA H200, 143771 MiB"\n')
     for f in (stub, smi):
         f.chmod(0o755)
     env = clean_env(OUT=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(stub))

@@ -67,7 +67,8 @@ def test_the_fp32_reference_runs_without_tf32_or_hf32(monkeypatch):
 
 def fp32_reference_flags(monkeypatch):
     import types
-    npu = types.SimpleNamespace(conv=types.SimpleNamespace(allow_hf32=True), matmul=types.SimpleNamespace(allow_hf32=True))
+    npu = types.SimpleNamespace(conv=types.SimpleNamespace(allow_hf32=True),
+                                matmul=types.SimpleNamespace(allow_hf32=True))
     monkeypatch.setattr(torch, "npu", npu, raising=False)
     seen = []
 

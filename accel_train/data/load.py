@@ -1,9 +1,9 @@
 """Loading: the data set's description, its splits, and which pipeline holds them.
 
 `--pipeline auto` (the default) takes the device pipeline when the decoded uint8 data fits
-`--device_data_mb` (default a quarter of the device's free memory; none where torch cannot measure it), else, for an image folder, the decoded cache
-(cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the DataLoader settings of every
-loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
+`--device_data_mb` (default a quarter of the device's free memory; none where torch cannot measure it), else, for an
+image folder, the decoded cache (cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the
+DataLoader settings of every loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
 """
 
 from __future__ import annotations

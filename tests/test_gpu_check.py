@@ -126,3 +126,13 @@ def test_syncs_judged_no_window_is_a_failure():
         "ok": True, "steps": 4, "windows_judged": 2, "agreed_checks": [2], "syncs_outside_checks": {},
         "syncs_per_window": None}  # before the first step and after the last: evaluation, not judged
     assert cuda_checks.judge_syncs(4, {3: 1}, checks=[2])["syncs_outside_checks"] == {3: 1}
+
+
+def test_results_md_lists_each_check_with_its_limit_and_what_one_gpu_cannot_show(tmp_path):
+    assert dry_run(tmp_path).returncode == 0
+    summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    section = text[text.index("## GPU (one H200)"):text.index("## Image folders larger")]
+    rows = dict(re.findall(r"^\| (\w+) \| (\d+) s \|", section, re.M))
+    assert rows == {name: str(c["limit"]) for name, c in summary.items()}
+    assert "What this one shot cannot show" in section and "A lost NCCL peer" in section

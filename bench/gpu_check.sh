@@ -18,7 +18,8 @@
 # What one GPU cannot show (a lost NCCL peer, several machines): bench/RESULTS.md.
 # Each check has one deadline (its CHECKS entry, in seconds from its start) shared by its commands: each gets SIGTERM
 # GRACE_S before it (the trainer answers it as a preemption: a checkpoint) and SIGKILL at it (timeout -k). A check's
-# exit status is the first failing command's (the script's: 1 if any check failed). Text goes to stdout, figures to $OUT/gpu_check/<check>.json, and
+# exit status is the first failing command's (the script's: 1 if any check failed). Each check writes under
+# $OUT/gpu_check/<check>/, emptied at its start. Text goes to stdout, figures to $OUT/gpu_check/<check>.json, and
 # $OUT/gpu_check/summary.json (each check's exit status, seconds and limit) is rewritten after every check.
 # A new check: write a function check_<name> and add <name> and its limit to CHECKS, within BUDGET_S.
 # Paste what it prints, the date and the hardware into bench/RESULTS.md.
@@ -69,7 +70,7 @@ check_fp16() {  # accelerate's GradScaler; the start-up precision check compares
   ((dry)) || cat "$out/fp16/metrics.jsonl"
 }
 bench=("$PYTHON" bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last --rounds 5 --steps 25
-       --output_dir "$out/bench")
+       --output_dir "$out/bench_eager")
 check_bench_eager() { run "${bench[@]}" | tee "$out/bench_eager.txt"; }
 cuda_check() { run "$PYTHON" bench/cuda_checks.py "$1" --json "$out/$2.json" --output_dir "$out/$2" "${@:3}"; }
 check_syncs() { cuda_check syncs syncs; }
@@ -85,17 +86,17 @@ check_reduce_overhead() {
 }
 check_resume() { cuda_check resume resume; }
 
-check_bigdata() {  # (the decoded cache goes to $out/cache, not the machine's ~/.cache)
+check_bigdata() {  # (the decoded cache goes to $out/bigdata/cache, not the machine's ~/.cache)
   local photos="$out/bigdata_photos"
   run "$PYTHON" bench/data_bench.py --make "$photos" 1600 || return
-  run env XDG_CACHE_HOME="$out/cache" "$PYTHON" bench/data_bench.py --data_dir "$photos" --device cuda --batch_size 256 \
-    --batches 6 --rounds 1 --cases cpu,cache,timm | tee "$out/bigdata_bench.txt" || return
-  run env XDG_CACHE_HOME="$out/cache" "${gpu_launch[@]}" -m accel_train --data imagefolder --data_dir "$photos" \
-    --image_size 224 --epochs 2 --batch_size 256 --device_data_mb 1 --channels_last --output_dir "$out/bigdata" 2>&1 \
-    | quiet || return
+  run env XDG_CACHE_HOME="$out/bigdata/cache" "$PYTHON" bench/data_bench.py --data_dir "$photos" --device cuda \
+    --batch_size 256 --batches 6 --rounds 1 --cases cpu,cache,timm | tee "$out/bigdata_bench.txt" || return
+  run env XDG_CACHE_HOME="$out/bigdata/cache" "${gpu_launch[@]}" -m accel_train --data imagefolder \
+    --data_dir "$photos" --image_size 224 --epochs 2 --batch_size 256 --device_data_mb 1 --channels_last \
+    --output_dir "$out/bigdata/run" 2>&1 | quiet || return
   ((dry)) || "$PYTHON" -c 'import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]
 print(json.dumps({"data_wait_frac_epoch2": rows[-1]["data_wait_frac"], "images_per_sec": rows[-1]["images_per_sec"],
-                  "data_wait_frac_epoch1": rows[0]["data_wait_frac"]}))' "$out/bigdata/metrics.jsonl" \
+                  "data_wait_frac_epoch1": rows[0]["data_wait_frac"]}))' "$out/bigdata/run/metrics.jsonl" \
     | tee "$out/bigdata.json"
 }
 
@@ -110,12 +111,16 @@ for entry in "${CHECKS[@]}"; do
   if (($# == 0)) || [[ " $* " == *" ${entry%% *} "* ]]; then selected+=("$entry"); fi
 done
 for name in "$@"; do
-  [[ " ${CHECKS[*]} " == *" $name "* ]] || { echo "gpu_check.sh: no check '$name'; the checks: ${CHECKS[*]}" >&2; exit 2; }
+  if [[ " ${CHECKS[*]} " != *" $name "* ]]; then
+    echo "gpu_check.sh: no check '$name'; the checks: ${CHECKS[*]}" >&2
+    exit 2
+  fi
 done
 
 mkdir -p "$out"
 if ((!dry)); then
-  if ! timeout -k 1 4 nvidia-smi --query-gpu=name,memory.total,driver_version,mig.mode.current --format=csv,noheader; then
+  if ! timeout -k 1 4 nvidia-smi --query-gpu=name,memory.total,driver_version,mig.mode.current \
+      --format=csv,noheader; then
     echo "gpu_check.sh: nvidia-smi fails or is missing here: run it on the lent GPU machine, or with --dry-run" >&2
     exit 2
   fi
@@ -130,6 +135,7 @@ for entry in "${selected[@]}"; do
   read -r name limit <<< "$entry"
   echo "== $name (at most ${limit}s)"
   start=$SECONDS deadline=$((SECONDS + limit))
+  ((dry)) || rm -rf "${out:?}/$name"  # a rerun starts fresh: the trainer refuses another run's checkpoints
   status=0
   "check_$name" || status=$?
   ((status == 0)) || failed=$((failed + 1))

@@ -83,6 +83,8 @@ if a[:2] == ["-m", "accel_train.accel_config"] or a[0] == "-c":
 for flag in ("--output_dir", "--make"):
     if flag in a:
         out = Path(a[a.index(flag) + 1])
+        if flag == "--output_dir" and (out / "metrics.jsonl").exists():
+            sys.exit(print("another run's output is here: refused", file=sys.stderr) or 2)  # as the trainer does
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text(json.dumps(dict(epoch=1, data_wait_frac=0.1, images_per_sec=1.0)) + "\\n")
 if "--json" in a:
@@ -113,6 +115,11 @@ def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_p
     failed = {name: c["exit"] for name, c in summary.items() if name != "precision"}
     assert failed == {name: 3 for name in CHECKS[1:]}, proc.stdout  # (launch.sh passes the status on)
     assert proc.returncode == 1
+    # a rerun of two checks in the same $OUT: each starts from an empty folder of its own (the trainer refuses a
+    # folder holding another run), and summary.json holds the rerun's checks
+    proc = subprocess.run(["bash", str(SCRIPT), "fp16", "resume"], capture_output=True, text=True, timeout=120, env=env)
+    summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
+    assert {name: c["exit"] for name, c in summary.items()} == {"fp16": 3, "resume": 3}, proc.stdout
 
 
 def test_syncs_judged_no_window_is_a_failure():

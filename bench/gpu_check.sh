@@ -17,7 +17,8 @@
 #                   the default workers; bigdata.json: the 2nd epoch's data wait fraction (issue 25)
 # What one GPU cannot show (a lost NCCL peer, several machines): bench/RESULTS.md.
 # Each check has one deadline (its CHECKS entry, in seconds from its start) shared by its commands: each gets SIGTERM
-# GRACE_S before it (the trainer answers it as a preemption: a checkpoint) and SIGKILL at it (timeout -k). A check's
+# GRACE_S before it (the trainer answers it as a preemption: a checkpoint) and SIGKILL at it (timeout -k); what it
+# left running (launch.sh's job, in a session of its own) is ended after it (sweep). A check's
 # exit status is the first failing command's (the script's: 1 if any check failed). Each check writes under
 # $OUT/gpu_check/<check>/, emptied at its start. Text goes to stdout, figures to $OUT/gpu_check/<check>.json, and
 # $OUT/gpu_check/summary.json (each check's exit status, seconds and limit) is rewritten after every check.
@@ -43,8 +44,19 @@ run() {  # one command of the current check, ended by the check's deadline (or, 
   if ((left <= GRACE_S)); then echo "(the check's time is up: not run: $*)"; return 124; fi
   timeout -k "$GRACE_S" "$((left - GRACE_S))" "$@"
 }
+export GPU_CHECK_RUN="$$.$RANDOM"  # in the environment of everything a check starts: what `sweep` ends
+sweep() {  # what a check left running: a job in a session of its own (launch.sh's) outlives timeout's SIGKILL
+  local pids  # (grep, run without the marker, is the only process started here)
+  mapfile -t pids < <(env -u GPU_CHECK_RUN grep -lzx "GPU_CHECK_RUN=$GPU_CHECK_RUN" /proc/[0-9]*/environ 2>/dev/null)
+  ((${#pids[@]})) || return 0
+  pids=("${pids[@]#/proc/}") && pids=("${pids[@]%/environ}")
+  echo "-- $name left ${#pids[*]} process(es) running (${pids[*]}): ended with SIGKILL"
+  kill -KILL "${pids[@]}" 2>/dev/null || true
+}
 keep() { ((status)) || status=$1; }  # the first failure's status, in a check's local `status`
-quiet() { grep --line-buffered -v 'it/s]$' || true; }  # (a pipeline's status stays its command's: pipefail)
+# The readers of a check's pipes end by its deadline too: a job that outlived timeout (launch.sh's) still holds them
+bounded() { timeout -k 1 "$((deadline - SECONDS > 1 ? deadline - SECONDS : 1))" "$@"; }
+quiet() { bounded grep --line-buffered -v 'it/s]$' || true; }  # (a pipeline's status stays its command's: pipefail)
 small=(--data random --train_samples 5120 --test_samples 1000 --batch_size 256)
 gpu_launch=("$PYTHON" -m accelerate.commands.launch --config_file accelerate_configs/1node_gpu.yaml --num_processes 1)
 
@@ -71,7 +83,7 @@ check_fp16() {  # accelerate's GradScaler; the start-up precision check compares
 }
 bench=("$PYTHON" bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last --rounds 5 --steps 25
        --output_dir "$out/bench_eager")
-check_bench_eager() { run "${bench[@]}" | tee "$out/bench_eager.txt"; }
+check_bench_eager() { run "${bench[@]}" | bounded tee "$out/bench_eager.txt"; }
 cuda_check() { run "$PYTHON" bench/cuda_checks.py "$1" --json "$out/$2.json" --output_dir "$out/$2" "${@:3}"; }
 check_syncs() { cuda_check syncs syncs; }
 check_compile() {  # an empty cache: the compile seconds of a first start on a fresh machine
@@ -90,7 +102,7 @@ check_bigdata() {  # (the decoded cache goes to $out/bigdata/cache, not the mach
   local photos="$out/bigdata_photos"
   run "$PYTHON" bench/data_bench.py --make "$photos" 1600 || return
   run env XDG_CACHE_HOME="$out/bigdata/cache" "$PYTHON" bench/data_bench.py --data_dir "$photos" --device cuda \
-    --batch_size 256 --batches 6 --rounds 1 --cases cpu,cache,timm | tee "$out/bigdata_bench.txt" || return
+    --batch_size 256 --batches 6 --rounds 1 --cases cpu,cache,timm | bounded tee "$out/bigdata_bench.txt" || return
   run env XDG_CACHE_HOME="$out/bigdata/cache" "${gpu_launch[@]}" -m accel_train --data imagefolder \
     --data_dir "$photos" --image_size 224 --epochs 2 --batch_size 256 --device_data_mb 1 --channels_last \
     --output_dir "$out/bigdata/run" 2>&1 | quiet || return
@@ -138,6 +150,7 @@ for entry in "${selected[@]}"; do
   ((dry)) || rm -rf "${out:?}/$name"  # a rerun starts fresh: the trainer refuses another run's checkpoints
   status=0
   "check_$name" || status=$?
+  ((dry)) || sweep
   ((status == 0)) || failed=$((failed + 1))
   echo "-- $name: exit status $status, $((SECONDS - start))s"
   summary+=("\"$name\": {\"exit\": $status, \"seconds\": $((SECONDS - start)), \"limit\": $limit}")

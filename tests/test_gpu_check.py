@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT, clean_env
 
@@ -89,6 +90,11 @@ for flag in ("--output_dir", "--make"):
         (out / "metrics.jsonl").write_text(json.dumps(dict(epoch=1, data_wait_frac=0.1, images_per_sec=1.0)) + "\\n")
 if "--json" in a:
     Path(a[a.index("--json") + 1]).write_text(json.dumps(dict(ok=True)))
+if "fp16" in a:  # a job left running in a session of its own, as launch.sh's job outlives timeout's SIGKILL
+    import subprocess
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # (one holding the check's pipes: ended at the deadline)
+    Path(os.environ["LEFT_PID"]).write_text(str(left.pid))
 print("stub: a row written, now failing", file=sys.stderr)
 sys.exit(3)
 """
@@ -106,8 +112,16 @@ def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_p
                    'echo "NVIDIA H200, 143771 MiB"\n')
     for f in (stub, smi):
         f.chmod(0o755)
-    env = clean_env(OUT=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(stub))
+    left = tmp_path / "left.pid"
+    env = clean_env(OUT=str(tmp_path), PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(stub), LEFT_PID=str(left))
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env)
+    pid = int(left.read_text())
+    try:  # what a check leaves running is ended after it (the script's own runs only: its marker in their environment)
+        assert f"-- fp16 left 1 process(es) running ({pid}): ended with SIGKILL" in proc.stdout, proc.stdout
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, 9)
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
     assert summary["precision"]["exit"] == 0, proc.stdout  # the probe answered
     assert (tmp_path / "gpu_check" / "fp16" / "metrics.jsonl").is_file()  # the row was written, then the run failed

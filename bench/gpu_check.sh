@@ -131,8 +131,8 @@ done
 
 mkdir -p "$out"
 if ((!dry)); then
-  if ! timeout -k 1 4 nvidia-smi --query-gpu=name,memory.total,driver_version,mig.mode.current \
-      --format=csv,noheader; then
+  if ! command -v nvidia-smi >/dev/null || ! timeout -k 1 4 nvidia-smi \
+      --query-gpu=name,memory.total,driver_version,mig.mode.current --format=csv,noheader; then
     echo "gpu_check.sh: nvidia-smi fails or is missing here: run it on the lent GPU machine, or with --dry-run" >&2
     exit 2
   fi

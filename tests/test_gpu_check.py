@@ -157,3 +157,11 @@ def test_results_md_lists_each_check_with_its_limit_and_what_one_gpu_cannot_show
     rows = dict(re.findall(r"^\| (\w+) \| (\d+) s \|", section, re.M))
     assert rows == {name: str(c["limit"]) for name, c in summary.items()}
     assert "What this one shot cannot show" in section and "A lost NCCL peer" in section
+
+
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
+    env = clean_env(OUT=str(tmp_path), PATH="/usr/bin:/bin")  # (no nvidia-smi there)
+    assert not any(Path(d, "nvidia-smi").exists() for d in ("/usr/bin", "/bin"))
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "gpu_check.sh: nvidia-smi fails or is missing here: run it on the lent GPU machine, or with --dry-run"]

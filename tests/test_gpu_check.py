@@ -5,6 +5,7 @@ a fake nvidia-smi) in place of the GPU each check's status is the status of what
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,8 +161,11 @@ def test_results_md_lists_each_check_with_its_limit_and_what_one_gpu_cannot_show
 
 
 def test_without_a_gpu_it_says_so_in_one_line(tmp_path):
-    env = clean_env(OUT=str(tmp_path), PATH="/usr/bin:/bin")  # (no nvidia-smi there)
-    assert not any(Path(d, "nvidia-smi").exists() for d in ("/usr/bin", "/bin"))
+    bindir = tmp_path / "bin"  # a PATH of the tools the script runs before its GPU check, without nvidia-smi
+    bindir.mkdir()
+    for tool in ("bash", "dirname", "mkdir", "timeout", "env"):
+        (bindir / tool).symlink_to(shutil.which(tool))
+    env = clean_env(OUT=str(tmp_path), PATH=str(bindir))
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         "gpu_check.sh: nvidia-smi fails or is missing here: run it on the lent GPU machine, or with --dry-run"]

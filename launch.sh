@@ -23,8 +23,9 @@
 # NPUs: HCCL_CONNECT_TIMEOUT and HCCL_EXEC_TIMEOUT are set below the trainer's --timeout_s unless set.
 # A failed collective raises in the trainer instead of ending the rank, unless you set these yourself:
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs), TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs).
-# Devices: nvidia-smi (or, without it, torch.cuda.device_count()), npu-smi; CUDA_VISIBLE_DEVICES and
-# ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one CPU process).
+# Devices: nvidia-smi (torch.cuda.device_count() without it, where it fails: a warning, or where it lists MIG
+# instances), npu-smi; CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one
+# CPU process).
 #
 # Own options (everything else goes to the trainer):
 #   --dry-run             print the exact command and exit
@@ -161,17 +162,34 @@ visible() {  # NAME -> number of devices NAME lets through, or nothing when NAME
   done
   echo "$n"
 }
-count_nvidia() {
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
-  else  # an image without nvidia-smi: ask the CUDA driver through torch (honours CUDA_VISIBLE_DEVICES)
-    timeout "${ACCEL_PROBE_TIMEOUT:-60}" "$PYTHON" -c 'import ctypes, sys
+cuda_count() {  # the GPUs the CUDA driver shows one process, through torch (honours CUDA_VISIBLE_DEVICES)
+  timeout "${ACCEL_PROBE_TIMEOUT:-60}" "$PYTHON" -c 'import ctypes, sys
 try:
     ctypes.CDLL("libcuda.so.1")
 except OSError:
     print(0); sys.exit()
 import torch
 print(torch.cuda.device_count())' 2>/dev/null || true
+}
+count_nvidia() {  # what CUDA will show each process: nvidia-smi's GPUs, or CUDA's own count where nvidia-smi cannot say
+  command -v nvidia-smi >/dev/null 2>&1 || { cuda_count; return; }  # an image without nvidia-smi
+  local listing n what
+  if ! listing="$(timeout "${ACCEL_PROBE_TIMEOUT:-60}" nvidia-smi -L 2>&1)"; then  # a broken driver, a hung GPU
+    n="$(cuda_count)"
+    is_uint "$n" || n=0
+    what="counting the $n GPU(s) CUDA shows"
+    ((n)) || what="CUDA shows no GPU either: a CPU job"
+    echo "launch.sh: warning: nvidia-smi fails ($(head -n 1 <<< "${listing:-no output}")): $what" >&2
+    echo "$n"
+  elif grep -q '^ *MIG ' <<< "$listing"; then
+    # a MIG instance is listed under its physical GPU; CUDA shows one process a single MIG instance, whatever
+    # CUDA_VISIBLE_DEVICES lists (NVIDIA MIG User Guide, "CUDA Device Enumeration"): count as CUDA does
+    n="$(cuda_count)"
+    is_uint "$n" || n=1
+    echo "launch.sh: MIG instances here ($(grep -c '^ *MIG ' <<< "$listing") listed by nvidia-smi -L): CUDA shows a process one of them: $n GPU(s) counted" >&2
+    echo "$n"
+  else
+    grep -c '^GPU ' <<< "$listing" || true
   fi
 }
 count_npu() {

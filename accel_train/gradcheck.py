@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import time
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,14 +58,40 @@ def bound(precision: str, layers: int) -> float:
     return min(MARGIN * 2 * (layers + 1) * UNIT_ROUNDOFF[precision], 1.0)
 
 
+def reduced_fp32_flags() -> list[tuple[object, str]]:
+    """The switches that let fp32 convolutions and matmuls round their inputs to 10 mantissa bits (fp16's): TF32 on
+    NVIDIA from compute capability 8.0 (cuDNN's convolutions by default: torch.backends.cudnn.allow_tf32; matmuls:
+    torch.backends.cuda.matmul.allow_tf32, off by default) and torch_npu's HF32 (torch.npu.conv.allow_hf32, on by
+    default; torch.npu.matmul.allow_hf32)."""
+    npu = getattr(torch, "npu", None)
+    return [(torch.backends.cudnn, "allow_tf32"), (torch.backends.cuda.matmul, "allow_tf32")] + [
+        (getattr(npu, k), "allow_hf32") for k in ("conv", "matmul") if hasattr(getattr(npu, k, None), "allow_hf32")]
+
+
+@contextlib.contextmanager
+def exact_fp32():
+    """IEEE fp32 inside (every reduced_fp32_flags switch off), the switches restored after: the reference of a check
+    of fp16 (11 bits) must not round to 11 bits itself, as TF32 convolutions on an A100/H100 do."""
+    flags = [(owner, name, getattr(owner, name)) for owner, name in reduced_fp32_flags()]
+    try:
+        for owner, name, _ in flags:
+            setattr(owner, name, False)
+        yield
+    finally:
+        for owner, name, value in flags:
+            setattr(owner, name, value)
+
+
 def gradients(model, x, y, criterion, dtype: torch.dtype | None, loss_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient of criterion(model(x), y), under autocast to `dtype` (None: fp32), in fp32."""
+    """Every parameter's gradient of criterion(model(x), y), under autocast to `dtype` (None: fp32, in IEEE fp32 forward
+    and backward: exact_fp32), in fp32."""
     model.zero_grad(set_to_none=True)
-    with torch.random.fork_rng(devices=[]), torch.autocast(x.device.type, dtype=dtype or torch.float32,
-                                                           enabled=dtype is not None):
-        torch.manual_seed(0)  # the same dropout draws in every pass
-        loss = criterion(model(x), y)
-    (loss.float() * loss_scale).backward()
+    with exact_fp32() if dtype is None else contextlib.nullcontext():
+        with torch.random.fork_rng(devices=[]), torch.autocast(x.device.type, dtype=dtype or torch.float32,
+                                                               enabled=dtype is not None):
+            torch.manual_seed(0)  # the same dropout draws in every pass
+            loss = criterion(model(x), y)
+        (loss.float() * loss_scale).backward()
     grads = {n: p.grad.detach().float() / loss_scale for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads

@@ -129,9 +129,9 @@ class Survivor:
         # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
         # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
         # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
-        # the module keeps them there (one fused copy per step on the device, a few KB, no host sync): rank 0's values
-        # at the end of the step before, exactly what rank 0 would save. Compiled modules keep their own at step_done.
-        module = acc._models[0] if acc.num_processes > 1 else None
+        # the module keeps them there (one fused copy per step, a few KB; none where no step is saved: readable_step):
+        # rank 0's at the end of the step before, exactly what rank 0 would save. Compiled: their own, at step_done.
+        module = acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None else None
         kept = set(module.state_dict()) if module is not None else set()
         named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]

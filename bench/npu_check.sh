@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Ascend check, for an Ascend node with torch_npu (its own preinstalled torch, torch_npu, accelerate, timm,
 # safetensors; no network; install nothing): the counterpart of bench/gpu_check.sh.
-# From the repo root:  bash bench/npu_check.sh [--dry-run]   (under 5 minutes)
+# From the repo root:  bash bench/npu_check.sh [--dry-run]   (a few minutes; by its limits at most ~18: each timeout
+# sends SIGTERM, which the trainer answers with a checkpoint, and SIGKILL 10 s later)
 #   1. smoke:      launch.sh --smoke-test on 1node_npu.yaml (every rank in one HCCL group of the right size)
 #   2. train:      2 short epochs of random data on every NPU, bf16 where the chip has it
 #                  (the SoC name: accel_train.hardware, as the trainer), else fp16; dropout and drop path on
@@ -23,11 +24,11 @@ run() {  # print a step's command; run it unless --dry-run
   ((dry)) || "$@"
 }
 probe() {  # a fact from torch_npu, or a placeholder in --dry-run
-  if ((dry)); then echo "$2"; else timeout 120 "$PYTHON" -c "import torch, torch_npu; print($1)" 2>/dev/null; fi
+  if ((dry)); then echo "$2"; else timeout -k 10 120 "$PYTHON" -c "import torch, torch_npu; print($1)" 2>/dev/null; fi
 }
 
 if ((!dry)); then
-  if ! timeout 120 "$PYTHON" -c 'import torch, torch_npu, sys; sys.exit(0 if torch.npu.is_available() and torch.npu.device_count() else 1)' \
+  if ! timeout -k 10 120 "$PYTHON" -c 'import torch, torch_npu, sys; sys.exit(0 if torch.npu.is_available() and torch.npu.device_count() else 1)' \
       >/dev/null 2>&1; then
     echo "npu_check.sh: no Ascend NPU here (torch_npu does not import or sees no device); run it on an Ascend node, or with --dry-run to see the plan" >&2
     exit 2
@@ -40,7 +41,7 @@ date -u
 nproc="$(probe 'torch.npu.device_count()' N)"
 # the precision the trainer itself chooses for this SoC (accel_train/hardware.py), so the run is never refused
 if ((dry)); then precision='bf16|fp16'; else
-  precision="$(timeout 120 "$PYTHON" -m accel_train.hardware --config_precision bf16 2>/dev/null)"; precision="${precision%% *}"
+  precision="$(timeout -k 10 120 "$PYTHON" -m accel_train.hardware --config_precision bf16 2>/dev/null)"; precision="${precision%% *}"
 fi
 versions="$(probe '"torch", torch.__version__, "torch_npu", torch_npu.__version__' 'torch ? torch_npu ?')"
 echo "$versions; $nproc NPU(s), $precision"
@@ -53,15 +54,15 @@ job=(--data random --train_samples "$((10240 * ${nproc//[^0-9]/1}))" --test_samp
 
 echo "== smoke: Accelerate's test script, every rank in one HCCL group"
 smoke=FAILED
-run timeout 120 bash launch.sh --smoke-test --accel_config 1node_npu && smoke=ok
+run timeout -k 10 120 bash launch.sh --smoke-test --accel_config 1node_npu && smoke=ok
 echo "== train: 2 epochs, $precision"
 train=FAILED
-run timeout 150 "${launch[@]}" "${job[@]}" --output_dir "$out/full" && train=ok
+run timeout -k 10 150 "${launch[@]}" "${job[@]}" --output_dir "$out/full" && train=ok
 echo "== resume: stopped at step 50, random_states_*.pkl deleted, resumed with --resume auto"
 resume=FAILED
-if run timeout 120 "${launch[@]}" "${job[@]}" --max_steps 50 --output_dir "$out/part"; then
+if run timeout -k 10 120 "${launch[@]}" "${job[@]}" --max_steps 50 --output_dir "$out/part"; then
   run find "$out/part/checkpoints" -name 'random_states_*.pkl' -delete
-  run timeout 120 "${launch[@]}" "${job[@]}" --resume auto --output_dir "$out/part" && resume=ok
+  run timeout -k 10 120 "${launch[@]}" "${job[@]}" --resume auto --output_dir "$out/part" && resume=ok
 fi
 echo "== throughput"
 summary() {

@@ -56,3 +56,15 @@ def test_unknown_key_is_refused(tmp_path):
 # everything this file's launched test did (exit 0 of the script = "Test is a success", the process indices,
 # "Num processes" == the config's) and the group size on top.
 
+
+
+def test_the_npu_configs_name_the_fact_launch_sh_chooses_bf16_by():
+    """issue 41 item 9: 1node_npu.yaml said launch.sh asks torch.npu.is_bf16_supported(); it (and the trainer) match
+    the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name: Accelerate's answer is True on every NPU)."""
+    from accel_train import hardware
+    assert hardware.NPU_BF16.pattern and "get_device_name(0)" in open(hardware.__file__).read()
+    for name in ALL:
+        text = (CONFIGS / name).read_text()
+        assert "is_bf16_supported" not in text, name
+        if "MULTI_NPU" in text and "launch.sh switches" in text:
+            assert "hardware.py NPU_BF16" in text and "get_device_name" in text, name

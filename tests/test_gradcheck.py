@@ -50,6 +50,53 @@ def test_a_non_finite_gradient_fails_with_an_infinite_error():
     assert errs["a"] == float("inf") and errs["b"] == 0.0 and errs["c"] == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_the_fp32_reference_runs_without_tf32_or_hf32(monkeypatch):
+    """issue 41 item 7: cuDNN's fp32 convolutions run in TF32 by default from sm80 (torch.backends.cudnn.allow_tf32),
+    torch_npu's in HF32 (torch.npu.conv.allow_hf32): 10 mantissa bits, so the reference of a check of fp16 was as
+    coarse as fp16. Both the forward and the backward of each fp32 pass see every such switch off; the reduced
+    precision passes see them as the run has them, and they are as they were after the check."""
+    import types
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # as a user's torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        fp32_reference_flags(monkeypatch)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def fp32_reference_flags(monkeypatch):
+    import types
+    npu = types.SimpleNamespace(conv=types.SimpleNamespace(allow_hf32=True),
+                                matmul=types.SimpleNamespace(allow_hf32=True))
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    seen = []
+
+    def switches(stage, reduced):
+        seen.append((stage, reduced, torch.backends.cudnn.allow_tf32,
+                     torch.backends.cuda.matmul.allow_tf32, npu.conv.allow_hf32, npu.matmul.allow_hf32))
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3 * 8 * 8, 10)
+
+        def forward(self, x):
+            reduced = torch.is_autocast_enabled("cpu")
+            switches("forward", reduced)
+            out = self.fc(x.flatten(1))
+            out.register_hook(lambda grad: switches("backward", reduced))
+            return out
+    x, y = batch()
+    assert gradcheck.check(Probe(), x, y, nn.CrossEntropyLoss(), "fp16").ok
+    reference = [s for s in seen if not s[1]]
+    assert {s[0] for s in reference} == {"forward", "backward"}
+    assert all(s[2:] == (False, False, False, False) for s in reference), reference
+    assert all(s[2:] == (True, True, True, True) for s in seen if s[1])  # the run's own precision: as it is
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, npu.conv.allow_hf32,
+            npu.matmul.allow_hf32) == (True, True, True, True)
+
+
 def test_the_ranks_verdicts_combine_into_one():
     ok = gradcheck.Verdict("bf16", 1.0, ("fc.weight", 0.01))
     bad = gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 3e37), {"layer4.0.conv1.weight": 3e37}, 2.0)

@@ -363,6 +363,45 @@ def test_gpus_without_nvidia_smi_are_found_through_python(hw):
     assert opts["--num_processes"] == "1"
 
 
+def test_a_failing_nvidia_smi_is_said_and_cuda_counts_the_gpus(hw):
+    """issue 41 item 8: nvidia-smi failing (a broken driver: 'NVIDIA-SMI has failed ...', exit 9) meant 0 GPUs, a
+    CPU job without a word. Now one warning line, and CUDA's own count decides."""
+    for torch_gpus, expected in ((2, "counting the 2 GPU(s) CUDA shows"), (0, "CUDA shows no GPU either: a CPU job")):
+        bindir = hw(torch_gpus=torch_gpus)
+        (bindir / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate '
+                                           'with the NVIDIA driver."\nexit 9\n')
+        (bindir / "nvidia-smi").chmod(0o755)
+        proc = dry_run({}, bindir=bindir)
+        env, opts, _ = parse(proc)
+        warning = [line for line in proc.stderr.splitlines() if "nvidia-smi" in line]
+        assert warning == [f"launch.sh: warning: nvidia-smi fails (NVIDIA-SMI has failed because it couldn't "
+                           f"communicate with the NVIDIA driver.): {expected}"], proc.stderr
+        assert (opts["config"], opts["--num_processes"]) == (("1node_gpu.yaml", "2") if torch_gpus else
+                                                             ("cpu.yaml", "1"))
+        assert ("ACCELERATE_USE_CPU" in env) == (not torch_gpus)
+
+
+MIG_LISTING = """GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)
+  MIG 3g.40gb     Device  0: (UUID: MIG-1b6b1b4c-5a8e-5bd4-8b41-2f3f8e7f0a11)
+  MIG 3g.40gb     Device  1: (UUID: MIG-7c1f3a2e-0b9d-5e6f-9a8b-3c4d5e6f7a22)
+GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-6e6cb1e7-e44e-3c3d-635e-af4e9e3c9b88)
+  MIG 7g.80gb     Device  0: (UUID: MIG-2c7c2c5d-6b9f-6ce5-9c52-3a4a9f8a1b33)"""
+
+
+def test_mig_instances_are_counted_as_cuda_shows_them(hw):
+    """issue 41 item 8: with MIG, nvidia-smi -L lists each physical GPU with its instances under it, and CUDA shows
+    one process a single MIG instance: 2 GPUs were counted, 2 processes started on what CUDA shows as one device."""
+    bindir = hw(torch_gpus=1)
+    fake_tool(bindir, "nvidia-smi", MIG_LISTING)
+    proc = dry_run({}, bindir=bindir)
+    _, opts, _ = parse(proc)
+    assert opts == {"config": "1node_gpu.yaml", "--num_machines": "1", "--num_processes": "1"}
+    assert "launch.sh: MIG instances here (3 listed by nvidia-smi -L): CUDA shows a process one of them: 1 GPU(s) " \
+           "counted" in proc.stderr.splitlines()
+    _, opts, _ = parse(dry_run({"MA_NUM_GPUS": "2"}, bindir=bindir))
+    assert opts["--num_processes"] == "1"  # the platform's count of physical GPUs is limited to it too
+
+
 def test_a_hanging_device_probe_is_bounded(hw, tmp_path):
     bindir = hw()
     (bindir / "python3").write_text("#!/bin/sh\nexec sleep 60\n")

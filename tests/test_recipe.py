@@ -196,3 +196,23 @@ def test_device_data_mb_defaults_to_a_quarter_of_the_free_memory():
         assert device_budget(cfg, "cuda:0") == 2 * 2**30  # an accelerator: a quarter of its free memory
         assert info.call_args.args[0] == torch.device("cuda:0")
     assert device_budget(TrainConfig(device_data_mb=3), "cpu") == 3 * 2**20  # given: as given
+
+
+def test_device_budget_without_torch_accelerator_memory_info(monkeypatch):
+    """issue 41 item 5: where torch.accelerator.get_memory_info is missing (older torch within torch>=2.6) or not
+    implemented, the budget was 2**64 bytes: --pipeline auto decoded a whole folder into each device. The backend's
+    own mem_get_info answers instead; where nothing measures, nothing counts as fitting."""
+    from accel_train.data.load import choose_pipeline, device_budget
+    cfg = TrainConfig()
+    monkeypatch.delattr(torch.accelerator, "get_memory_info", raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
+    assert device_budget(cfg, "cuda:0") == 2 * 2**30
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", mock.Mock(side_effect=NotImplementedError), raising=False)
+    assert device_budget(cfg, "cuda:0") == 2 * 2**30  # (an allocator without it)
+
+    def unknown(device=None):
+        raise RuntimeError("no memory info")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", unknown)
+    assert device_budget(cfg, "cuda:0") == 0
+    pipeline, why = choose_pipeline(cfg, 3 * 2**20, "cuda:0")
+    assert pipeline == "cpu" and "torch cannot measure its free memory here" in why, why

@@ -402,3 +402,24 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
         os.close(read)
         os.close(write)
     assert saved == []
+
+
+def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(monkeypatch):
+    # issue 41 item 4: on CUDA/NPU the survivor saves nothing (readable_step), yet on 2+ ranks it hooked the module and
+    # copied its BatchNorm buffers on the device at every accumulation window's start, for that save
+    import types
+    monkeypatch.setattr(survivor, "gather_object", lambda mine: mine + [("elsewhere", 1, 0)])  # a second rank
+    monkeypatch.setattr(survivor.Survivor, "_watch_signals", lambda self: None)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    for device, keeps in (("cpu", True), ("cuda", False)):
+        acc = types.SimpleNamespace(num_processes=2, local_process_index=0, device=torch.device(device),
+                                    _models=[module], gradient_accumulation_steps=1)
+        run = types.SimpleNamespace(accelerator=acc, state=survivor.TrainState(), model=module)
+        saver = survivor.Survivor(run, None, None, None, None)
+        try:
+            assert (bool(saver.buffers), saver.hook is not None, bool(module._forward_pre_hooks)) == (keeps,) * 3
+            saver.lock.acquire()
+            saver.step_done()  # (the step's end copies nothing either)
+            assert saver.kept_step == -1
+        finally:
+            saver.close()

@@ -1,9 +1,9 @@
 """Loading: the data set's description, its splits, and which pipeline holds them.
 
 `--pipeline auto` (the default) takes the device pipeline when the decoded uint8 data fits
-`--device_data_mb` (default a quarter of the device's free memory), else, for an image folder, the decoded cache
-(cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the DataLoader settings of every
-loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
+`--device_data_mb` (default a quarter of the device's free memory; none where torch cannot measure it), else, for an
+image folder, the decoded cache (cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the
+DataLoader settings of every loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
 """
 
 from __future__ import annotations
@@ -40,20 +40,30 @@ class Split:
 
 
 def device_budget(cfg: TrainConfig, device) -> int:
-    """Bytes of decoded images the device pipeline may keep on `device`, as measured here. Under several
-    ranks, take rank 0's measure for every rank (broadcast it before build_data): all ranks must choose
-    the same pipeline."""
+    """Bytes of decoded images the device pipeline may keep on `device`, as measured here: a quarter of its free
+    memory, none where it cannot be measured. Under several ranks, take rank 0's measure for every rank (broadcast it
+    before build_data): all ranks must choose the same pipeline."""
     if cfg.device_data_mb is not None:
         return int(cfg.device_data_mb * 2**20)
-    device = torch.device(device)
-    try:
-        if device.type == "cpu":
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        else:
-            free, _ = torch.accelerator.get_memory_info(device)
-    except (ValueError, OSError, RuntimeError, AttributeError):
-        free = 2**64  # unknown: do not refuse
-    return free // 4
+    free = free_memory(torch.device(device))
+    return 0 if free is None else free // 4
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes on `device`, None where nothing says: torch.accelerator.get_memory_info (missing from older torch
+    within torch>=2.6, not implemented by every allocator), else the backend's own mem_get_info (torch.cuda,
+    torch_npu's torch.npu)."""
+    if device.type == "cpu":
+        probes = [lambda: os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    else:
+        probes = [lambda: torch.accelerator.get_memory_info(device)[0],
+                  lambda: getattr(torch, device.type).mem_get_info(device)[0]]
+    for probe in probes:
+        try:
+            return int(probe())
+        except (ValueError, OSError, RuntimeError, AttributeError, NotImplementedError, TypeError):
+            pass
+    return None
 
 
 def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None,
@@ -63,12 +73,15 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
     budget = device_budget(cfg, device) if budget is None else budget
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
+    allowed = f"the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb" + (
+        "; torch cannot measure its free memory here: none counted)" if budget == 0 and cfg.device_data_mb is None
+        else ")")
     if nbytes <= budget:
-        return "device", f"{size} fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+        return "device", f"{size} fit {allowed}"
     if cfg.pipeline == "device":
-        raise ConfigError(f"--pipeline device: {size} do not fit the {budget / 2**20:.0f} MiB allowed on {device}; "
-                          "use --pipeline cpu (workers decode per sample) or raise --device_data_mb")
-    why = f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
+        raise ConfigError(f"--pipeline device: {size} do not fit {allowed}; use --pipeline cpu (workers decode per "
+                          "sample) or raise --device_data_mb")
+    why = f"{size} do not fit {allowed}"
     reason = no_room(nbytes) if cacheable else None
     if cacheable and reason is None:
         return "cache", why + ", the local disk has room for them decoded"

@@ -72,8 +72,7 @@ class TrainConfig:
     # model
     model: str = opt("resnet18", "any timm model name, or your own module.path:callable (called with num_classes "
                      "and --model_kwargs, it returns an nn.Module; README: Your own model)", "model")
-    trust_model_code: bool = opt(False, "import the model code a model_config.json names (--init_from); "
-                                 "taken from the command line or train() only, never from a --config file", "model")
+    trust_model_code: bool = opt(False, "import the model code a model_config.json names (--init_from)", "model")
     stem: str = opt("auto", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
                     f"'imagenet': timm's model unchanged; 'auto': cifar up to --image_size {CIFAR_STEM_MAX}, "
                     "imagenet above", "model", choices=("auto", "cifar", "imagenet"))
@@ -299,11 +298,12 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save_yaml(self, path) -> None:
+    def save_yaml(self, path, **recorded) -> None:
+        """`recorded`: values in place of the run's. Never trust_model_code: a file does not grant it (cli.py)."""
         with open(path, "w") as f:
             f.write("# accel_train resolved configuration: `accel-train --config config.yaml` reproduces it\n")
-            # (not the trust to import model code: a file never grants it, so a shared folder does not pass it on)
-            yaml.safe_dump({k: v for k, v in self.to_dict().items() if k != "trust_model_code"}, f, sort_keys=False)
+            values = {k: v for k, v in {**self.to_dict(), **recorded}.items() if k != "trust_model_code"}
+            yaml.safe_dump(values, f, sort_keys=False)
 
 
 def _optional(tp) -> bool:

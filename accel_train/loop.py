@@ -44,7 +44,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
     checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
     checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
-                               cfg.keep_checkpoints, model_config(cfg, {}, run.data.info), watch, metrics.history)
+                               cfg.keep_checkpoints, model_config(cfg, {}, run), watch, metrics.history)
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
     run_start = time.perf_counter()

@@ -78,8 +78,8 @@ def test_the_reviews_shared_folder_runs_no_code(tmp_path):
     # shared_run.payload from the working directory, and a config.yaml that asks for trust
     folder, marker = tmp_path / "shared_run", tmp_path / "payload_ran"
     folder.mkdir()
-    (folder / "payload.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
-                                       "import torch\ndef build(num_classes):\n    return torch.nn.Linear(3, num_classes)\n")
+    (folder / "payload.py").write_text(f"open({str(marker)!r}, 'w').close()\nimport torch\n"
+                                       "def build(num_classes):\n    return torch.nn.Linear(3, num_classes)\n")
     (folder / "model_config.json").write_text(json.dumps({"architecture": "shared_run.payload:build"}))
     save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, folder / "model.safetensors")
     (folder / "config.yaml").write_text(yaml.safe_dump({"init_from": "shared_run", "trust_model_code": True,

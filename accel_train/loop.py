@@ -178,8 +178,9 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     if not only_evaluation:
         run.state.epoch_train = meter.result(run.accelerator)  # (kept by every checkpoint until the row is recorded)
     elif run.state.epoch_train is None:
-        logger.warning(f"epoch {epoch + 1}'s training numbers were lost with the peer (their reduce never completed): "
-                       "no row for it", main_process_only=not cfg.log_all_ranks)
+        logger.warning(f"epoch {epoch + 1}'s training numbers are not in the checkpoint (a peer was lost in their "
+                       "reduce, or an older accel_train wrote it): no row for it",
+                       main_process_only=not cfg.log_all_ranks)
         return {}
     train_stats = run.state.epoch_train
     evaluated = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta, stop)

@@ -473,17 +473,6 @@ killed_ranks() {  # host-pid of each rank that ended without a fault, without Py
 aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
 crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
-trainer_flag() {  # --NAME's value as the trainer will read it from the command line (the last one wins), else $2
-  local value="$2" i
-  for ((i = 0; i < ${#trainer_args[@]}; i++)); do
-    case "${trainer_args[i]}" in
-      "--$1="*) value="${trainer_args[i]#*=}" ;;
-      "--$1") value="${trainer_args[i + 1]:-}" ;;
-    esac
-  done
-  echo "$value"
-}
-
 # One run id for every attempt (the trainer's ACCEL_TRAIN_RUN_ID: a fresh run takes it): a relaunch of an --overwrite
 # run (then --overwrite with --resume auto) resumes that run's own checkpoints only, never the run it replaces.
 printf -v run_id '%08x%04x' "${SRANDOM:-$((RANDOM << 15 | RANDOM))}" "$RANDOM"  # (bash alone: no od on PATH)
@@ -528,6 +517,5 @@ while true; do
   attempt=$((attempt + 1))
   echo "launch.sh: the job failed (exit status $status); relaunching to resume from the newest checkpoint" >&2
   sleep "${ACCEL_RESTART_DELAY:-3}"
-  # --resume PATH stays (the trainer takes this launch's own newer checkpoint, ACCEL_TRAIN_RUN_ID, over PATH)
-  if ((attempt == 1)) && [[ "$(trainer_flag resume auto)" == auto ]]; then cmd+=(--resume auto); fi
+  if ((attempt == 1)); then cmd+=(--resume auto); fi
 done

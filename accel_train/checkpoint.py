@@ -40,7 +40,6 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
     run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
     epoch_train: dict | None = None  # the epoch's training numbers once reduced over ranks, until its row is recorded
-    launch: str | None = None        # the launch that wrote it (rank 0's ACCEL_TRAIN_RUN_ID: launch.sh's invocation)
 
 
 def _state_dict_cpu(module: torch.nn.Module) -> dict:

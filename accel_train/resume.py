@@ -52,16 +52,14 @@ class Decision:
     meta: dict | None            # its trainer_state.json
     run_id: str
     overwritten: list[Path] = field(default_factory=list)  # --overwrite: an earlier run's checkpoints, to delete
-    launch: str | None = None    # rank 0's ACCEL_TRAIN_RUN_ID (launch.sh's invocation), recorded in its checkpoints
 
 
 def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
-    listing, launches = [], []
+    listing = []
     for path in checkpoint_dirs(out):
         try:
             meta = json.loads((path / STATE_FILE).read_text())
             listing.append((int(meta["step"]), meta.get("run_id", "legacy")))
-            launches.append(meta.get("launch"))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a checkpoint accel_train wrote
     explicit = None
@@ -82,7 +80,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
-            "listing": listing, "launches": launches, "explicit": explicit, "probes": probes, "out": str(out),
+            "listing": listing, "explicit": explicit, "probes": probes, "out": str(out),
             "alike": alike and (alike["step"], alike.get("epoch", 0)), "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
@@ -135,10 +133,7 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     if not held:
         raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no {STATE_FILE} / "
                           f"{MODEL_FILE}); pass a {CKPT_DIR}/step_N directory or --resume auto")
-    # launch.sh's relaunch keeps --resume PATH: the newest step this launch saved since (of PATH's run) comes first
-    own = [entry for r in reports for entry, launch in zip(r["listing"], r["launches"]) if launch is not None
-           and launch == reports[0]["launch"] and entry[1] == held[0][1] and entry[0] > held[0][0]]
-    return max(own, default=held[0]), runs
+    return held[0], runs
 
 
 def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
@@ -167,8 +162,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)
         run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
-        return Decision(writer, shared, machines, None, None, run_id, others(out, run_id) if runs and writer else [],
-                        reports[0]["launch"])
+        return Decision(writer, shared, machines, None, None, run_id, others(out, run_id) if runs and writer else [])
 
     step, run_id = target
     replacing = cfg.overwrite and cfg.resume == "auto"  # (launch.sh's relaunch: the other runs are set aside)
@@ -198,10 +192,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         log(f"resume: rank(s) {missing} lack checkpoint step {step}; rank {source} sends it")
         send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
-    if explicit and target not in [r["explicit"] for r in reports]:  # (this launch's own newer step: _choose)
-        log(f"--resume {cfg.resume}: this launch has saved step {step} since; resuming from {local}")
-    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [],
-                    reports[0]["launch"])
+    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [])
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:

@@ -211,10 +211,9 @@ def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: i
 def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, log):
     """Where training starts (a checkpoint's step and batches into its epoch, or step 0), the metrics rows the
     checkpoint carries, and the EMA: from the weights training continues from, then the checkpoint's if it has one."""
-    state, history = TrainState(run_id=decision.run_id, launch=decision.launch), None
+    state, history = TrainState(run_id=decision.run_id), None
     if decision.resume_from:
         state = load_checkpoint(accelerator, decision.resume_from)
-        state.launch = decision.launch  # (this launch's checkpoints: a relaunch with --resume PATH prefers them)
         state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
         history = read_history(decision.resume_from)
         log_changes(decision.meta, cfg, accelerator.mixed_precision, log)  # momentum, weight decay, ...: the flags'

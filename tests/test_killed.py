@@ -39,39 +39,3 @@ def test_the_only_rank_killed_by_sigkill_is_status_137_and_relaunched(tmp_path):
     assert "the job failed (exit status 137); relaunching to resume from the newest checkpoint" in text
     assert "exit status 1)" not in text and "(attempt 2 of 2)" in text and "resumed from" in text
     assert (out / "model.safetensors").is_file()
-
-
-def test_a_relaunch_keeps_resume_path_until_the_launch_saved_its_own_checkpoint(tmp_path):
-    # issue 33 item 2: a job started from --resume PATH and killed before its first own checkpoint was relaunched with
-    # --resume auto (the last flag wins), which finds nothing in its empty --output_dir: step 1 again. Now the
-    # relaunch keeps PATH until this launch saved a step of its own, then takes that one.
-    from conftest import run_cli
-    given, out, log, tag = tmp_path / "given", tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
-    args = ["--model", "tests_pkg.mod:build", "--train_samples", "160", "--test_samples", "8", "--batch_size", "8",
-            "--epochs", "1", "--log_every", "1", "--checkpoint_every", "6"]
-    env = clean_env(PYTHONPATH=str(ROOT / "tests"))
-    assert run_cli([*args, "--max_steps", "4", "--checkpoint_every", "4", "--output_dir", given], env=env).returncode == 0
-    path = given / "checkpoints" / "step_00000004"
-    env = clean_env(NPROC_PER_NODE="1", ACCEL_RESTART_DELAY="1", ACCEL_TEST_TAG=tag, TESTS_PKG_DELAY="0.2",
-                    PYTHONPATH=str(ROOT / "tests"))
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *map(str, args), "--resume", str(path), "--output_dir",
-                                 str(out), "--max_restarts", "2"], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                cwd=ROOT, start_new_session=True)
-    try:
-        wait_for(lambda: steps_logged(out) >= 5, timeout=240, interval=0.01)  # (steps 1-4: the checkpoint's rows)
-        (first,) = wait_for(lambda: trainer_pids(tag), timeout=30).values()
-        os.kill(first, signal.SIGKILL)  # step 5: before this launch's first checkpoint (step 6)
-        own = out / "checkpoints" / "step_00000006"
-        (second,) = wait_for(lambda: own.is_dir() and set(trainer_pids(tag).values()) - {first}, timeout=240)
-        os.kill(second, signal.SIGKILL)
-        code = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
-    assert code == 0 and "(attempt 3 of 3)" in text, text[-4000:]
-    resumed = [line.split("resumed from ", 1)[1].split(":")[0] for line in text.splitlines() if "resumed from " in line]
-    assert resumed == [str(path), str(path), str(own)], (resumed, text[-4000:])
-    assert f"--resume {path}: this launch has saved step 6 since; resuming from {own}" in text

@@ -40,7 +40,7 @@
 #                         GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
 #   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint of
 #                         the run it started (or ACCEL_MAX_RESTARTS=N; after --overwrite never the run
-#                         that --overwrite replaces); only a lost peer or a killed rank is relaunched:
+#                         that --overwrite replaces); only a lost peer (3) or a killed rank (137) is relaunched:
 #                         bad input (2), an error (1) or divergence (5) never are
 #   --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this script
 #                         (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is passed to the
@@ -463,10 +463,13 @@ fi
 # "backend: gloo" line): gloo raises a lost peer in the rank's own thread and aborts only when a collective breaks its
 # rules (a collective mismatch: "Is there a distributed collective mismatch in your code?"), a bug: an error (1),
 # whatever the "lost contact" of the other ranks (accel_train/errors.py note_backend).
+# A rank killed outright (SIGKILL: kill -9, the OOM killer) writes nothing: its note says neither a fault nor
+# Python's exit ("exit: python") and no status file bears its name; accelerate would say 1, an error, which is not
+# relaunched. It is 137 (128 + SIGKILL), relaunched, unless another rank says more (a survivor's lost peer, 3).
 # Most telling first: bad input, diverged, a gloo rank aborted (a bug), an aborted rank (a lost peer), error, a
-# second Ctrl-C, preempted, lost peer. The order of STATUS_PRIORITY in accel_train/errors.py (tests/test_errors.py
-# checks the two agree).
-STATUS_PRIORITY="2 5 crash abort 1 130 4 3"
+# second Ctrl-C, preempted, lost peer, killed. The order of STATUS_PRIORITY in accel_train/errors.py
+# (tests/test_errors.py checks the two agree).
+STATUS_PRIORITY="2 5 crash abort 1 130 4 3 137"
 trainer_status() {
   local codes c
   codes=" $(cat "$1"/* 2>/dev/null | tr '\n' ' ' || true) "
@@ -475,6 +478,8 @@ trainer_status() {
       if crashed "$1"; then echo 1; return; fi
     elif [[ "$c" == abort ]]; then
       if aborted "$1"; then echo 3; return; fi
+    elif [[ "$c" == 137 ]]; then
+      if [[ -n "$(killed_ranks "$1")" ]]; then echo 137; return; fi
     elif [[ "$codes" == *" $c "* ]]; then
       echo "$c"; return
     fi
@@ -485,6 +490,13 @@ abort_backends() {  # one line per rank that ended by SIGABRT: its process group
   for note in "$1"/faults/*; do
     grep -qs '^Fatal Python error: Aborted' "$note" || continue
     sed -n 's/^backend: //p' "$note" | grep . || echo none
+  done
+}
+killed_ranks() {  # host-pid of each rank that ended without a fault, without Python's exit and without a status
+  local note
+  for note in "$1"/faults/*; do
+    [[ -f "$note" && ! -e "$1/${note##*/}" ]] || continue
+    grep -qs -e '^Fatal Python error' -e '^exit: python' "$note" || echo "${note##*/}"
   done
 }
 aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
@@ -534,6 +546,9 @@ while true; do
   reported="$(trainer_status "$status_dir")"
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
     echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2
+  elif [[ "$reported" == 137 ]]; then
+    killed="$(killed_ranks "$status_dir")"
+    echo "launch.sh: a rank was killed by a signal it cannot handle (SIGKILL: kill -9, the OOM killer; host-pid ${killed//$'\n'/ }) and reported nothing: exit status 137" >&2
   elif [[ "$reported" == 1 ]] && crashed "$status_dir"; then
     echo "launch.sh: a rank of a gloo process group ended by SIGABRT: gloo aborts only when a collective breaks its rules, e.g. ranks passing tensors of different sizes ('collective mismatch' above), a bug; the other ranks' 'lost contact' is that rank's end" >&2
   fi
@@ -549,7 +564,7 @@ while true; do
          exit 4
        fi ;;
   esac
-  # a lost peer (3), a rank killed outright (no status), or a preemption that --restart_on_preempt relaunches
+  # a lost peer (3), a rank killed outright (137; or nothing reported), or a preemption --restart_on_preempt relaunches
   status="${reported:-$status}"
   if [[ -n "$signalled" ]]; then
     echo "launch.sh: stopped by SIG$signalled (exit status $status)" >&2; exit "$status"

@@ -94,6 +94,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     parser = train_parser()
     args, unknown = parser.parse_known_args(argv)
     file = load_yaml(args.config) if args.config else {}
+    file.pop("trust_model_code", None)  # trust comes from the command line (or train()), never from a file
     if file:
         parser.set_defaults(**file)
         args, unknown = parser.parse_known_args(argv)
@@ -102,8 +103,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     flags = given(parser, argv)
     if ":" in str(file.get("model", "")) and "model" not in flags:  # code named by a file: the command line trusts it
         from .user import allow_import
-        allow_import(values["model"], "trust_model_code" in flags and args.trust_model_code, None,
-                     f"--config {args.config}")
+        allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
     return TrainConfig(**seed_data_alias(values, flags, file))
 
 

@@ -301,10 +301,12 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save_yaml(self, path) -> None:
+    def save_yaml(self, path, **recorded) -> None:
+        """`recorded`: values in place of the run's. Never trust_model_code: a file does not grant it (cli.py)."""
         with open(path, "w") as f:
             f.write("# accel_train resolved configuration: `accel-train --config config.yaml` reproduces it\n")
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            values = {k: v for k, v in {**self.to_dict(), **recorded}.items() if k != "trust_model_code"}
+            yaml.safe_dump(values, f, sort_keys=False)
 
 
 def _optional(tp) -> bool:

@@ -53,14 +53,18 @@ class Parser(argparse.ArgumentParser):
 
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
+# 128 + SIGKILL: launch.sh's status for a rank killed outright (kill -9, the OOM killer), which reports nothing itself:
+# its abort note (note_aborts) has no fault and no exit of Python's, and there is no status file of its own
+EXIT_KILLED = 137
 
 # The job's status when ranks ended differently, most telling first: a cause that a relaunch cannot fix (bad input,
 # divergence, a rank of a gloo group ended by SIGABRT: a bug, counted as an error), then a rank aborted by the NCCL
-# watchdog (no status file; counted as a lost peer), then an error, a second Ctrl-C, a preemption, a lost peer.
+# watchdog (no status file; counted as a lost peer), then an error, a second Ctrl-C, a preemption, a lost peer (its
+# survivors saved the last step), and last a rank killed outright with no other rank saying more.
 # launch.sh's trainer_status() walks the same list. (A rank's abort note names its backend: note_backend.)
 CRASHED, ABORTED = "crash", "abort"
 STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, CRASHED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
-                   EXIT_LOST_PEER)
+                   EXIT_LOST_PEER, EXIT_KILLED)
 
 
 def report_status(code: int) -> None:
@@ -121,7 +125,20 @@ def note_aborts() -> None:
     except OSError:
         return
     faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
+    if not _fault_notes:
+        atexit.register(_note_exit)
     _fault_notes.append(note)
+
+
+def _note_exit() -> None:
+    """Python runs its exit (any status; os._exit paths report theirs first): the note says so, and launch.sh tells
+    this rank from one killed outright (SIGKILL: no fault, no exit, no status; EXIT_KILLED)."""
+    for note in _fault_notes:
+        try:
+            note.write("exit: python\n")
+            note.flush()
+        except (OSError, ValueError):
+            pass
 
 
 _fault_notes: list = []

@@ -43,13 +43,13 @@ def train(cfg: TrainConfig, given=None) -> dict:
     watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
     checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
     checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
-                               cfg.keep_checkpoints, model_config(cfg, {}, run.data.info), watch, metrics.history)
+                               cfg.keep_checkpoints, model_config(cfg, {}, run), watch, metrics.history)
     progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
     pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
     run_start = time.perf_counter()
     with Survivor(run, cfg, checkpoints, metrics, stop).guard() as survivor:  # a lost peer: the last step is saved
         while not run.done:
-            epoch = state.epoch
+            epoch, only_evaluation = state.epoch, state.batch_in_epoch >= run.batches_per_epoch  # (resumed so)
             model.train()
             meter = EpochMeter(accelerator.device)
             window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
@@ -81,11 +81,11 @@ def train(cfg: TrainConfig, given=None) -> dict:
                         checkpoints.save(state)
                 tick = time.perf_counter()
             watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
-            row = end_of_epoch(run, cfg, meter, epoch, stop)
+            row = end_of_epoch(run, cfg, meter, epoch, stop, only_evaluation)
             if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
                 raise stop.stopped(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
                                 f"{checkpoints.save(state)}; continue with --resume auto")
-            record_epoch(run, cfg, metrics, best, row)
+            record_epoch(run, cfg, metrics, best, row)  # (none for {}: its training numbers were lost with a peer)
             next_epoch(run, epoch, survivor.lock)
             checkpoints.save(state)  # epoch end, or where --max_steps stopped
     progress.close()
@@ -97,6 +97,7 @@ def next_epoch(run: Run, epoch: int, lock) -> None:
     """After an epoch's row: the next epoch starts, unless --max_steps stopped this one (epoch and batch change
     together: the survivor reads them under `lock`)."""
     with lock:
+        run.state.epoch_train = None  # (recorded in the row)
         if run.state.batch_in_epoch >= run.batches_per_epoch:
             run.state.epoch, run.state.batch_in_epoch = epoch + 1, 0
 
@@ -167,10 +168,20 @@ def reseed(run: Run) -> None:
     torch.manual_seed(draw_seed(run.run_math["seed"], state.step, micro, accelerator.process_index))
 
 
-def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None) -> dict | None:
+def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None, only_evaluation=False
+                 ) -> dict | None:
     """Reduce the epoch's training sums, evaluate on the whole test split, log one line (None: stopped by a
-    signal during the evaluation)."""
-    train_stats = meter.result(run.accelerator)
+    signal during the evaluation). `only_evaluation` (resumed after the epoch's last batch): the training numbers are
+    the ones the checkpoint kept (TrainState.epoch_train); without them ({}: a peer was lost in their reduce) the
+    epoch has no row, never one of zeros."""
+    if not only_evaluation:
+        run.state.epoch_train = meter.result(run.accelerator)  # (kept by every checkpoint until the row is recorded)
+    elif run.state.epoch_train is None:
+        logger.warning(f"epoch {epoch + 1}'s training numbers are not in the checkpoint (a peer was lost in their "
+                       "reduce, or an older accel_train wrote it): no row for it",
+                       main_process_only=not cfg.log_all_ranks)
+        return {}
+    train_stats = run.state.epoch_train
     evaluated = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta, stop)
     if evaluated is None:
         return None

@@ -16,7 +16,6 @@ from accelerate.logging import get_logger
 from . import __version__
 from .checkpoint import _state_dict_cpu, save_safetensors
 from .config import TrainConfig
-from .data import DataInfo
 from .errors import ConfigError
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)
@@ -36,8 +35,8 @@ def export_model(model: torch.nn.Module, output_dir, model_config: dict, filenam
     metadata also carries mean/std (what --init_from reads when the file travels without its model_config.json)
     and `extra` (the best model: its epoch, step and test_acc)."""
     path = Path(output_dir) / filename
-    metadata = {"format": "pt", "architecture": model_config["architecture"], "mean": json.dumps(model_config["mean"]),
-                "std": json.dumps(model_config["std"]), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    metadata = {"format": "pt", "architecture": model_config["architecture"] or "",
+                "mean": json.dumps(model_config["mean"]), "std": json.dumps(model_config["std"]), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
     save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
     if write_config:
         with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
@@ -94,13 +93,16 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is exported (main
     process) as model_best.safetensors, with its epoch, step and test_acc in the file's metadata. The row of an
     epoch that --max_steps cut short is recorded but is not a candidate: a resume drops that row (its epoch is
-    finished and evaluated again), and a best file written from it would replace the earlier best's."""
+    finished and evaluated again), and a best file written from it would replace the earlier best's. An empty row
+    (loop.end_of_epoch: the epoch's training numbers were lost with a peer) is not recorded, on every rank."""
+    if not row:
+        return
     metrics.append(run.accelerator, row)
     whole = run.state.batch_in_epoch >= run.batches_per_epoch
     improves, facts = whole and best.improves(row), {k: row[k] for k in ("epoch", "step", "test_acc")}
     # every rank takes part (a collective), whatever its own rows say: the main process's decide the export
     main_process_writes(run.accelerator, lambda: improves and export_model(
-        bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run.data.info),
+        bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run),
         filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
     if whole:
         best.take(row)
@@ -146,9 +148,10 @@ def compile_summary() -> str:
             + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
 
 
-def model_config(cfg: TrainConfig, metrics: dict, info: DataInfo) -> dict:
-    return {"architecture": cfg.model, "stem": cfg.stem, **info.model_config(), "model_kwargs": cfg.model_kwargs_dict(),
-            "metrics": metrics, "accel_train_version": __version__}
+def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
+    """architecture: the timm name or import path that rebuilds the model (Run.architecture), None if none does."""
+    return {"architecture": run.architecture, "stem": cfg.stem, **run.data.info.model_config(),
+            "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics, "accel_train_version": __version__}
 
 
 def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float) -> dict:
@@ -172,10 +175,10 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
     cfg.mixed_precision = accelerator.mixed_precision  # config.yaml reproduces the precision used, not 'auto'
 
     def write():
-        path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, info))
+        path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, run))
         if ema is not None:
-            export_model(ema.module, out, model_config(cfg, summary, info), filename=EMA_EXPORT_FILE)
-        cfg.save_yaml(out / CONFIG_FILE)
+            export_model(ema.module, out, model_config(cfg, summary, run), filename=EMA_EXPORT_FILE)
+        cfg.save_yaml(out / CONFIG_FILE, model=run.architecture)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(
             metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
             lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"], metrics.steps(),

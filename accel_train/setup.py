@@ -37,7 +37,7 @@ from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
 from .runs import hold_output_dir, start_branch
-from .user import Given, check_forward
+from .user import Given, check_forward, rebuild_problem
 
 logger = get_logger("accel_train")
 
@@ -60,6 +60,7 @@ class Run:
     decision: Decision           # who writes checkpoints, where training resumed from
     run_math: dict               # what the run computes, recorded in every checkpoint (a resume checks it)
     history: dict | None         # metrics rows of the checkpoint resumed from
+    architecture: str | None     # what model_config.json records: None for a model no import path rebuilds
 
     @property
     def precision(self) -> str:
@@ -86,7 +87,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     decision = agree_on_start(cfg, accelerator, log)
     data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
-    model, optimizer, loaded = build_model(cfg, accelerator, data, given or Given())
+    model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given())
     criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
     check_run_precision(cfg, accelerator, data, model, criterion, log)  # the reduced precision computes right here
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
@@ -99,7 +100,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
     run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
-              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history)
+              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture)
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers("accel_train", config=tracker_config(cfg),  # on the main process only
@@ -179,7 +180,23 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
     on_every_rank(accelerator, check_forward, model, x, data.info.num_classes, cfg.model)
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
                                     weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
-    return model, optimizer, loaded
+    return model, optimizer, loaded, recorded_architecture(cfg, accelerator, data, given, model, x)
+
+
+def recorded_architecture(cfg: TrainConfig, accelerator, data: Data, given: Given, model, x) -> str | None:
+    """The import path model_config.json records: --model's; for a module or factory given to train() its own
+    (user.name_of) only if that rebuilds it (user.rebuild_problem, checked by the main process), else None and one
+    line saying so (evaluate and predict then need the model named)."""
+    if given.model is None:
+        return cfg.model
+    rebuild = partial(create_model, cfg.model, cfg.stem, data.info.num_classes, cfg.image_size,
+                      **cfg.model_kwargs_dict())
+    problem = rank0s(rebuild_problem(model, rebuild, x) if accelerator.is_main_process else None)
+    if problem:
+        logger.warning(f"model_config.json records no architecture: the model given to train() is not rebuilt by "
+                       f"its import path {cfg.model} with model_kwargs {cfg.model_kwargs_dict()} ({problem}); "
+                       "evaluate and predict need --model naming code that builds it")
+    return None if problem else cfg.model
 
 
 def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: int):

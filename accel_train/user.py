@@ -156,3 +156,42 @@ def allow_import(path: str, trusted: bool, named: str | None, where: str) -> Non
     if is_import_path(path) and not trusted and named != path:
         raise ConfigError(f"{where} names the model code {path}: importing it runs that code; if you trust it, pass "
                           f"--trust_model_code (or --model {path})")
+
+
+def rebuild_problem(model: nn.Module, rebuild, x: torch.Tensor) -> str | None:
+    """Why the import path a model given to train() is recorded under does not rebuild it (None: it does).
+    `rebuild()` builds what model_config.json would make of it (that path, num_classes, model_kwargs, stem); that
+    must have the same state-dict keys and shapes and, holding the same weights, give the same logits on `x` (eval
+    mode). The weights are random ones, loaded into both (the model's own are restored after): a layer initialised
+    to zero would hide a different activation. The model's buffers (e.g. running statistics) are kept."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            rebuilt = rebuild()
+    except Exception as e:  # the import or the call failed (a lambda, a local class, a functools.partial ...)
+        return str(e) if isinstance(e, ConfigError) else one_line(e)
+    mine, theirs = model.state_dict(), rebuilt.state_dict()
+    if mine.keys() != theirs.keys():
+        return f"it has other tensors ({', '.join(sorted(set(mine) ^ set(theirs))[:3])})"
+    for key, value in mine.items():
+        if value.shape != theirs[key].shape:
+            return f"its {key} has shape {tuple(theirs[key].shape)}, the trained model's {tuple(value.shape)}"
+    saved, was_training = {k: v.detach().clone() for k, v in mine.items()}, model.training
+    params = {name for name, _ in model.named_parameters()}
+    seed = torch.Generator().manual_seed(0)
+    weights = {k: torch.randn(v.shape, generator=seed).to(v.dtype) if k in params and v.is_floating_point() else v
+               for k, v in saved.items()}
+    device = next(model.parameters()).device
+    try:
+        model.load_state_dict(weights)
+        rebuilt.to(device).load_state_dict(weights)
+        with torch.no_grad():
+            a, b = (m.eval()(x.to(device)).float().cpu() for m in (model, rebuilt))
+    except Exception as e:
+        return f"it fails on the trained model's weights or a batch ({one_line(e)})"
+    finally:
+        model.load_state_dict(saved)
+        model.train(was_training)
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(1.0, a.abs().max().item())):
+        worst = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
+        return f"it gives other logits for the same weights (up to {worst:.3g} apart)"
+    return None

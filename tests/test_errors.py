@@ -36,18 +36,24 @@ def shell_function(name):
     ([2], "gloo", "2"),
     ([130, 4], False, "130"),      # a second Ctrl-C beats the preemption it interrupted
     ([3, 4], False, "4"),
-    ([], False, ""),               # killed outright: nothing written
+    ([], False, ""),               # nothing written at all (a rank killed before its note): the launcher's status
+    ([], "killed", "137"),         # a rank killed outright (kill -9, the OOM killer): its note alone, no exit, no status
+    ([3], "killed", "3"),          # ... and a survivor that saved the step: a lost peer
+    ([1], "killed", "1"),          # (an error elsewhere is an error)
 ])
 def test_trainer_status_picks_the_most_telling_status(tmp_path, written, aborted, expected):
     for i, code in enumerate(written):
         (tmp_path / f"host-{i}").write_text(f"{code}\n")
     (tmp_path / "faults").mkdir()
-    (tmp_path / "faults" / "host-8").write_text("backend: gloo\n")  # a rank's note that did not abort
-    if aborted:
+    (tmp_path / "faults" / "host-8").write_text("backend: gloo\nexit: python\n")  # a rank's note that did not abort
+    if aborted == "killed":  # a note that ends without Python's exit, and no status file of that rank
+        (tmp_path / "faults" / "host-7").write_text("backend: gloo\n")
+    elif aborted:
         backend = "" if aborted is True else f"backend: {aborted}\n"
         (tmp_path / "faults" / "host-9").write_text(f"{backend}Fatal Python error: Aborted\n\nCurrent thread ...\n")
-    script = "\n".join([re.search(r'(?m)^STATUS_PRIORITY=.*$', LAUNCH).group(0), shell_function("trainer_status"),
-                        *map(shell_function, ("abort_backends", "aborted", "crashed")), f'trainer_status "{tmp_path}"'])
+    functions = map(shell_function, ("trainer_status", "abort_backends", "aborted", "crashed", "killed_ranks"))
+    script = "\n".join([re.search(r'(?m)^STATUS_PRIORITY=.*$', LAUNCH).group(0), *functions,
+                        f'trainer_status "{tmp_path}"'])
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == expected, (proc.stdout, proc.stderr)
 

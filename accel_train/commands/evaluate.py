@@ -38,16 +38,21 @@ def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str
         raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
                           "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
     meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
-    if named and named != meta["architecture"]:
+    if not meta.get("architecture") and not named:  # a model given to train() that no import path rebuilds
+        raise ConfigError(f"{root / MODEL_CONFIG_FILE} records no architecture (the model was given to train() and its "
+                          "import path does not rebuild it); pass --model module.path:callable that builds it, called "
+                          f"with num_classes and {meta.get('model_kwargs') or {}}")
+    if named and meta.get("architecture") and named != meta["architecture"]:
         raise ConfigError(f"--model {named}, but {root / MODEL_CONFIG_FILE} says the model is {meta['architecture']}; "
                           "drop --model or name that one")
-    allow_import(meta["architecture"], trust, named, str(root / MODEL_CONFIG_FILE))
-    model = create_model(meta["architecture"], meta["stem"], meta["num_classes"], int(meta["input_size"][-1]),
+    arch = named or meta["architecture"]
+    allow_import(arch, trust, named, str(root / MODEL_CONFIG_FILE))
+    model = create_model(arch, meta["stem"], meta["num_classes"], int(meta["input_size"][-1]),
                          **meta.get("model_kwargs", {}))  # (a model of a fixed input size: built for the run's)
     try:
         model.load_state_dict(plain_state_dict(load_file(weights)))  # (a checkpoint's: written from the prepared model)
     except Exception as e:
-        raise ConfigError(f"{weights} does not fit {meta['architecture']} ({str(e).splitlines()[0][:200]})") from None
+        raise ConfigError(f"{weights} does not fit {arch} ({str(e).splitlines()[0][:200]})") from None
     return model.eval(), meta
 
 
@@ -56,7 +61,7 @@ def model_code_flags(p) -> None:
     p.add_argument("--trust_model_code", action="store_true", help="import the model code (module.path:callable) "
                    "that the checkpoint's model_config.json names: it runs that code")
     p.add_argument("--model", default=None, help="the model's import path, as model_config.json names it: allows that "
-                   "import as --trust_model_code does")
+                   "import as --trust_model_code does (where model_config.json names none: the code that builds it)")
 
 
 def main_evaluate(argv: list[str]) -> int:
@@ -103,7 +108,7 @@ def main_evaluate(argv: list[str]) -> int:
     log = get_logger("accel_train")
     acc = (preds == labels).float().mean().item()
     width = max(12, *(len(c) for c in info.classes))
-    lines = [f"{meta['architecture']} ({meta['stem']} stem) from {args.checkpoint}"
+    lines = [f"{meta['architecture'] or args.model} ({meta['stem']} stem) from {args.checkpoint}"
              + (" [EMA]" if args.ema else "") + (" [flip TTA]" if args.tta else "")
              + f": test accuracy {acc:.2%} on {labels.numel()} samples ({accelerator.num_processes} process(es))",
              f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]

@@ -19,7 +19,8 @@ import typing
 import yaml
 
 from . import __version__
-from .config import TrainConfig, base_type, fields
+from .config import TrainConfig, fields
+from .flag_types import base_type
 from .status import status_of
 from .errors import EXIT_OK, ConfigError, Parser, exit_rank
 

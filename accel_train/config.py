@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 
 import yaml
 
 from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, infer_data, resolve_batch
 from .errors import ConfigError
+from .flag_types import check_types_and_choices
 
 
 # Automatic defaults (README: Train on your own images). The cifar stem keeps the full resolution into the first
@@ -165,7 +163,7 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        self._check_types_and_choices()
+        check_types_and_choices(self)
         positive = ("epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s", "ddp_bucket_cap_mb")
         for name in positive:
             if getattr(self, name) < 1:
@@ -202,30 +200,6 @@ class TrainConfig:
         if self.pipeline == "cache" and self.data != "imagefolder":
             raise ConfigError(f"--pipeline cache decodes an image folder once; {self.data} needs no decoding: use "
                               "--pipeline cpu or auto")
-
-    def _check_types_and_choices(self) -> None:
-        """The checks argparse makes for flags, made here so that --config YAML gets them too."""
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value, kind = getattr(self, f.name), base_type(hints[f.name])
-            if value is None and _optional(hints[f.name]):
-                continue
-            if kind is bool:
-                ok = isinstance(value, bool)
-            elif kind is int:
-                ok = isinstance(value, int) and not isinstance(value, bool)
-            elif kind is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            else:
-                ok = isinstance(value, kind)
-            if not ok:
-                raise ConfigError(f"--{f.name} must be {'true or false' if kind is bool else 'a ' + kind.__name__}, "
-                                  f"got {value!r}")
-            if kind is float and not math.isfinite(value):
-                raise ConfigError(f"--{f.name} must be a finite number, got {value}")
-            choices = f.metadata.get("choices")
-            if choices and value not in choices:
-                raise ConfigError(f"--{f.name} {value!r}: invalid choice; pick one of {', '.join(choices)}")
 
     def model_kwargs_dict(self) -> dict:
         if not self.model_kwargs:
@@ -307,16 +281,6 @@ class TrainConfig:
             f.write("# accel_train resolved configuration: `accel-train --config config.yaml` reproduces it\n")
             values = {k: v for k, v in {**self.to_dict(), **recorded}.items() if k != "trust_model_code"}
             yaml.safe_dump(values, f, sort_keys=False)
-
-
-def _optional(tp) -> bool:
-    return type(None) in typing.get_args(tp)
-
-
-def base_type(tp):
-    """int | None -> int; bool -> bool."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
 
 
 def fields():

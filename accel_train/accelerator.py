@@ -168,6 +168,31 @@ def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> Non
     if (cfg.world_size or 1) > 1 and num_processes == 1:
         raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: start the job "
                           "with launch.sh (or accelerate launch with a multi-node config), not python directly")
+    asked = asked_processes(env)
+    if num_processes == 1 and asked > 1:  # (issue 40 item 4: Accelerate's behaviour, said with its fix)
+        raise ConfigError(f"accelerate launch --num_processes {asked} started one process: its config's "
+                          "distributed_type is NO (as `accelerate config default` writes it), which runs one process "
+                          "whatever --num_processes says; pass --config_file accelerate_configs/2proc_cpu.yaml (CPU "
+                          "ranks) or 1node_gpu.yaml (GPUs), or start it with launch.sh")
+
+
+def asked_processes(env=os.environ, parent_cmdline: bytes | None = None) -> int:
+    """The --num_processes that `accelerate launch` (the parent of a process it started: it sets
+    ACCELERATE_MIXED_PRECISION, utils/launch.py) was given on its command line; 1 where none, or not Linux."""
+    if "ACCELERATE_MIXED_PRECISION" not in env:
+        return 1
+    if parent_cmdline is None:
+        try:
+            parent_cmdline = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        except OSError:
+            return 1
+    argv = parent_cmdline.decode(errors="replace").split("\0")
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--num_processes=") else (
+            argv[i + 1] if arg == "--num_processes" and i + 1 < len(argv) else None)
+        if value is not None and value.isdigit():
+            return int(value)
+    return 1
 
 
 def prepare_output_dir(path) -> Path:

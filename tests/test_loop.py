@@ -1,5 +1,7 @@
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from accel_train.errors import ConfigError
 from accel_train.accelerator import check_one_group
 from accel_train.metrics import EpochMeter
 from accel_train.model import create_model
-from conftest import ROOT, TINY, launch, write_cifar
+from conftest import ROOT, TINY, clean_env, launch, write_cifar
 
 FORBIDDEN = (r"\.cuda\(", r"torch\.distributed", r"DistributedSampler", r"DistributedDataParallel\(",
              r"init_process_group", r"LOCAL_RANK")
@@ -107,3 +109,28 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again
     assert not torch.equal(rank0, rank1), "rank 0 and rank 1 drew the same dropout mask"
     assert torch.equal(rank0, masks(0)) and torch.equal(rank1, masks(1))  # a function of its inputs: resume is exact
     assert not torch.equal(rank0, masks(0, step=8)) and not torch.equal(rank0, masks(0, batch_in_epoch=4))
+
+
+def test_accelerate_launch_num_processes_2_with_a_one_process_config_is_refused_naming_the_config(tmp_path):
+    """Issue 40 item 4: `accelerate config default` + `accelerate launch --num_processes 2` silently trained one
+    process (distributed_type NO). The trainer reads what its launcher was asked for and names the config to use."""
+    from accel_train.accelerator import asked_processes
+    launched = {"ACCELERATE_MIXED_PRECISION": "no"}
+    cmd = b"\0".join([b"python", b"-m", b"accelerate.commands.launch", b"--num_processes", b"2", b"-m", b"accel_train"])
+    assert asked_processes(launched, cmd) == 2
+    assert asked_processes(launched, cmd.replace(b"--num_processes\x002", b"--num_processes=4")) == 4
+    assert asked_processes({}, cmd) == 1 and asked_processes(launched, b"python\0-m\0accel_train") == 1
+    # end to end: Accelerate's default config (distributed_type NO) in a home of its own
+    home = tmp_path / "home"
+    config = home / ".cache" / "huggingface" / "accelerate" / "default_config.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: 'NO'\nnum_processes: 1\nuse_cpu: true\n"
+                      "mixed_precision: 'no'\nnum_machines: 1\nmachine_rank: 0\n")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "-m",
+                           "accel_train", *TINY, "--epochs", "1", "--train_samples", "64", "--output_dir", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT, env=clean_env(HOME=str(home)))
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "--num_processes 2 started one process" in lines[0] and "2proc_cpu.yaml" in lines[0], lines
+    assert not out.exists()

@@ -66,6 +66,7 @@ def test_a_launcher_that_starts_fewer_ranks_fails_the_smoke_check(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("smoke: FAILED for multi_cpu.yaml: expected 2 process(es) here"), lines[-3:]
     assert "got 1: the ranks did not join one group of 2" in lines[-1]
+    assert "one process was started" in lines[-1] and "2proc_cpu.yaml" in lines[-1]  # the fix (issue 40 item 4)
 
 
 def test_check_needs_every_rank_of_this_machine_and_a_clean_exit():

@@ -46,7 +46,11 @@ def check(output: str, returncode: int, total: int, indices: range) -> list[str]
     seen = sorted(int(i) for i in INDEX_RE.findall(output))
     if len(sizes) != len(indices) or any(n != total for n in sizes):
         problems.append(f"expected {len(indices)} process(es) here each reporting 'Num processes: {total}', got "
-                        f"{', '.join(map(str, sizes)) or 'none'}: the ranks did not join one group of {total}")
+                        f"{', '.join(map(str, sizes)) or 'none'}: the ranks did not join one group of {total}"
+                        + (" (one process was started: a config with distributed_type NO, as `accelerate config "
+                           "default` writes it, or MULTI_CPU without an MPI hostfile runs one whatever --num_processes "
+                           "says; use accelerate_configs/2proc_cpu.yaml for CPU ranks or 1node_gpu.yaml for GPUs)"
+                           if total > 1 and sizes == [1] else ""))
     if seen != list(indices):
         problems.append(f"expected process indices {indices.start}..{indices.stop - 1} here, got "
                         f"{', '.join(map(str, seen)) or 'none'}")

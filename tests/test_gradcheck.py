@@ -50,6 +50,52 @@ def test_a_non_finite_gradient_fails_with_an_infinite_error():
     assert errs["a"] == float("inf") and errs["b"] == 0.0 and errs["c"] == pytest.approx(1e-3, rel=1e-3)
 
 
+class Zeroed(torch.autograd.Function):
+    """Identity on a weight whose gradient is all zero where the forward ran under autocast (what the README says a
+    wrong kernel often leaves inside the model's backward)."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.low = torch.is_autocast_enabled(w.device.type)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.zeros_like(g) if ctx.low else g
+
+
+class DeepNet(nn.Module):
+    """16 linear layers (bf16's bound capped at 1.0), then a BatchNorm whose weight's gradient is zeroed under autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(15)))
+        with torch.no_grad():  # near the identity: well conditioned, bf16's own errors far under 1.0
+            for layer in self.layers:
+                layer.weight.mul_(0.1).add_(torch.eye(8))
+        self.bn = nn.BatchNorm1d(8)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.layers(x.flatten(1)[:, :8])
+        h = nn.functional.batch_norm(h, None, None, Zeroed.apply(self.bn.weight), self.bn.bias, training=True)
+        return self.fc(h)
+
+
+def test_a_gradient_that_is_all_zero_where_fp32_s_is_not_fails_whatever_the_bound():
+    # issue 34 item 3: an all-zero gradient has relative error exactly 1.0, and a deep model's bound is capped at 1.0:
+    # `not e <= limit` let it pass (worst ('bn.weight', 1.0)). Zero where fp32 is not (above the floor) is no rounding
+    errs = gradcheck.errors({"w": torch.ones(4), "b": torch.zeros(2), "t": torch.ones(2) * 1e-9},
+                            {"w": torch.zeros(4), "b": torch.zeros(2), "t": torch.zeros(2)})
+    assert errs["w"] == float("inf") and errs["b"] == 0.0 and errs["t"] < 1e-6  # (under the floor: judged against it)
+    assert gradcheck.errors({"w": torch.ones(4)}, {})["w"] == float("inf")  # no gradient at all under autocast
+    model = DeepNet()
+    assert gradcheck.bound("bf16", gradcheck.depth(model)) == 1.0
+    x, y = batch()
+    v = gradcheck.check(model, x, y, nn.CrossEntropyLoss(), "bf16")
+    assert set(v.bad) == {"bn.weight"} and v.bad["bn.weight"] == float("inf"), v
+
+
 def test_the_ranks_verdicts_combine_into_one():
     ok = gradcheck.Verdict("bf16", 1.0, ("fc.weight", 0.01))
     bad = gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 3e37), {"layer4.0.conv1.weight": 3e37}, 2.0)

@@ -22,6 +22,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,10 +128,10 @@ def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Ver
 def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
     start = time.perf_counter()
     probe = copy.deepcopy(model).to(x.device).train()
-    layers = {}  # each convolution and linear layer, with the shape and memory format of its input
-    hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(  # (the input's shape and
-        name, (m, torch.empty_like(args[0], device="meta"))) and None)  # strides only: no activation kept)
-             for name, m in probe.named_modules() if isinstance(m, LAYERS)]
+    layers = {}  # each convolution and linear layer that trains, with the shape and memory format of its input
+    hooks = [m.register_forward_hook(partial(note_input, layers, name), with_kwargs=True)
+             for name, m in probe.named_modules()
+             if isinstance(m, LAYERS) and any(p.requires_grad for p in m.parameters())]  # (frozen: nothing to check)
     ref = gradients(probe, x, y, criterion, None)
     for h in hooks:
         h.remove()
@@ -148,6 +149,14 @@ def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
     worst = max(errs.items(), key=lambda kv: kv[1], default=("", 0.0))
     bad = {n: e for n, e in errs.items() if not e <= limit}
     return Verdict(precision, limit, worst, bad, time.perf_counter() - start)
+
+
+def note_input(layers: dict, name: str, module, args, kwargs, out) -> None:
+    """A forward hook: the shape and strides of a layer's input, its first call's (no activation kept), whether it
+    was passed by position or by keyword (`self.fc(input=x)`)."""
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    if x is not None:
+        layers.setdefault(name, (module, torch.empty_like(x, device="meta")))
 
 
 def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]:

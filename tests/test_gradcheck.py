@@ -96,6 +96,21 @@ def test_a_gradient_that_is_all_zero_where_fp32_s_is_not_fails_whatever_the_boun
     assert set(v.bad) == {"bn.weight"} and v.bad["bn.weight"] == float("inf"), v
 
 
+def test_frozen_layers_are_not_checked_and_a_layer_called_by_keyword_is(monkeypatch):
+    # issue 34 items 4 and 5: a linear probe (every layer frozen but the classifier) made the layer-alone pass raise
+    # "element 0 of tensors does not require grad" (exit 2, even under auto); a layer called as self.fc(input=x) made
+    # its input hook raise IndexError (args was empty)
+    import tests_pkg.mod
+    x, y = batch()
+    seen = []
+    real = gradcheck.layer_errors
+    monkeypatch.setattr(gradcheck, "layer_errors", lambda layers, *a: seen.append(sorted(layers)) or real(layers, *a))
+    for keyword, head in ((False, "head"), (True, "head.layer")):
+        v = gradcheck.check(tests_pkg.mod.probe(10, keyword=keyword), x, y, nn.CrossEntropyLoss(), "bf16")
+        assert v.ok and v.worst[0].startswith(f"{head}."), v
+        assert seen.pop() == [head]  # the classifier alone is checked too; the frozen convolution is not
+
+
 def test_the_ranks_verdicts_combine_into_one():
     ok = gradcheck.Verdict("bf16", 1.0, ("fc.weight", 0.01))
     bad = gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 3e37), {"layer4.0.conv1.weight": 3e37}, 2.0)

@@ -408,3 +408,21 @@ def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
     assert meta["architecture"] == "tests_pkg.mod:build" and "final_test_acc_ema" in meta["metrics"]
     ema = load_file(out / "model_ema.safetensors")
     assert set(ema) == set(weights) and any(not torch.equal(ema[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path):
+    # issue 34 item 4: every layer frozen but the classifier (requires_grad=False), on a CPU whose default is bf16:
+    # the start-up check raised "element 0 of tensors does not require grad" and the run could not start (exit 2,
+    # even under auto). The check runs, passes, and both ranks train the classifier only
+    from test_gradcheck import BF16_CPU
+    out = tmp_path / "out"
+    env = clean_env(PYTHONPATH=python_path(TESTS), ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU, NPROC_PER_NODE="2",
+                    XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = run(["bash", ROOT / "launch.sh", *SMALL, "--batch_size", "8", "--model", "tests_pkg.mod:probe", "--data",
+                "random", "--timeout_s", "60", "--output_dir", out], 240, env, ROOT)  # (launch.sh picks the precision)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch.sh: precision bf16" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"precision check: bf16 gradients match fp32 .*\(head\.\w+\)", proc.stderr), proc.stderr[-3000:]
+    assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in proc.stderr, proc.stderr[-3000:]
+    assert steps_logged(out) >= 1 and (out / "model.safetensors").is_file()

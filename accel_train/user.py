@@ -8,11 +8,13 @@ import hashlib
 import importlib
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
 from .errors import ConfigError
 
@@ -112,32 +114,58 @@ def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
 
 
 def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
-    """One batch through the model in eval mode and in training mode (no gradients; its buffers, e.g. BatchNorm's
-    running statistics, and the random state restored: nothing of the run moves), before the first step and on every
-    rank: each must give one tensor of logits (N, num_classes). (torchvision's GoogLeNet and Inception v3 with aux
-    logits return a tuple in training mode only.)"""
-    was_training, buffers = model.training, []
+    """One batch through the model in eval mode and in training mode (no gradients; nothing of the run moves:
+    `untouched`), before the first step and on every rank: each must give one tensor of logits (N, num_classes).
+    (torchvision's GoogLeNet and Inception v3 with aux logits return a tuple in training mode only.)"""
     x = x.to(next(model.parameters()).device)
-    # a SyncBatchNorm's training forward is a collective, on the device only (torch/nn/modules/batchnorm.py,
-    # SyncBatchNorm.forward, once a process group exists): the model is still on the CPU here, so eval mode only
-    modes = (False,) if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) else (False, True)
+    for training in (False, True) if trains_here(model) else (False,):
+        mode = " in training mode" if training else ""
+        try:
+            with untouched(model), torch.no_grad():
+                out = model.train(training)(x)
+        except Exception as e:
+            raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
+                              f"({one_line(e)})") from None
+        check_logits(out, tuple(x.shape), num_classes, name, mode)
+
+
+def trains_here(model: nn.Module) -> bool:
+    """Whether a training-mode forward can run before prepare(). A SyncBatchNorm's is a collective, on the device only
+    (torch/nn/modules/batchnorm.py, SyncBatchNorm.forward, once a process group exists), and the model is still on
+    the CPU here: eval mode only."""
+    return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+@contextmanager
+def untouched(model: nn.Module):
+    """The model's mode, its buffers (BatchNorm's running statistics; a lazy module's, made by a first forward, are
+    left as made) and the random state as they were before."""
+    was_training = model.training
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not is_lazy(b)}
     try:
-        for training in modes:
-            mode = " in training mode" if training else ""
-            if training:  # (after the eval-mode forward, which moves no buffer: a lazy module's exist by then)
-                buffers = [b.detach().clone() for b in model.buffers()]
-            try:
-                with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                    out = model.train(training)(x)
-            except Exception as e:
-                raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
-                                  f"({one_line(e)})") from None
-            check_logits(out, tuple(x.shape), num_classes, name, mode)
+        with torch.random.fork_rng(devices=[]):
+            yield
     finally:
         model.train(was_training)
         with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
+            for n, b in model.named_buffers():
+                if n in buffers and b.shape == buffers[n].shape:
+                    b.copy_(buffers[n])
+
+
+def unused_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The parameters that train (requires_grad) but get no gradient from one batch's logits: on N ranks DDP must look
+    for them each step (its find_unused_parameters), else the second step fails ("Expected to have finished
+    reduction in the prior iteration"). One forward and backward (.grad untouched), nothing of the run moved; [] if
+    that pass fails (the first step says why)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    try:
+        with untouched(model), torch.enable_grad():
+            out = model.train(trains_here(model))(x.to(named[0][1].device))
+            grads = torch.autograd.grad(out.float().sum(), [p for _, p in named], allow_unused=True)
+    except Exception:
+        return []
+    return [n for (n, _), g in zip(named, grads) if g is None]
 
 
 def check_logits(out, shape: tuple, num_classes: int, name: str, mode: str) -> None:

@@ -426,3 +426,19 @@ def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path
     assert re.search(r"precision check: bf16 gradients match fp32 .*\(head\.\w+\)", proc.stderr), proc.stderr[-3000:]
     assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in proc.stderr, proc.stderr[-3000:]
     assert steps_logged(out) >= 1 and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_model_with_an_unused_parameter_trains_on_two_ranks(tmp_path):
+    # issue 34 item 8: a parameter the forward never uses trained on 1 rank and died on 2 at the second step (DDP's
+    # "Expected to have finished reduction in the prior iteration", exit 1, empty metrics files). The start-up pass
+    # sees it and DDP is told (Accelerate's DistributedDataParallelKwargs), said in one line
+    out = tmp_path / "out"
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--batch_size", "8", "--model", "tests_pkg.mod:with_unused", "--data",
+                                     "random", "--log_every", "1", "--output_dir", out],
+                  env=clean_env(PYTHONPATH=python_path(TESTS)), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [ln for ln in proc.stderr.splitlines() if "get no gradient on a batch" in ln]
+    assert len(said) == 1 and "2 trained parameters (spare.bias, spare.weight) get no gradient" in said[0] \
+        and "find_unused_parameters" in said[0], proc.stderr[-3000:]
+    assert steps_logged(out) == 4 and (out / "model.safetensors").is_file()  # 64 samples, 2 ranks x 8

@@ -52,11 +52,11 @@ def probe(num_classes: int, keyword: bool = False):
     for p in net.features.parameters():
         p.requires_grad_(False)
     if keyword:
-        net.head = KeywordCall(net.head)
+        net.head = _KeywordCall(net.head)
     return net
 
 
-class KeywordCall(nn.Module):
+class _KeywordCall(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer

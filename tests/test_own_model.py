@@ -442,3 +442,49 @@ def test_a_model_with_an_unused_parameter_trains_on_two_ranks(tmp_path):
     assert len(said) == 1 and "2 trained parameters (spare.bias, spare.weight) get no gradient" in said[0] \
         and "find_unused_parameters" in said[0], proc.stderr[-3000:]
     assert steps_logged(out) == 4 and (out / "model.safetensors").is_file()  # 64 samples, 2 ranks x 8
+
+
+class Mixed(Dataset):
+    """32 good items (image, label 0 or 1) but the ones in `bad` (index: item)."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return self.bad.get(i, (torch.full((3, 8, 8), float(i % 2)), i % 2))
+
+
+def test_a_bad_item_past_item_0_is_one_line_naming_its_index(tmp_path, existing_run):  # noqa: F811
+    # issue 34 item 9: only item 0 was checked. A sample of items (evenly spaced: 0, 4, 9, ... 31 of 32) is checked at
+    # start (nothing written); any other item as its batch is built (in a DataLoader worker too: one line, not the
+    # worker's traceback), on the CPU before the batch reaches the device (on CUDA a label out of range is a
+    # device-side assert)
+    from PIL import Image
+
+    from accel_train import TrainConfig
+    before = snapshot(existing_run)
+    for bad, said in (({4: (Image.new("RGB", (8, 8)), 1)}, "train_set[4] is (a PIL.Image.Image, a int); each item"),
+                      ({9: (torch.zeros(3, 8, 8), 5)}, "train_set has label 5, but there are 2 classes (a, b): labels "
+                                                       "are 0..1 (train_set[9] is 5)"),
+                      ({31: (torch.zeros(3, 4, 4), 1)}, "train_set[31] is an image of shape (3, 4, 4), not (3, 8, 8)")):
+        with pytest.raises(ConfigError) as e:
+            in_process_train(TrainConfig(output_dir=str(existing_run), epochs=1), model="tests_pkg.mod:build",
+                             train_set=Mixed(bad), test_set=Mixed({}), classes=["a", "b"])
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert snapshot(existing_run) == before
+    for workers in (0, 1):
+        with pytest.raises(ConfigError) as e:
+            in_process_train(TrainConfig(output_dir=str(tmp_path / f"out{workers}"), epochs=1, batch_size=8,
+                                         num_workers=workers), model="tests_pkg.mod:build",
+                             train_set=Mixed({2: (torch.zeros(3, 8, 8), 7)}), test_set=Mixed({}), classes=["a", "b"])
+        assert str(e.value) == "train_set[2] is label 7, outside 0..1 (2 classes); each item must be (image float " \
+                               "tensor (C, H, W), int label), every image of one shape, labels 0..1", str(e.value)
+    # the loaders read your Dataset through the check: its own set_epoch (and targets, classes) still reach it
+    from accel_train.data.given import Checked
+    seen = Mixed({})
+    seen.set_epoch = lambda epoch: setattr(seen, "epoch", epoch)
+    Checked(seen, "train_set", (3, 8, 8), 2).set_epoch(3)
+    assert seen.epoch == 3 and not hasattr(Checked(seen, "train_set", (3, 8, 8), 2), "__getitems__")

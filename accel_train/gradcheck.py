@@ -208,11 +208,11 @@ def describe(v: Verdict, limit_layers: int = 4) -> str:
 # be read or written only means the check runs again.
 
 def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dict:
-    """What the verdict depends on: the model (its modules and shapes; your own: its file's contents too), the input,
-    the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and oneDNN's ISA
-    cap, which picks other kernels), torch, and this check."""
-    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model), structure=structure_digest(model),
-                stem=cfg.stem,
+    """What the verdict depends on: the model (its modules and shapes, and the code that runs them: user.code_digest),
+    the input, the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and
+    oneDNN's ISA cap, which picks other kernels), torch, and this check."""
+    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model, model),
+                structure=structure_digest(model), stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
                 channels_last=bool(cfg.channels_last),
                 device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],

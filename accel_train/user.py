@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import sys
+import sysconfig
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +42,33 @@ def name_of(model) -> str:
     return f"{getattr(kind, '__module__', '__main__')}:{getattr(kind, '__qualname__', type(kind).__name__)}"
 
 
-def code_digest(name) -> str | None:
-    """The contents of the file that defines an import path's module (imported by then), as a digest: a cached result
-    about the model (gradcheck) is not taken for a changed model. None for a timm name or a file not found."""
+def code_digest(name, model: nn.Module | None = None) -> str | None:
+    """The code a cached result about the model (gradcheck) belongs to, as a digest: the file that defines an import
+    path's module, and the files that define the model's modules (every class of every submodule, and its bases:
+    timm's and torch's too) with, for your own files, those of the code they import (a layer in a second local
+    module: its forward changed, the model is checked again). None when nothing of it can be read."""
     module = sys.modules.get(name.partition(":")[0]) if is_import_path(name) else None
-    try:
-        return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16] if module else None
-    except (OSError, TypeError, AttributeError):
-        return None
+    modules = {module} if module is not None else set()
+    if model is not None:
+        modules |= {sys.modules.get(c.__module__) for m in model.modules() for c in type(m).__mro__}
+    for mod in [m for m in modules if m is not None and is_local(m)]:  # one level: what your own files import
+        modules |= {v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+                    for v in vars(mod).values() if inspect.ismodule(v) or inspect.isfunction(v) or inspect.isclass(v)}
+    digest, read = hashlib.sha256(), False
+    for mod in sorted((m for m in modules if m is not None), key=lambda m: m.__name__):
+        try:
+            digest.update(mod.__name__.encode() + Path(mod.__file__).read_bytes())
+            read = True
+        except (OSError, TypeError, AttributeError):  # (a builtin module, a notebook's __main__)
+            pass
+    return digest.hexdigest()[:16] if read else None
+
+
+def is_local(module) -> bool:
+    """A module of your own files: not the standard library's or an installed package's."""
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    path = getattr(module, "__file__", None)
+    return bool(path) and not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
 
 
 def structure_digest(model: nn.Module) -> str:

@@ -157,13 +157,67 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     before = cache_key(cfg, 10, x.shape, "bf16", facts, model)
     (tmp_path / "user_pkg" / "mod.py").write_text((tmp_path / "user_pkg" / "mod.py").read_text() + "\n# changed\n")
     assert cache_key(cfg, 10, x.shape, "bf16", facts, model)["code"] != before["code"] is not None
-    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts, model)["code"] is None  # a timm name
     narrow, wide = (functools.partial(tests_pkg.mod.Net, width=w) for w in (4, 64))
     assert name_of(narrow) == name_of(wide)  # (what config.yaml records for both)
     keys = [cache_key(TrainConfig(model=name_of(f)), 10, x.shape, "bf16", facts, f(10)) for f in (narrow, wide)]
     assert keys[0] != keys[1]
     sys.modules.pop("user_pkg.mod")
     sys.modules.pop("user_pkg")
+
+
+BLOCKS = """
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.conv(x){edit}
+"""
+NETC = """
+import torch.nn as nn
+
+from blocks34 import Block
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, num_classes))
+"""
+
+
+def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_local_module(tmp_path, monkeypatch):
+    # issue 34 item 1: netc.py builds the model, blocks.py holds its Block; the cache key hashed netc.py and the
+    # modules' repr and shapes, so an edit to Block.forward (e.g. the input its stride-2 convolution sees: issue 27's
+    # bad shape) kept the earlier verdict "match fp32" and bf16 trained on the wrong kernel. The code of every module
+    # the model uses is in the key; the same code gives the same key (the cache still works)
+    import importlib
+    import sys
+
+    from accel_train.config import TrainConfig
+    from accel_train.gradcheck import cache_key
+    from accel_train.hardware import DeviceFacts
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")
+
+    def key(edit):
+        (tmp_path / "blocks34.py").write_text(BLOCKS.format(edit=edit))
+        (tmp_path / "netc34.py").write_text(NETC)
+        for name in ("blocks34", "netc34"):
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        model = importlib.import_module("netc34").build(10)
+        return cache_key(cfg, 10, (4, 3, 8, 8), "bf16", facts, model)
+    try:
+        before, same, edited = key(""), key(""), key("[:, :, :1, :1]")
+    finally:
+        for name in ("blocks34", "netc34"):
+            sys.modules.pop(name, None)
+    assert before == same and edited["structure"] == before["structure"]  # (the modules' repr and shapes: alike)
+    assert edited["code"] != before["code"]
 
 
 def python_path(*extra) -> str:

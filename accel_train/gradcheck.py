@@ -17,9 +17,6 @@ finite. A wrong kernel's error was 1e37.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,10 +27,9 @@ from accelerate.utils import gather_object, send_to_device
 
 from .accelerator import fall_back_to_fp32
 from .errors import ConfigError
-from .files import cache_dir
 from .hardware import NAMES
 from .ranks import said_once
-from .user import code_digest, structure_digest
+from .precision_cache import cache_key, cached, remember
 
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +40,6 @@ REPEATS = 1         # reduced-precision passes of the model per check; of each l
 LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone,
                     # 12 of 12 checks in a review; inside the model's backward in 0 to 5 of 5)
 LAYER_BATCH = 32
-CHECK_VERSION = 2   # in the cache key: a verdict of another version of this check is not reused
 FLOOR = 1e-2        # a gradient under FLOOR x the largest one is judged against that floor: a sum that cancels to near
                     # 0 (a convolution's bias before BatchNorm: exactly 0) keeps the absolute error of its terms
 
@@ -108,9 +103,13 @@ class Verdict:
                 "seconds": self.seconds}
 
     @classmethod
-    def from_json(cls, d: dict) -> Verdict:
-        return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
-                   cached=True)
+    def from_json(cls, d: dict | None) -> Verdict | None:
+        """A remembered verdict (precision_cache.cached), or None if there is none or it cannot be read."""
+        try:
+            return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
+                       cached=True) if d is not None else None
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Verdict:
@@ -203,49 +202,6 @@ def describe(v: Verdict, limit_layers: int = 4) -> str:
     return text + (f" and {len(bad) - limit_layers} more" if len(bad) > limit_layers else "")
 
 
-# The cache: one small JSON file per (model, input, precision, memory format, device, torch version), under
-# ~/.cache/accel_train/precision_checks/ ($XDG_CACHE_HOME), as accel_config.py remembers configs. A cache that cannot
-# be read or written only means the check runs again.
-
-def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dict:
-    """What the verdict depends on: the model (its modules and shapes, and the code that runs them: user.code_digest),
-    the input, the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and
-    oneDNN's ISA cap, which picks other kernels), torch, and this check."""
-    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model, model),
-                structure=structure_digest(model), stem=cfg.stem,
-                model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
-                channels_last=bool(cfg.channels_last),
-                device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
-                isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")], torch=torch.__version__)
-
-
-def cache_file(key: dict) -> Path | None:
-    root = cache_dir("precision_checks")
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return root / f"{digest}.json" if root is not None else None
-
-
-def cached(key: dict) -> Verdict | None:
-    path = cache_file(key)
-    try:
-        return Verdict.from_json(json.loads(path.read_text())) if path is not None and path.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def remember(key: dict, verdict: Verdict) -> None:
-    path = cache_file(key)
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(verdict.to_json()))
-        tmp.replace(path)
-    except OSError:
-        pass
-
-
 def first_batch(data, n: int, device):
     """The first n training samples, as the run's pipeline gives them to the model (epoch 0's augmentation): one
     real batch, read by index, so that no sampler or random generator of the run moves."""
@@ -264,7 +220,7 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
         return
     x, y = first_batch(data, cfg.batch_size, accelerator.device)
     key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts, model)
-    mine = cached(key)
+    mine = Verdict.from_json(cached(key))
     if mine is None:
         try:
             mine = check(model, x, y, criterion, precision)
@@ -277,7 +233,7 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
             raise ConfigError(f"the start-up check of {precision} failed ({v.error}); --mixed_precision no trains "
                               "without it")
     if not v.cached:
-        remember(key, v)  # the ranks' verdict, not this rank's: ranks of one machine share the file
+        remember(key, v.to_json())  # the ranks' verdict, not this rank's: ranks of one machine share the file
     name, shape = NAMES[precision], "x".join(map(str, x.shape))
     cost = "checked on an earlier start (cached)" if v.cached else f"{v.seconds:.1f} s, remembered for later starts"
     if v.ok:

@@ -145,7 +145,8 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
 
     from accel_train.user import name_of
     from accel_train.config import TrainConfig
-    from accel_train.gradcheck import cache_key, check
+    from accel_train.gradcheck import check
+    from accel_train.precision_cache import cache_key
     from accel_train.hardware import DeviceFacts
     shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -198,7 +199,7 @@ def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_loca
     import sys
 
     from accel_train.config import TrainConfig
-    from accel_train.gradcheck import cache_key
+    from accel_train.precision_cache import cache_key
     from accel_train.hardware import DeviceFacts
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")

@@ -40,6 +40,9 @@ REPEATS = 1         # reduced-precision passes of the model per check; of each l
 LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone,
                     # 12 of 12 checks in a review; inside the model's backward in 0 to 5 of 5)
 LAYER_BATCH = 32
+AMPLIFIED = 10.0    # a failure whose errors are all under this (x the gradient), with every layer alone right, is the
+                    # batch's conditioning amplifying rounding (resnet18, 32 px, batch 2: 1.2); a wrong kernel's: 1e15+,
+                    # inf or all zero
 FLOOR = 1e-2        # a gradient under FLOOR x the largest one is judged against that floor: a sum that cancels to near
                     # 0 (a convolution's bias before BatchNorm: exactly 0) keeps the absolute error of its terms
 
@@ -93,6 +96,7 @@ class Verdict:
     seconds: float = 0.0                          # what the check cost on this machine
     cached: bool = False
     error: str = ""                               # the check itself failed (never cached)
+    cause: str = ""   # "batch": every layer alone computes right, the model's errors are rounding amplified (AMPLIFIED)
 
     @property
     def ok(self) -> bool:
@@ -100,14 +104,14 @@ class Verdict:
 
     def to_json(self) -> dict:
         return {"precision": self.precision, "limit": self.limit, "worst": list(self.worst), "bad": self.bad,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "cause": self.cause}
 
     @classmethod
     def from_json(cls, d: dict | None) -> Verdict | None:
         """A remembered verdict (precision_cache.cached), or None if there is none or it cannot be read."""
         try:
             return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
-                       cached=True) if d is not None else None
+                       cached=True, cause=str(d.get("cause", ""))) if d is not None else None
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -142,12 +146,15 @@ def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
             errs[n] = max(errs.get(n, 0.0), e)
         if any(not e <= limit for e in errs.values()):
             break  # a failure needs no more passes
+    alone_right = True
     for n, e in layer_errors(layers, precision, LAYER_REPEATS).items():  # each layer alone, judged by one layer's bound
         errs[n] = max(errs.get(n, 0.0), e * limit / bound(precision, 1))
+        alone_right &= e <= bound(precision, 1)
     del probe
     worst = max(errs.items(), key=lambda kv: kv[1], default=("", 0.0))
     bad = {n: e for n, e in errs.items() if not e <= limit}
-    return Verdict(precision, limit, worst, bad, time.perf_counter() - start)
+    batch = bool(bad) and alone_right and all(e <= AMPLIFIED for e in bad.values())
+    return Verdict(precision, limit, worst, bad, time.perf_counter() - start, cause="batch" if batch else "")
 
 
 def note_input(layers: dict, name: str, module, args, kwargs, out) -> None:
@@ -191,8 +198,10 @@ def combine(verdicts: list[Verdict]) -> Verdict:
         for n, e in v.bad.items():
             bad[n] = max(bad.get(n, 0.0), e)
     worst = max((v.worst for v in verdicts), key=lambda w: w[1])
+    batch = bool(bad) and all(v.cause == "batch" for v in verdicts if v.bad)  # (a wrong kernel on any rank: the device)
     return Verdict(first.precision, max(v.limit for v in verdicts), worst, bad, max(v.seconds for v in verdicts),
-                   all(v.cached for v in verdicts), next((v.error for v in verdicts if v.error), ""))
+                   all(v.cached for v in verdicts), next((v.error for v in verdicts if v.error), ""),
+                   "batch" if batch else "")
 
 
 def describe(v: Verdict, limit_layers: int = 4) -> str:
@@ -209,6 +218,19 @@ def first_batch(data, n: int, device):
     ds = loader.dataset
     items = ds.__getitems__(list(range(n))) if getattr(ds, "__getitems__", None) else [ds[i] for i in range(n)]
     return data.inputs(send_to_device(loader.collate_fn(items), device), train=True, epoch=0)
+
+
+def wrong_text(v: Verdict, name: str, shape: tuple) -> str:
+    """What a failed check says: the device's kernel, or (every layer alone right, errors the size of rounding
+    amplified) this batch."""
+    batch = "x".join(map(str, shape))
+    if v.cause != "batch":
+        return f"{name} autocast computes wrong gradients on this device for {describe(v)} (a {batch} batch; fp32 as " \
+               f"the reference, bound {v.limit:.2g})"
+    return f"{name} autocast's gradients on this {batch} batch differ from fp32's beyond rounding for {describe(v)} " \
+           f"(bound {v.limit:.2g}); each layer alone computes right on this device: the cause is the batch (few values " \
+           f"per normalisation, e.g. 1x1 feature maps in a batch of {shape[0]}), not the device; a larger " \
+           f"--batch_size or --image_size may train in {name}"
 
 
 def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
@@ -240,8 +262,7 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
         log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error {v.worst[1]:.2g} "
             f"({v.worst[0]}), bound {v.limit:.2g}; {cost}")
         return
-    wrong = f"{name} autocast computes wrong gradients on this device for {describe(v)} (a {shape} batch; " \
-            f"fp32 as the reference, bound {v.limit:.2g})"
+    wrong = wrong_text(v, name, tuple(x.shape))
     source = accelerator.precision_source
     with said_once(accelerator):
         if cfg.force_precision:

@@ -111,6 +111,25 @@ def test_frozen_layers_are_not_checked_and_a_layer_called_by_keyword_is(monkeypa
         assert seen.pop() == [head]  # the classifier alone is checked too; the frozen convolution is not
 
 
+def test_a_failure_that_comes_from_the_batch_says_so_not_the_device():
+    # issue 34 item 7: resnet18 at 32 px, batch 2: layer4 normalises 2 values per channel (1x1 feature maps), bf16's
+    # rounding is amplified past the bound (errors ~1.2; fp32 8e-5 off fp64) and the run fell back as "bf16 autocast
+    # computes wrong gradients on this device". Every layer alone computes right there: the cause is the batch
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    v = gradcheck.check(model, x, y, nn.CrossEntropyLoss(), "bf16")
+    assert not v.ok and v.cause == "batch" and max(v.bad.values()) < gradcheck.AMPLIFIED, v
+    text = gradcheck.wrong_text(v, "bf16", (2, 3, 32, 32))
+    assert "on this 2x3x32x32 batch differ from fp32's beyond rounding" in text and "the cause is the batch" in text \
+        and "on this device for" not in text, text
+    kernel = gradcheck.check(Net(bad=True), *batch(), nn.CrossEntropyLoss(), "bf16")  # garbage x1e15: the device
+    assert kernel.cause == "" and "computes wrong gradients on this device" in gradcheck.wrong_text(kernel, "bf16",
+                                                                                                    (8, 3, 8, 8))
+    assert gradcheck.combine([v, kernel]).cause == "" and gradcheck.combine([v, v]).cause == "batch"
+    assert gradcheck.Verdict.from_json(v.to_json()).cause == "batch"  # (remembered with the verdict)
+
+
 def test_the_ranks_verdicts_combine_into_one():
     ok = gradcheck.Verdict("bf16", 1.0, ("fc.weight", 0.01))
     bad = gradcheck.Verdict("bf16", 1.0, ("layer4.0.conv1.weight", 3e37), {"layer4.0.conv1.weight": 3e37}, 2.0)

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, send_to_device
@@ -28,8 +26,9 @@ from accelerate.utils import gather_object, send_to_device
 from .accelerator import fall_back_to_fp32
 from .errors import ConfigError
 from .hardware import NAMES
-from .ranks import said_once
 from .precision_cache import cache_key, cached, remember
+from .precision_verdict import Verdict, combine, wrong_text
+from .ranks import said_once
 
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +39,9 @@ REPEATS = 1         # reduced-precision passes of the model per check; of each l
 LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone,
                     # 12 of 12 checks in a review; inside the model's backward in 0 to 5 of 5)
 LAYER_BATCH = 32
+CHECK_BATCH = 32    # the model is checked on a slice of the run's batch: all of it up to CHECK_BATCH, else a quarter
+                    # (at least CHECK_BATCH): the fp32 pass's activations then weigh about what the step's bf16 ones do
+MIN_CHECK_BATCH = 8  # out of memory, the check is retried on half its slice, down to this
 AMPLIFIED = 10.0    # a failure whose errors are all under this (x the gradient), with every layer alone right, is the
                     # batch's conditioning amplifying rounding (resnet18, 32 px, batch 2: 1.2); a wrong kernel's: 1e15+,
                     # inf or all zero
@@ -85,35 +87,6 @@ def errors(ref: dict[str, torch.Tensor], low: dict[str, torch.Tensor]) -> dict[s
     rel = torch.where(finite & torch.isfinite(rel) & ~(zero & (ref_norms >= floor)), rel,
                       torch.full_like(rel, float("inf")))
     return dict(zip(names, rel.tolist()))
-
-
-@dataclass
-class Verdict:
-    precision: str
-    limit: float                                  # the bound a parameter's error must stay under
-    worst: tuple[str, float] = ("", 0.0)          # the parameter with the largest error, and that error
-    bad: dict[str, float] = field(default_factory=dict)  # parameter -> error, over the limit
-    seconds: float = 0.0                          # what the check cost on this machine
-    cached: bool = False
-    error: str = ""                               # the check itself failed (never cached)
-    cause: str = ""   # "batch": every layer alone computes right, the model's errors are rounding amplified (AMPLIFIED)
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
-
-    def to_json(self) -> dict:
-        return {"precision": self.precision, "limit": self.limit, "worst": list(self.worst), "bad": self.bad,
-                "seconds": self.seconds, "cause": self.cause}
-
-    @classmethod
-    def from_json(cls, d: dict | None) -> Verdict | None:
-        """A remembered verdict (precision_cache.cached), or None if there is none or it cannot be read."""
-        try:
-            return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
-                       cached=True, cause=str(d.get("cause", ""))) if d is not None else None
-        except (KeyError, TypeError, ValueError):
-            return None
 
 
 def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Verdict:
@@ -190,25 +163,31 @@ def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]
     return errs
 
 
-def combine(verdicts: list[Verdict]) -> Verdict:
-    """Every rank's verdict -> one for all: a parameter that failed anywhere fails (its largest error)."""
-    first = verdicts[0]
-    bad: dict[str, float] = {}
-    for v in verdicts:
-        for n, e in v.bad.items():
-            bad[n] = max(bad.get(n, 0.0), e)
-    worst = max((v.worst for v in verdicts), key=lambda w: w[1])
-    batch = bool(bad) and all(v.cause == "batch" for v in verdicts if v.bad)  # (a wrong kernel on any rank: the device)
-    return Verdict(first.precision, max(v.limit for v in verdicts), worst, bad, max(v.seconds for v in verdicts),
-                   all(v.cached for v in verdicts), next((v.error for v in verdicts if v.error), ""),
-                   "batch" if batch else "")
+def measured(check_once) -> Verdict:
+    """check_once()'s verdict with its peak memory over what was in use before: the accelerator's allocator's (where
+    torch.accelerator has its counters), else the process's peak resident memory's growth."""
+    acc = torch.accelerator
+    device = hasattr(acc, "max_memory_allocated") and acc.is_available()
+    if device:
+        acc.reset_peak_memory_stats()
+    before = acc.memory_allocated() if device else resident_peak()
+    verdict = check_once()
+    verdict.memory = float((acc.max_memory_allocated() if device else resident_peak()) - before)
+    return verdict
 
 
-def describe(v: Verdict, limit_layers: int = 4) -> str:
-    """'layer4.0.conv1.weight (error 1.6e+37), ...' for the failing parameters, worst first."""
-    bad = sorted(v.bad.items(), key=lambda kv: -kv[1])
-    text = ", ".join(f"{n} (error {e:.2g})" for n, e in bad[:limit_layers])
-    return text + (f" and {len(bad) - limit_layers} more" if len(bad) > limit_layers else "")
+def size_text(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
+
+
+def resident_peak() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+
+
+def out_of_memory(e: Exception) -> bool:
+    """The check ran out of memory (torch's OutOfMemoryError; an NPU's RuntimeError says so)."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def first_batch(data, n: int, device):
@@ -220,19 +199,6 @@ def first_batch(data, n: int, device):
     return data.inputs(send_to_device(loader.collate_fn(items), device), train=True, epoch=0)
 
 
-def wrong_text(v: Verdict, name: str, shape: tuple) -> str:
-    """What a failed check says: the device's kernel, or (every layer alone right, errors the size of rounding
-    amplified) this batch."""
-    batch = "x".join(map(str, shape))
-    if v.cause != "batch":
-        return f"{name} autocast computes wrong gradients on this device for {describe(v)} (a {batch} batch; fp32 as " \
-               f"the reference, bound {v.limit:.2g})"
-    return f"{name} autocast's gradients on this {batch} batch differ from fp32's beyond rounding for {describe(v)} " \
-           f"(bound {v.limit:.2g}); each layer alone computes right on this device: the cause is the batch (few values " \
-           f"per normalisation, e.g. 1x1 feature maps in a batch of {shape[0]}), not the device; a larger " \
-           f"--batch_size or --image_size may train in {name}"
-
-
 def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     """Before prepare(): check the run's reduced precision on its own model and batch (cached), the ranks agreeing.
     Nothing asked (--mixed_precision auto, or launch.sh's own pick): a failed check trains in fp32, said in one line;
@@ -240,13 +206,16 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     precision = accelerator.mixed_precision
     if precision not in UNIT_ROUNDOFF:
         return
-    x, y = first_batch(data, cfg.batch_size, accelerator.device)
+    x, y = first_batch(data, min(cfg.batch_size, max(CHECK_BATCH, cfg.batch_size // 4)), accelerator.device)
     key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts, model)
     mine = Verdict.from_json(cached(key))
-    if mine is None:
+    while mine is None:
         try:
-            mine = check(model, x, y, criterion, precision)
-        except Exception as e:  # (out of memory, a kernel that raises): every rank stops with this rank's line
+            mine = measured(lambda: check(model, x, y, criterion, precision))
+        except Exception as e:  # (a kernel that raises; out of memory on the smallest slice): every rank stops
+            if out_of_memory(e) and len(x) > MIN_CHECK_BATCH:  # with this rank's line
+                x, y = x[:len(x) // 2], y[:len(y) // 2]  # (the verdict stays under the first slice's key)
+                continue
             mine = Verdict(precision, 0.0, error=f"rank {accelerator.process_index}: {type(e).__name__}: "
                                                  + " ".join(str(e).split())[:200])
     v = combine(gather_object([mine]))
@@ -256,13 +225,15 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
                               "without it")
     if not v.cached:
         remember(key, v.to_json())  # the ranks' verdict, not this rank's: ranks of one machine share the file
-    name, shape = NAMES[precision], "x".join(map(str, x.shape))
-    cost = "checked on an earlier start (cached)" if v.cached else f"{v.seconds:.1f} s, remembered for later starts"
+    name, shape = NAMES[precision], "x".join(map(str, x.shape)) + ("" if len(x) == cfg.batch_size else
+                                                                   f" slice of the {cfg.batch_size}-sample")
+    cost = "checked on an earlier start (cached)" if v.cached else \
+        f"{v.seconds:.1f} s, peak memory +{size_text(v.memory)}, remembered for later starts"
     if v.ok:
-        log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error {v.worst[1]:.2g} "
-            f"({v.worst[0]}), bound {v.limit:.2g}; {cost}")
+        log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error "
+            f"{v.worst[1]:.2g} ({v.worst[0]}), bound {v.limit:.2g}; {cost}")
         return
-    wrong = wrong_text(v, name, tuple(x.shape))
+    wrong = wrong_text(v, name, shape, len(x))
     source = accelerator.precision_source
     with said_once(accelerator):
         if cfg.force_precision:

@@ -65,7 +65,8 @@ class Zeroed(torch.autograd.Function):
 
 
 class DeepNet(nn.Module):
-    """16 linear layers (bf16's bound capped at 1.0), then a BatchNorm whose weight's gradient is zeroed under autocast."""
+    """16 linear layers (bf16's bound capped at 1.0), then a BatchNorm whose weight's gradient is zeroed under
+    autocast."""
 
     def __init__(self):
         super().__init__()
@@ -120,12 +121,12 @@ def test_a_failure_that_comes_from_the_batch_says_so_not_the_device():
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     v = gradcheck.check(model, x, y, nn.CrossEntropyLoss(), "bf16")
     assert not v.ok and v.cause == "batch" and max(v.bad.values()) < gradcheck.AMPLIFIED, v
-    text = gradcheck.wrong_text(v, "bf16", (2, 3, 32, 32))
+    text = gradcheck.wrong_text(v, "bf16", "2x3x32x32", 2)
     assert "on this 2x3x32x32 batch differ from fp32's beyond rounding" in text and "the cause is the batch" in text \
         and "on this device for" not in text, text
     kernel = gradcheck.check(Net(bad=True), *batch(), nn.CrossEntropyLoss(), "bf16")  # garbage x1e15: the device
     assert kernel.cause == "" and "computes wrong gradients on this device" in gradcheck.wrong_text(kernel, "bf16",
-                                                                                                    (8, 3, 8, 8))
+                                                                                                    "8x3x8x8", 8)
     assert gradcheck.combine([v, kernel]).cause == "" and gradcheck.combine([v, v]).cause == "batch"
     assert gradcheck.Verdict.from_json(v.to_json()).cause == "batch"  # (remembered with the verdict)
 
@@ -207,7 +208,8 @@ def test_nothing_asked_a_failed_check_trains_in_fp32_with_one_line_then_the_verd
     lines = [ln for ln in proc.stderr.splitlines() if "precision fp32, not bf16" in ln]
     assert len(lines) == 1, proc.stderr[-3000:]
     assert re.search(r"bf16 autocast computes wrong gradients on this device for conv\.weight \(error 1e\+15\) "
-                     r"\(a 8x3x8x8 batch; fp32 as the reference, bound 0\.\d+\); \d+\.\d s, remembered", lines[0]), lines
+                     r"\(a 8x3x8x8 batch; fp32 as the reference, bound 0\.\d+\); \d+\.\d s, peak memory \+\d+ MiB, "
+                     r"remembered", lines[0]), lines
     assert FORWARDS[:2] == [False, True] and training_forwards(proc) and not any(training_forwards(proc)), FORWARDS
     assert "DistributedType.NO, no]" in proc.stderr
     # a second start: the verdict is read, not measured again
@@ -296,3 +298,29 @@ def test_two_ranks_agree_when_only_one_sees_wrong_gradients_and_launch_sh_s_pick
     # the gathered verdict is what the machine remembers, not whichever rank wrote last (rank 0's own pass)
     verdicts = [json.loads(f.read_text()) for f in (tmp_path / "cache" / "accel_train").rglob("*.json")]
     assert len(verdicts) == 1 and verdicts[0]["bad"], verdicts
+
+
+def test_the_check_runs_on_a_slice_of_a_large_batch_and_on_a_smaller_one_when_out_of_memory(tmp_path, monkeypatch):
+    # issue 34 item 6: the check on the whole batch (resnet50, 224 px, batch 64, bf16) peaked 2.1-2.5 GiB over a
+    # training step's peak, so a batch sized to fill the device failed in the check (exit 2 under auto). It runs on
+    # a slice (a quarter of a batch over 32, at least 32 samples), halves it when out of memory (down to 8), and its
+    # line says its time and peak memory
+    sizes, real = [], gradcheck.check
+
+    def short_of_memory(model, x, *args):
+        sizes.append(len(x))
+        if len(x) > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, x, *args)
+    args = fit_args("gradcheck_right_in_bf16", tmp_path / "a")
+    args[args.index("--batch_size") + 1], args[args.index("--train_samples") + 1] = "256", "256"
+    fine = run_cli(args, env=env_for(tmp_path))
+    assert fine.returncode == 0 and re.search(r"bf16 gradients match fp32 on a 64x3x8x8 slice of the 256-sample "
+                                              r"batch: .*; \d+\.\d s, peak memory \+\d+ MiB", fine.stderr), \
+        fine.stderr[-3000:]
+    monkeypatch.setattr(gradcheck, "check", short_of_memory)
+    args[args.index("--output_dir") + 1] = str(tmp_path / "b")
+    tight = run_cli(args, env=env_for(tmp_path / "other"))  # (another cache: checked again)
+    assert tight.returncode == 0 and sizes == [64, 32, 16, 8], (sizes, tight.stderr[-3000:])
+    assert "bf16 gradients match fp32 on a 8x3x8x8 slice of the 256-sample batch" in tight.stderr
+    assert "DistributedType.NO, bf16]" in tight.stderr

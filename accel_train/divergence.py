@@ -71,7 +71,8 @@ class NonFiniteWatch:
         found = of_step(accelerator.gather(mine).reshape(-1, 4).tolist(), step, "the divergence check")
         states = [s for _, s, _, _ in found]
         overflowed = next((s - 2 for s in states if s >= 2), -1) if 0 not in states else -1
-        names = [n for n, _ in model.named_parameters()] if model is not None else []
+        names = [n.removeprefix("_orig_mod.").removeprefix("module.") for n, _ in model.named_parameters()] \
+            if model is not None else []  # (the user's names, not those of what prepare() wrapped)
         self.verdict([f for f, _, _, _ in found], all(s == 1 for s in states), step, [j for _, _, j, _ in found],
                      names[int(overflowed)] if overflowed >= 0 else "")
 

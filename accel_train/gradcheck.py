@@ -17,6 +17,7 @@ finite. A wrong kernel's error was 1e37.
 from __future__ import annotations
 
 import copy
+import resource
 import time
 from functools import partial
 
@@ -181,7 +182,6 @@ def size_text(n: float) -> str:
 
 
 def resident_peak() -> int:
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
 
 

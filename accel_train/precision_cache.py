@@ -26,7 +26,8 @@ def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dic
                 model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
                 channels_last=bool(cfg.channels_last),
                 device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
-                isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")], torch=torch.__version__)
+                isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")],
+                torch=torch.__version__)
 
 
 def cache_file(key: dict) -> Path | None:

@@ -16,7 +16,7 @@ class Verdict:
     memory: float = 0.0                           # and its peak memory over what was in use before it, bytes
     cached: bool = False
     error: str = ""                               # the check itself failed (never cached)
-    cause: str = ""   # "batch": each layer alone computes right, the errors are rounding amplified (gradcheck.AMPLIFIED)
+    cause: str = ""   # "batch": each layer alone right, the errors rounding amplified (gradcheck.AMPLIFIED)
 
     @property
     def ok(self) -> bool:
@@ -45,7 +45,7 @@ def combine(verdicts: list[Verdict]) -> Verdict:
         for n, e in v.bad.items():
             bad[n] = max(bad.get(n, 0.0), e)
     worst = max((v.worst for v in verdicts), key=lambda w: w[1])
-    batch = bool(bad) and all(v.cause == "batch" for v in verdicts if v.bad)  # (a wrong kernel on any rank: the device)
+    batch = bool(bad) and all(v.cause == "batch" for v in verdicts if v.bad)  # (a wrong kernel on any rank: device)
     return Verdict(first.precision, max(v.limit for v in verdicts), worst, bad, max(v.seconds for v in verdicts),
                    max(v.memory for v in verdicts), all(v.cached for v in verdicts),
                    next((v.error for v in verdicts if v.error), ""), "batch" if batch else "")

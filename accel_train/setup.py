@@ -179,11 +179,11 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
         unused = sorted({n for names in gather_object([unused_parameters(model, x)]) for n in names})
         if unused:
             accelerator.ddp_handler.find_unused_parameters = True  # (read by prepare(): Accelerate's DDP kwargs)
-            logger.info(f"{counted(len(unused), 'trained parameter')} ({', '.join(unused[:4])}"
-                        + (", ..." if len(unused) > 4 else "") + f") {'gets' if len(unused) == 1 else 'get'} no "
-                        "gradient on a batch: DDP looks for unused "
-                        "parameters every step (find_unused_parameters, a little slower; freeze or remove them to "
-                        "train without it)")
+            names = ", ".join(unused[:4]) + (", ..." if len(unused) > 4 else "")
+            verb = "gets" if len(unused) == 1 else "get"
+            logger.info(f"{counted(len(unused), 'trained parameter')} ({names}) {verb} no gradient on a batch: DDP "
+                        "looks for unused parameters every step (find_unused_parameters, a little slower; freeze or "
+                        "remove them to train without it)")
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
                                     weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
     return model, optimizer, loaded

@@ -56,8 +56,7 @@ def measure(args) -> dict:
         optimizer.step()
         float(loss)
     else:
-        v = gradcheck.check(model, x[:n], y[:n], criterion, args.precision)
-        assert v.ok, v
+        gradcheck.check(model, x[:n], y[:n], criterion, args.precision)  # (its cost, whatever its verdict)
     return dict(what=args.what, samples=n, seconds=time.perf_counter() - start,
                 peak_gib=(peak_bytes() - before) / 2 ** 30)
 

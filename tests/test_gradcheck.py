@@ -115,9 +115,10 @@ def test_frozen_layers_are_not_checked_and_a_layer_called_by_keyword_is(monkeypa
 def test_a_failure_that_comes_from_the_batch_says_so_not_the_device():
     # issue 34 item 7: resnet18 at 32 px, batch 2: layer4 normalises 2 values per channel (1x1 feature maps), bf16's
     # rounding is amplified past the bound (errors ~1.2; fp32 8e-5 off fp64) and the run fell back as "bf16 autocast
-    # computes wrong gradients on this device". Every layer alone computes right there: the cause is the batch
+    # computes wrong gradients on this device". Every layer alone computes right there: the cause is the batch. (timm's
+    # test_resnet does the same, in a second)
     torch.manual_seed(0)
-    model = timm.create_model("resnet18", num_classes=10)
+    model = timm.create_model("test_resnet", num_classes=10)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     v = gradcheck.check(model, x, y, nn.CrossEntropyLoss(), "bf16")
     assert not v.ok and v.cause == "batch" and max(v.bad.values()) < gradcheck.AMPLIFIED, v

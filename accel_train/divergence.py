@@ -64,16 +64,23 @@ class NonFiniteWatch:
 
     def check(self, accelerator, step: int, model: torch.nn.Module | None = None) -> None:
         """A collective: every rank calls it. With a model, also checks its weights are finite."""
-        weights_ok = torch.ones((), device=self.first.device, dtype=torch.long)
+        state = torch.ones((), device=self.first.device, dtype=torch.long)
         if model is not None:
-            weights_ok = torch.stack([torch.isfinite(p.detach()).all() for p in model.parameters()]).all().long()
-        mine = torch.stack([self.first, weights_ok, self.jumped, torch.full_like(self.jumped, step)]).reshape(1, 4)
+            state = weights_state(model)
+        mine = torch.stack([self.first, state, self.jumped, torch.full_like(self.jumped, step)]).reshape(1, 4)
         found = of_step(accelerator.gather(mine).reshape(-1, 4).tolist(), step, "the divergence check")
-        self.verdict([f for f, _, _, _ in found], all(ok for _, ok, _, _ in found), step, [j for _, _, j, _ in found])
+        states = [s for _, s, _, _ in found]
+        overflowed = next((s - 2 for s in states if s >= 2), -1) if 0 not in states else -1
+        names = [n.removeprefix("_orig_mod.").removeprefix("module.") for n, _ in model.named_parameters()] \
+            if model is not None else []  # (the user's names, not those of what prepare() wrapped)
+        self.verdict([f for f, _, _, _ in found], all(s == 1 for s in states), step, [j for _, _, j, _ in found],
+                     names[int(overflowed)] if overflowed >= 0 else "")
 
-    def verdict(self, firsts: list[int], weights_ok: bool, step: int, jumps: list[int] = ()) -> None:
+    def verdict(self, firsts: list[int], weights_ok: bool, step: int, jumps: list[int] = (),
+                overflowed: str = "") -> None:
         """From every rank's first non-finite step (0: none), the weights' state and the first weight jump (0:
-        none), gathered (the same on every rank): raise Diverged, or forget the lrs before `step`."""
+        none), gathered (the same on every rank): raise Diverged, or forget the lrs before `step`. `overflowed`: a
+        parameter whose elements are finite but whose norm is not (weights not ok for that reason alone)."""
         firsts, jumps = [f for f in firsts if f > 0], [j for j in jumps if j > 0]
         if firsts and not (jumps and min(jumps) < min(firsts)):
             at = min(firsts)
@@ -83,9 +90,11 @@ class NonFiniteWatch:
             i, before, after = self.jump.tolist() if int(self.jumped) == at else (-1, 0.0, 0.0)
             name = "the weights of " + (self.names[int(i)] if i >= 0 else "a parameter (on another rank)")
             name = "the gradient (before --clip_grad)" if i == -2 else name
-            what = f"{name} jumped from norm {before:.3g} to {after:.3g} at step {at} (lr {self.lr(at)})" + (
-                f"; a wrong {self.precision} kernel does this too (--mixed_precision no rules it out)"
-                if self.precision != "no" else "")
+            what = f"{name} jumped from norm {before:.3g} to {after:.3g} at step {at} (lr {self.lr(at)})" \
+                + self.kernel_note()
+        elif not weights_ok and overflowed:
+            what = f"the weights of {overflowed} became absurd after step {step} (lr {self.lr(step)}): finite, but " \
+                   "their norm overflows" + self.kernel_note()
         elif not weights_ok:
             what = f"the weights became non-finite after step {step} (lr {self.lr(step)})"
         else:
@@ -96,5 +105,22 @@ class NonFiniteWatch:
                        + (f"newest finite checkpoint: {kept[-1]}" if kept else "no checkpoint was written")
                        + "; lower --lr (or set --clip_grad) and start again")
 
+    def kernel_note(self) -> str:
+        return f"; a wrong {self.precision} kernel does this too (--mixed_precision no rules it out)" \
+            if self.precision != "no" else ""
+
     def lr(self, step: int) -> str:
         return f"{self.lrs[step]:.4g}" if step in self.lrs else "unknown"
+
+
+def weights_state(model: torch.nn.Module) -> torch.Tensor:
+    """On the device, no host sync: 1 when every weight tensor's norm is finite; 0 when an element is not finite; 2 + i
+    when parameter i's elements are finite but its fp32 norm overflows (an element near 1e19 or more: absurd, e.g. a
+    wrong kernel's garbage of 1e32, which a finite-elements test alone let through to the export)."""
+    params = [p.detach() for p in model.parameters()]
+    with torch.no_grad():
+        norms_ok = torch.stack([torch.isfinite(n) for n in torch._foreach_norm([p.float() for p in params])])
+        elements_ok = torch.stack([torch.isfinite(p).all() for p in params]).all()
+    first_bad = torch.argmin(norms_ok.long())
+    return torch.where(norms_ok.all(), torch.ones_like(first_bad),
+                       torch.where(elements_ok, first_bad + 2, torch.zeros_like(first_bad)))

@@ -1,7 +1,8 @@
-"""The start-up check of a reduced precision: before the first step, on one real batch, every parameter's gradient
-under the run's autocast precision is compared with the fp32 one. A kernel that computes wrong gradients for the
-run's shapes (bf16 autocast on some x86 CPUs: a 3x3/stride-2 convolution whose input is 1x1 leaves its
-padding-only weight taps holding whatever was in memory, up to 6e32 or inf) fails it. README: Precision.
+"""The start-up check of a reduced precision: before the first step, on one real batch (or a slice of it: CHECK_BATCH)
+and on each layer alone, every parameter's gradient under the run's autocast precision is compared with the fp32 one.
+A kernel that computes wrong gradients for the run's shapes (bf16 autocast on some x86 CPUs: a 3x3/stride-2
+convolution whose input is 1x1 leaves its padding-only weight taps holding whatever was in memory, up to 6e32 or inf)
+fails it. README: Precision.
 
 The bound. A layer that rounds its inputs to a precision with unit roundoff u (bf16: 8 significant bits, u = 2^-8;
 fp16: 11 bits, u = 2^-11) and accumulates in fp32 computes a dot product with a relative error of at most 2u, to
@@ -16,24 +17,21 @@ finite. A wrong kernel's error was 1e37.
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import os
-import time
 import contextlib
-from dataclasses import dataclass, field
-from pathlib import Path
+import copy
+import resource
+import time
+from functools import partial
 
 import torch
 from accelerate.utils import gather_object, send_to_device
 
 from .accelerator import fall_back_to_fp32
 from .errors import ConfigError
-from .files import cache_dir
 from .hardware import NAMES
+from .precision_cache import cache_key, cached, remember
+from .precision_verdict import Verdict, combine, wrong_text
 from .ranks import said_once
-from .user import code_digest, structure_digest
 
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,7 +42,12 @@ REPEATS = 1         # reduced-precision passes of the model per check; of each l
 LAYER_REPEATS = 3   # LAYER_BATCH samples (a wrong kernel's garbage showed in all 3 of 3 passes of the layer alone,
                     # 12 of 12 checks in a review; inside the model's backward in 0 to 5 of 5)
 LAYER_BATCH = 32
-CHECK_VERSION = 2   # in the cache key: a verdict of another version of this check is not reused
+CHECK_BATCH = 32    # the model is checked on a slice of the run's batch: all of it up to CHECK_BATCH, else a quarter
+                    # (at least CHECK_BATCH): the fp32 pass's activations then weigh about what the step's bf16 ones do
+MIN_CHECK_BATCH = 8  # out of memory, the check is retried on half its slice, down to this
+AMPLIFIED = 10.0    # a failure whose errors are all under this (x the gradient), with every layer alone right, is the
+                    # batch's conditioning amplifying rounding (resnet18, 32 px, batch 2: 1.2); a wrong kernel's: 1e15+,
+                    # inf or all zero
 FLOOR = 1e-2        # a gradient under FLOOR x the largest one is judged against that floor: a sum that cancels to near
                     # 0 (a convolution's bias before BatchNorm: exactly 0) keeps the absolute error of its terms
 
@@ -98,42 +101,21 @@ def gradients(model, x, y, criterion, dtype: torch.dtype | None, loss_scale: flo
 
 
 def errors(ref: dict[str, torch.Tensor], low: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter: ||low - ref|| / max(||ref||, FLOOR x the largest ||ref||); inf where low is not finite
-    (0 where both are exactly zero). One host read for all of them."""
+    """Per parameter: ||low - ref|| / max(||ref||, FLOOR x the largest ||ref||); inf where low is not finite, and
+    where low is all zero (or missing) but ref is not under the floor: a kernel that writes nothing, never rounding,
+    whatever the bound (its relative error is exactly 1.0, which a deep model's capped bound let pass). 0 where both
+    are exactly zero. One host read for all of them."""
     names = list(ref)
+    low = {n: low.get(n, torch.zeros_like(ref[n])) for n in names}
     ref_norms = torch.stack([ref[n].norm() for n in names])
-    diff = torch.stack([(low[n] - ref[n]).norm() if n in low else ref[n].norm() for n in names])
-    finite = torch.stack([torch.isfinite(low[n]).all() if n in low else torch.ones((), dtype=torch.bool,
-                                                                                    device=ref_norms.device)
-                          for n in names])
+    diff = torch.stack([(low[n] - ref[n]).norm() for n in names])
+    finite = torch.stack([torch.isfinite(low[n]).all() for n in names])
+    zero = torch.stack([(low[n] == 0).all() for n in names])
     floor = torch.clamp(ref_norms.max() * FLOOR, min=torch.finfo(torch.float32).tiny)
     rel = torch.where(diff == 0, torch.zeros_like(diff), diff / torch.maximum(ref_norms, floor))
-    rel = torch.where(finite & torch.isfinite(rel), rel, torch.full_like(rel, float("inf")))
+    rel = torch.where(finite & torch.isfinite(rel) & ~(zero & (ref_norms >= floor)), rel,
+                      torch.full_like(rel, float("inf")))
     return dict(zip(names, rel.tolist()))
-
-
-@dataclass
-class Verdict:
-    precision: str
-    limit: float                                  # the bound a parameter's error must stay under
-    worst: tuple[str, float] = ("", 0.0)          # the parameter with the largest error, and that error
-    bad: dict[str, float] = field(default_factory=dict)  # parameter -> error, over the limit
-    seconds: float = 0.0                          # what the check cost on this machine
-    cached: bool = False
-    error: str = ""                               # the check itself failed (never cached)
-
-    @property
-    def ok(self) -> bool:
-        return not self.bad
-
-    def to_json(self) -> dict:
-        return {"precision": self.precision, "limit": self.limit, "worst": list(self.worst), "bad": self.bad,
-                "seconds": self.seconds}
-
-    @classmethod
-    def from_json(cls, d: dict) -> Verdict:
-        return cls(d["precision"], float(d["limit"]), tuple(d["worst"]), dict(d["bad"]), float(d["seconds"]),
-                   cached=True)
 
 
 def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Verdict:
@@ -151,10 +133,10 @@ def check(model, x, y, criterion, precision: str, repeats: int = REPEATS) -> Ver
 def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
     start = time.perf_counter()
     probe = copy.deepcopy(model).to(x.device).train()
-    layers = {}  # each convolution and linear layer, with the shape and memory format of its input
-    hooks = [m.register_forward_hook(lambda m, args, out, name=name: layers.setdefault(  # (the input's shape and
-        name, (m, torch.empty_like(args[0], device="meta"))) and None)  # strides only: no activation kept)
-             for name, m in probe.named_modules() if isinstance(m, LAYERS)]
+    layers = {}  # each convolution and linear layer that trains, with the shape and memory format of its input
+    hooks = [m.register_forward_hook(partial(note_input, layers, name), with_kwargs=True)
+             for name, m in probe.named_modules()
+             if isinstance(m, LAYERS) and any(p.requires_grad for p in m.parameters())]  # (frozen: nothing to check)
     ref = gradients(probe, x, y, criterion, None)
     for h in hooks:
         h.remove()
@@ -166,12 +148,23 @@ def _check(model, x, y, criterion, precision: str, repeats: int) -> Verdict:
             errs[n] = max(errs.get(n, 0.0), e)
         if any(not e <= limit for e in errs.values()):
             break  # a failure needs no more passes
+    alone_right = True
     for n, e in layer_errors(layers, precision, LAYER_REPEATS).items():  # each layer alone, judged by one layer's bound
         errs[n] = max(errs.get(n, 0.0), e * limit / bound(precision, 1))
+        alone_right &= e <= bound(precision, 1)
     del probe
     worst = max(errs.items(), key=lambda kv: kv[1], default=("", 0.0))
     bad = {n: e for n, e in errs.items() if not e <= limit}
-    return Verdict(precision, limit, worst, bad, time.perf_counter() - start)
+    batch = bool(bad) and alone_right and all(e <= AMPLIFIED for e in bad.values())
+    return Verdict(precision, limit, worst, bad, time.perf_counter() - start, cause="batch" if batch else "")
+
+
+def note_input(layers: dict, name: str, module, args, kwargs, out) -> None:
+    """A forward hook: the shape and strides of a layer's input, its first call's (no activation kept), whether it
+    was passed by position or by keyword (`self.fc(input=x)`)."""
+    x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+    if x is not None:
+        layers.setdefault(name, (module, torch.empty_like(x, device="meta")))
 
 
 def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]:
@@ -199,66 +192,30 @@ def layer_errors(layers: dict, precision: str, repeats: int) -> dict[str, float]
     return errs
 
 
-def combine(verdicts: list[Verdict]) -> Verdict:
-    """Every rank's verdict -> one for all: a parameter that failed anywhere fails (its largest error)."""
-    first = verdicts[0]
-    bad: dict[str, float] = {}
-    for v in verdicts:
-        for n, e in v.bad.items():
-            bad[n] = max(bad.get(n, 0.0), e)
-    worst = max((v.worst for v in verdicts), key=lambda w: w[1])
-    return Verdict(first.precision, max(v.limit for v in verdicts), worst, bad, max(v.seconds for v in verdicts),
-                   all(v.cached for v in verdicts), next((v.error for v in verdicts if v.error), ""))
+def measured(check_once) -> Verdict:
+    """check_once()'s verdict with its peak memory over what was in use before: the accelerator's allocator's (where
+    torch.accelerator has its counters), else the process's peak resident memory's growth."""
+    acc = torch.accelerator
+    device = hasattr(acc, "max_memory_allocated") and acc.is_available()
+    if device:
+        acc.reset_peak_memory_stats()
+    before = acc.memory_allocated() if device else resident_peak()
+    verdict = check_once()
+    verdict.memory = float((acc.max_memory_allocated() if device else resident_peak()) - before)
+    return verdict
 
 
-def describe(v: Verdict, limit_layers: int = 4) -> str:
-    """'layer4.0.conv1.weight (error 1.6e+37), ...' for the failing parameters, worst first."""
-    bad = sorted(v.bad.items(), key=lambda kv: -kv[1])
-    text = ", ".join(f"{n} (error {e:.2g})" for n, e in bad[:limit_layers])
-    return text + (f" and {len(bad) - limit_layers} more" if len(bad) > limit_layers else "")
+def size_text(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
 
 
-# The cache: one small JSON file per (model, input, precision, memory format, device, torch version), under
-# ~/.cache/accel_train/precision_checks/ ($XDG_CACHE_HOME), as accel_config.py remembers configs. A cache that cannot
-# be read or written only means the check runs again.
-
-def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dict:
-    """What the verdict depends on: the model (its modules and shapes; your own: its file's contents too), the input,
-    the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and oneDNN's ISA
-    cap, which picks other kernels), torch, and this check."""
-    return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model), structure=structure_digest(model),
-                stem=cfg.stem,
-                model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
-                channels_last=bool(cfg.channels_last),
-                device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
-                isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")], torch=torch.__version__)
+def resident_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
 
 
-def cache_file(key: dict) -> Path | None:
-    root = cache_dir("precision_checks")
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return root / f"{digest}.json" if root is not None else None
-
-
-def cached(key: dict) -> Verdict | None:
-    path = cache_file(key)
-    try:
-        return Verdict.from_json(json.loads(path.read_text())) if path is not None and path.is_file() else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def remember(key: dict, verdict: Verdict) -> None:
-    path = cache_file(key)
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(verdict.to_json()))
-        tmp.replace(path)
-    except OSError:
-        pass
+def out_of_memory(e: Exception) -> bool:
+    """The check ran out of memory (torch's OutOfMemoryError; an NPU's RuntimeError says so)."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def first_batch(data, n: int, device):
@@ -277,13 +234,16 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     precision = accelerator.mixed_precision
     if precision not in UNIT_ROUNDOFF:
         return
-    x, y = first_batch(data, cfg.batch_size, accelerator.device)
+    x, y = first_batch(data, min(cfg.batch_size, max(CHECK_BATCH, cfg.batch_size // 4)), accelerator.device)
     key = cache_key(cfg, data.info.num_classes, x.shape, precision, accelerator.device_facts, model)
-    mine = cached(key)
-    if mine is None:
+    mine = Verdict.from_json(cached(key))
+    while mine is None:
         try:
-            mine = check(model, x, y, criterion, precision)
-        except Exception as e:  # (out of memory, a kernel that raises): every rank stops with this rank's line
+            mine = measured(lambda: check(model, x, y, criterion, precision))
+        except Exception as e:  # (a kernel that raises; out of memory on the smallest slice): every rank stops
+            if out_of_memory(e) and len(x) > MIN_CHECK_BATCH:  # with this rank's line
+                x, y = x[:len(x) // 2], y[:len(y) // 2]  # (the verdict stays under the first slice's key)
+                continue
             mine = Verdict(precision, 0.0, error=f"rank {accelerator.process_index}: {type(e).__name__}: "
                                                  + " ".join(str(e).split())[:200])
     v = combine(gather_object([mine]))
@@ -292,15 +252,16 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
             raise ConfigError(f"the start-up check of {precision} failed ({v.error}); --mixed_precision no trains "
                               "without it")
     if not v.cached:
-        remember(key, v)  # the ranks' verdict, not this rank's: ranks of one machine share the file
-    name, shape = NAMES[precision], "x".join(map(str, x.shape))
-    cost = "checked on an earlier start (cached)" if v.cached else f"{v.seconds:.1f} s, remembered for later starts"
+        remember(key, v.to_json())  # the ranks' verdict, not this rank's: ranks of one machine share the file
+    name, shape = NAMES[precision], "x".join(map(str, x.shape)) + ("" if len(x) == cfg.batch_size else
+                                                                   f" slice of the {cfg.batch_size}-sample")
+    cost = "checked on an earlier start (cached)" if v.cached else \
+        f"{v.seconds:.1f} s, peak memory +{size_text(v.memory)}, remembered for later starts"
     if v.ok:
-        log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error {v.worst[1]:.2g} "
-            f"({v.worst[0]}), bound {v.limit:.2g}; {cost}")
+        log(f"precision check: {name} gradients match fp32 on a {shape} batch: worst relative error "
+            f"{v.worst[1]:.2g} ({v.worst[0]}), bound {v.limit:.2g}; {cost}")
         return
-    wrong = f"{name} autocast computes wrong gradients on this device for {describe(v)} (a {shape} batch; " \
-            f"fp32 as the reference, bound {v.limit:.2g})"
+    wrong = wrong_text(v, name, shape, len(x))
     source = accelerator.precision_source
     with said_once(accelerator):
         if cfg.force_precision:

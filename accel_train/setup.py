@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -37,7 +37,7 @@ from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
 from .runs import hold_output_dir, start_branch
-from .user import Given, check_forward, rebuild_problem
+from .user import Given, check_forward, rebuild_problem, unused_parameters
 
 logger = get_logger("accel_train")
 
@@ -178,6 +178,15 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
         model = model.to(memory_format=torch.channels_last)
     x, _ = first_batch(data, min(2, cfg.batch_size), accelerator.device)  # logits (N, classes) before the first step
     on_every_rank(accelerator, check_forward, model, x, data.info.num_classes, cfg.model)
+    if accelerator.num_processes > 1:  # DDP reduces every trained parameter's gradient: one that gets none stalls it
+        unused = sorted({n for names in gather_object([unused_parameters(model, x)]) for n in names})
+        if unused:
+            accelerator.ddp_handler.find_unused_parameters = True  # (read by prepare(): Accelerate's DDP kwargs)
+            names = ", ".join(unused[:4]) + (", ..." if len(unused) > 4 else "")
+            verb = "gets" if len(unused) == 1 else "get"
+            logger.info(f"{counted(len(unused), 'trained parameter')} ({names}) {verb} no gradient on a batch: DDP "
+                        "looks for unused parameters every step (find_unused_parameters, a little slower; freeze or "
+                        "remove them to train without it)")
     optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
                                     weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
     return model, optimizer, loaded, recorded_architecture(cfg, accelerator, data, given, model, x)

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import sys
+import sysconfig
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.nn.parameter import is_lazy
 
 from .errors import ConfigError
 
@@ -38,14 +42,33 @@ def name_of(model) -> str:
     return f"{getattr(kind, '__module__', '__main__')}:{getattr(kind, '__qualname__', type(kind).__name__)}"
 
 
-def code_digest(name) -> str | None:
-    """The contents of the file that defines an import path's module (imported by then), as a digest: a cached result
-    about the model (gradcheck) is not taken for a changed model. None for a timm name or a file not found."""
+def code_digest(name, model: nn.Module | None = None) -> str | None:
+    """The code a cached result about the model (gradcheck) belongs to, as a digest: the file that defines an import
+    path's module, and the files that define the model's modules (every class of every submodule, and its bases:
+    timm's and torch's too) with, for your own files, those of the code they import (a layer in a second local
+    module: its forward changed, the model is checked again). None when nothing of it can be read."""
     module = sys.modules.get(name.partition(":")[0]) if is_import_path(name) else None
-    try:
-        return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16] if module else None
-    except (OSError, TypeError, AttributeError):
-        return None
+    modules = {module} if module is not None else set()
+    if model is not None:
+        modules |= {sys.modules.get(c.__module__) for m in model.modules() for c in type(m).__mro__}
+    for mod in [m for m in modules if m is not None and is_local(m)]:  # one level: what your own files import
+        modules |= {v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+                    for v in vars(mod).values() if inspect.ismodule(v) or inspect.isfunction(v) or inspect.isclass(v)}
+    digest, read = hashlib.sha256(), False
+    for mod in sorted((m for m in modules if m is not None), key=lambda m: m.__name__):
+        try:
+            digest.update(mod.__name__.encode() + Path(mod.__file__).read_bytes())
+            read = True
+        except (OSError, TypeError, AttributeError):  # (a builtin module, a notebook's __main__)
+            pass
+    return digest.hexdigest()[:16] if read else None
+
+
+def is_local(module) -> bool:
+    """A module of your own files: not the standard library's or an installed package's."""
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    path = getattr(module, "__file__", None)
+    return bool(path) and not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed)
 
 
 def structure_digest(model: nn.Module) -> str:
@@ -112,32 +135,58 @@ def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
 
 
 def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str) -> None:
-    """One batch through the model in eval mode and in training mode (no gradients; its buffers, e.g. BatchNorm's
-    running statistics, and the random state restored: nothing of the run moves), before the first step and on every
-    rank: each must give one tensor of logits (N, num_classes). (torchvision's GoogLeNet and Inception v3 with aux
-    logits return a tuple in training mode only.)"""
-    was_training, buffers = model.training, []
+    """One batch through the model in eval mode and in training mode (no gradients; nothing of the run moves:
+    `untouched`), before the first step and on every rank: each must give one tensor of logits (N, num_classes).
+    (torchvision's GoogLeNet and Inception v3 with aux logits return a tuple in training mode only.)"""
     x = x.to(next(model.parameters()).device)
-    # a SyncBatchNorm's training forward is a collective, on the device only (torch/nn/modules/batchnorm.py,
-    # SyncBatchNorm.forward, once a process group exists): the model is still on the CPU here, so eval mode only
-    modes = (False,) if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()) else (False, True)
+    for training in (False, True) if trains_here(model) else (False,):
+        mode = " in training mode" if training else ""
+        try:
+            with untouched(model), torch.no_grad():
+                out = model.train(training)(x)
+        except Exception as e:
+            raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
+                              f"({one_line(e)})") from None
+        check_logits(out, tuple(x.shape), num_classes, name, mode)
+
+
+def trains_here(model: nn.Module) -> bool:
+    """Whether a training-mode forward can run before prepare(). A SyncBatchNorm's is a collective, on the device only
+    (torch/nn/modules/batchnorm.py, SyncBatchNorm.forward, once a process group exists), and the model is still on
+    the CPU here: eval mode only."""
+    return not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules())
+
+
+@contextmanager
+def untouched(model: nn.Module):
+    """The model's mode, its buffers (BatchNorm's running statistics; a lazy module's, made by a first forward, are
+    left as made) and the random state as they were before."""
+    was_training = model.training
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if not is_lazy(b)}
     try:
-        for training in modes:
-            mode = " in training mode" if training else ""
-            if training:  # (after the eval-mode forward, which moves no buffer: a lazy module's exist by then)
-                buffers = [b.detach().clone() for b in model.buffers()]
-            try:
-                with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                    out = model.train(training)(x)
-            except Exception as e:
-                raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape {tuple(x.shape)} "
-                                  f"({one_line(e)})") from None
-            check_logits(out, tuple(x.shape), num_classes, name, mode)
+        with torch.random.fork_rng(devices=[]):
+            yield
     finally:
         model.train(was_training)
         with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
+            for n, b in model.named_buffers():
+                if n in buffers and b.shape == buffers[n].shape:
+                    b.copy_(buffers[n])
+
+
+def unused_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The parameters that train (requires_grad) but get no gradient from one batch's logits: on N ranks DDP must look
+    for them each step (its find_unused_parameters), else the second step fails ("Expected to have finished
+    reduction in the prior iteration"). One forward and backward (.grad untouched), nothing of the run moved; [] if
+    that pass fails (the first step says why)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    try:
+        with untouched(model), torch.enable_grad():
+            out = model.train(trains_here(model))(x.to(named[0][1].device))
+            grads = torch.autograd.grad(out.float().sum(), [p for _, p in named], allow_unused=True)
+    except Exception:
+        return []
+    return [n for (n, _), g in zip(named, grads) if g is None]
 
 
 def check_logits(out, shape: tuple, num_classes: int, name: str, mode: str) -> None:

@@ -50,3 +50,15 @@ def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path
     per_core = {case: float(row[3]) for case, row in rows.items()}
     assert ratio["cache/timm"] == pytest.approx(per_core["cache"] / per_core["timm"], rel=0.02, abs=0.02)
     assert set(ratio) == {"cache/timm", "reduced/full"}
+
+
+@pytest.mark.slow
+def test_gradcheck_memory_prints_the_step_and_both_checks():
+    # bench/gradcheck_memory.py (issue 34 item 6's measurement), small: a batch of 64 is checked on a slice of 32
+    proc = subprocess.run([sys.executable, "bench/gradcheck_memory.py", "--model", "test_resnet", "--image_size", "32",
+                           "--batch", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line[:34].strip(): line[34:].split() for line in proc.stdout.splitlines()[2:5]}
+    assert [rows[k][0] for k in ("one training step", "check on its slice (now)", "check on the whole batch")] == \
+        ["64", "32", "64"], proc.stdout
+    assert proc.stdout.splitlines()[-2].startswith("check: peak ") and "steps of time" in proc.stdout

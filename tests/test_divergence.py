@@ -135,3 +135,35 @@ def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
                      proc.stderr), proc.stderr[-3000:]
     written = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").exists() else []
     assert not written, written
+
+
+class OneRank:
+    """An accelerator of one process: the all-gather returns this rank's row."""
+    device = torch.device("cpu")
+
+    def gather(self, mine):
+        return mine
+
+
+def test_a_finite_weight_whose_norm_overflows_stops_the_run(tmp_path):
+    # issue 34 item 2: one real element at 1.6e32 (a wrong bf16 kernel's garbage reaches 6e35) is finite, but the
+    # tensor's fp32 norm is inf; the check tested elements only, so such weights were exported (exit 0). A finite
+    # tensor whose norm is not finite is absurd: every rank stops, naming it (and the precision that can cause it)
+    from accel_train.divergence import NonFiniteWatch
+    from accel_train.errors import Diverged
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 2))
+    watch = NonFiniteWatch(torch.device("cpu"), tmp_path, model, "bf16")
+    watch.update(torch.tensor(1.0), 1, 0.1)
+    watch.update_weights(1)
+    watch.check(OneRank(), 1, model)  # sane weights pass
+    with torch.no_grad():
+        model[1].weight[1, 2] = 1.6e32
+    assert torch.isfinite(model[1].weight).all() and not torch.isfinite(model[1].weight.norm())  # (the premise)
+    with pytest.raises(Diverged, match=r"^the weights of 1\.weight became absurd after step 1 \(lr 0\.1\): finite, "
+                                       r"but their norm overflows; a wrong bf16 kernel does this too .*nothing "
+                                       r"exported"):
+        watch.check(OneRank(), 1, model)
+    with torch.no_grad():
+        model[0].bias[0] = float("nan")  # a non-finite element is said as such
+    with pytest.raises(Diverged, match=r"^the weights became non-finite after step 1"):
+        watch.check(OneRank(), 1, model)

@@ -145,7 +145,8 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
 
     from accel_train.user import name_of
     from accel_train.config import TrainConfig
-    from accel_train.gradcheck import cache_key, check
+    from accel_train.gradcheck import check
+    from accel_train.precision_cache import cache_key
     from accel_train.hardware import DeviceFacts
     shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -157,13 +158,67 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     before = cache_key(cfg, 10, x.shape, "bf16", facts, model)
     (tmp_path / "user_pkg" / "mod.py").write_text((tmp_path / "user_pkg" / "mod.py").read_text() + "\n# changed\n")
     assert cache_key(cfg, 10, x.shape, "bf16", facts, model)["code"] != before["code"] is not None
-    assert cache_key(TrainConfig(), 10, x.shape, "bf16", facts, model)["code"] is None  # a timm name
     narrow, wide = (functools.partial(tests_pkg.mod.Net, width=w) for w in (4, 64))
     assert name_of(narrow) == name_of(wide)  # (what config.yaml records for both)
     keys = [cache_key(TrainConfig(model=name_of(f)), 10, x.shape, "bf16", facts, f(10)) for f in (narrow, wide)]
     assert keys[0] != keys[1]
     sys.modules.pop("user_pkg.mod")
     sys.modules.pop("user_pkg")
+
+
+BLOCKS = """
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.conv(x){edit}
+"""
+NETC = """
+import torch.nn as nn
+
+from blocks34 import Block
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, num_classes))
+"""
+
+
+def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_local_module(tmp_path, monkeypatch):
+    # issue 34 item 1: netc.py builds the model, blocks.py holds its Block; the cache key hashed netc.py and the
+    # modules' repr and shapes, so an edit to Block.forward (e.g. the input its stride-2 convolution sees: issue 27's
+    # bad shape) kept the earlier verdict "match fp32" and bf16 trained on the wrong kernel. The code of every module
+    # the model uses is in the key; the same code gives the same key (the cache still works)
+    import importlib
+    import sys
+
+    from accel_train.config import TrainConfig
+    from accel_train.precision_cache import cache_key
+    from accel_train.hardware import DeviceFacts
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")
+
+    def key(edit):
+        (tmp_path / "blocks34.py").write_text(BLOCKS.format(edit=edit))
+        (tmp_path / "netc34.py").write_text(NETC)
+        for name in ("blocks34", "netc34"):
+            sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+        model = importlib.import_module("netc34").build(10)
+        return cache_key(cfg, 10, (4, 3, 8, 8), "bf16", facts, model)
+    try:
+        before, same, edited = key(""), key(""), key("[:, :, :1, :1]")
+    finally:
+        for name in ("blocks34", "netc34"):
+            sys.modules.pop(name, None)
+    assert before == same and edited["structure"] == before["structure"]  # (the modules' repr and shapes: alike)
+    assert edited["code"] != before["code"]
 
 
 def python_path(*extra) -> str:
@@ -408,3 +463,83 @@ def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
     assert meta["architecture"] == "tests_pkg.mod:build" and "final_test_acc_ema" in meta["metrics"]
     ema = load_file(out / "model_ema.safetensors")
     assert set(ema) == set(weights) and any(not torch.equal(ema[k], weights[k]) for k in weights)
+
+
+@pytest.mark.slow
+def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path):
+    # issue 34 item 4: every layer frozen but the classifier (requires_grad=False), on a CPU whose default is bf16:
+    # the start-up check raised "element 0 of tensors does not require grad" and the run could not start (exit 2,
+    # even under auto). The check runs, passes, and both ranks train the classifier only
+    from test_gradcheck import BF16_CPU
+    out = tmp_path / "out"
+    env = clean_env(PYTHONPATH=python_path(TESTS), ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU, NPROC_PER_NODE="2",
+                    XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = run(["bash", ROOT / "launch.sh", *SMALL, "--batch_size", "8", "--model", "tests_pkg.mod:probe", "--data",
+                "random", "--timeout_s", "60", "--output_dir", out], 240, env, ROOT)  # (launch.sh picks the precision)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch.sh: precision bf16" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"precision check: bf16 gradients match fp32 .*\(head\.\w+\)", proc.stderr), proc.stderr[-3000:]
+    assert "2 process(es) [DistributedType.MULTI_CPU, bf16]" in proc.stderr, proc.stderr[-3000:]
+    assert steps_logged(out) >= 1 and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_model_with_an_unused_parameter_trains_on_two_ranks(tmp_path):
+    # issue 34 item 8: a parameter the forward never uses trained on 1 rank and died on 2 at the second step (DDP's
+    # "Expected to have finished reduction in the prior iteration", exit 1, empty metrics files). The start-up pass
+    # sees it and DDP is told (Accelerate's DistributedDataParallelKwargs), said in one line
+    out = tmp_path / "out"
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--batch_size", "8", "--model", "tests_pkg.mod:with_unused", "--data",
+                                     "random", "--log_every", "1", "--output_dir", out],
+                  env=clean_env(PYTHONPATH=python_path(TESTS)), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [ln for ln in proc.stderr.splitlines() if "get no gradient on a batch" in ln]
+    assert len(said) == 1 and "2 trained parameters (spare.bias, spare.weight) get no gradient" in said[0] \
+        and "find_unused_parameters" in said[0], proc.stderr[-3000:]
+    assert steps_logged(out) == 4 and (out / "model.safetensors").is_file()  # 64 samples, 2 ranks x 8
+
+
+class Mixed(Dataset):
+    """32 good items (image, label 0 or 1) but the ones in `bad` (index: item)."""
+
+    def __init__(self, bad):
+        self.bad = bad
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return self.bad.get(i, (torch.full((3, 8, 8), float(i % 2)), i % 2))
+
+
+def test_a_bad_item_past_item_0_is_one_line_naming_its_index(tmp_path, existing_run):  # noqa: F811
+    # issue 34 item 9: only item 0 was checked. A sample of items (evenly spaced: 0, 4, 9, ... 31 of 32) is checked at
+    # start (nothing written); any other item as its batch is built (in a DataLoader worker too: one line, not the
+    # worker's traceback), on the CPU before the batch reaches the device (on CUDA a label out of range is a
+    # device-side assert)
+    from PIL import Image
+
+    from accel_train import TrainConfig
+    before = snapshot(existing_run)
+    for bad, said in (({4: (Image.new("RGB", (8, 8)), 1)}, "train_set[4] is (a PIL.Image.Image, a int); each item"),
+                      ({9: (torch.zeros(3, 8, 8), 5)}, "train_set has label 5, but there are 2 classes (a, b): labels "
+                                                       "are 0..1 (train_set[9] is 5)"),
+                      ({31: (torch.zeros(3, 4, 4), 1)}, "train_set[31] is an image of shape (3, 4, 4), not (3, 8, 8)")):
+        with pytest.raises(ConfigError) as e:
+            in_process_train(TrainConfig(output_dir=str(existing_run), epochs=1), model="tests_pkg.mod:build",
+                             train_set=Mixed(bad), test_set=Mixed({}), classes=["a", "b"])
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert snapshot(existing_run) == before
+    for workers in (0, 1):
+        with pytest.raises(ConfigError) as e:
+            in_process_train(TrainConfig(output_dir=str(tmp_path / f"out{workers}"), epochs=1, batch_size=8,
+                                         num_workers=workers), model="tests_pkg.mod:build",
+                             train_set=Mixed({2: (torch.zeros(3, 8, 8), 7)}), test_set=Mixed({}), classes=["a", "b"])
+        assert str(e.value) == "train_set[2] is label 7, outside 0..1 (2 classes); each item must be (image float " \
+                               "tensor (C, H, W), int label), every image of one shape, labels 0..1", str(e.value)
+    # the loaders read your Dataset through the check: its own set_epoch (and targets, classes) still reach it
+    from accel_train.data.given import Checked
+    seen = Mixed({})
+    seen.set_epoch = lambda epoch: setattr(seen, "epoch", epoch)
+    Checked(seen, "train_set", (3, 8, 8), 2).set_epoch(3)
+    assert seen.epoch == 3 and not hasattr(Checked(seen, "train_set", (3, 8, 8), 2), "__getitems__")

@@ -19,19 +19,85 @@ from .load import loader_kwargs, worker_count
 from .pipeline import Data
 
 
+SAMPLE = 8  # items checked at start, evenly spaced (0 and the last among them); the rest as each batch is built
+
+
 def check_item(dataset, name: str) -> torch.Tensor:
-    """dataset[0] must be (image tensor (C, H, W), int label): the image, or one line naming what it is."""
+    """A sample of the Dataset's items (SAMPLE, evenly spaced) must be (image float tensor (C, H, W), int label), the
+    images of one shape: item 0's image, or one line naming the first item that is not."""
     try:
-        size, item = len(dataset), dataset[0]
+        size = len(dataset)
+        first = dataset[0]
     except Exception as e:
         raise DataError(f"{name}: len() and [0] of a map-style Dataset failed ({type(e).__name__}: "
                         + " ".join(str(e).split())[:200] + ")") from None
+    if size < 1 or (problem := item_problem(first)):
+        raise DataError(f"{name}[0] is {problem or 'an empty Dataset'}; {EACH}")
+    for i in sample(size)[1:]:
+        problem = item_problem(read(dataset, name, i), tuple(first[0].shape))
+        if problem:
+            raise DataError(f"{name}[{i}] is {problem}; {EACH}")
+    return first[0]
+
+
+EACH = "each item must be (image float tensor (C, H, W), int label), every image of one shape"
+
+
+def sample(size: int) -> list[int]:
+    return sorted({round(k * (size - 1) / (SAMPLE - 1)) for k in range(SAMPLE)}) if size > 0 else []
+
+
+def read(dataset, name: str, i: int):
+    try:
+        return dataset[i]
+    except Exception as e:
+        raise DataError(f"{name}[{i}] failed ({type(e).__name__}: " + " ".join(str(e).split())[:200] + ")") from None
+
+
+def item_problem(item, shape: tuple | None = None, classes: int | None = None) -> str:
+    """What is wrong with one item ("" if nothing): not (image float tensor (C, H, W), int label), an image of
+    another shape than `shape`, a label outside 0..classes-1."""
     ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor) \
         and item[0].ndim == 3 and item[0].is_floating_point() and is_label(item[1])
-    if not ok or size < 1:
-        what = "(" + ", ".join(describe(v) for v in item) + ")" if isinstance(item, (tuple, list)) else describe(item)
-        raise DataError(f"{name}[0] is {what}; each item must be (image float tensor (C, H, W), int label)")
-    return item[0]
+    if not ok:
+        return "(" + ", ".join(describe(v) for v in item) + ")" if isinstance(item, (tuple, list)) else describe(item)
+    if shape is not None and tuple(item[0].shape) != shape:
+        return f"an image of shape {tuple(item[0].shape)}, not {shape} (item 0's)"
+    if classes is not None and not 0 <= int(item[1]) < classes:
+        return f"label {int(item[1])}, outside 0..{classes - 1} ({classes} classes)"
+    return ""
+
+
+class BadItem(DataError):
+    """An item found wrong as a batch is built: raised in a DataLoader worker, which torch re-raises in the training
+    process as BadItem("Caught BadItem in DataLoader worker ...\nOriginal Traceback ...: <line>"): the line kept."""
+
+    def __init__(self, message: str):
+        last = message.rstrip().splitlines()[-1] if "\n" in message else message
+        super().__init__(last.partition(f"{type(self).__name__}: ")[2] or last)
+
+
+class Checked(torch.utils.data.Dataset):
+    """Your Dataset as the loaders read it: each item checked as it is read (cheap, on the CPU, before the batch goes
+    to the device: a label outside the classes is one line naming its index, never a CUDA device-side assert). Its
+    other attributes (set_epoch, targets, classes) are your Dataset's."""
+
+    def __init__(self, dataset, name: str, shape: tuple, classes: int):
+        self.dataset, self.name, self.shape, self.classes = dataset, name, shape, classes
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        item = self.dataset[i]
+        if problem := item_problem(item, self.shape, self.classes):
+            raise BadItem(f"{self.name}[{i}] is {problem}; {EACH}, labels 0..{self.classes - 1}")
+        return item
+
+    def __getattr__(self, attr):
+        if attr.startswith("__") or attr == "dataset":  # (unpickling in a worker; no __getitems__ past the checks)
+            raise AttributeError(attr)
+        return getattr(self.dataset, attr)
 
 
 def is_label(value) -> bool:
@@ -43,7 +109,8 @@ def is_label(value) -> bool:
 def describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
+    kind = type(value)
+    return f"a {kind.__name__}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{kind.__qualname__}"
 
 
 def class_names(dataset, classes=None) -> tuple[str, ...]:
@@ -62,24 +129,30 @@ def class_names(dataset, classes=None) -> tuple[str, ...]:
 
 def check_labels(dataset, name: str, classes) -> None:
     """Labels are class indices 0..len(classes)-1 (outside, the loss raises at the first step; on CUDA a device-side
-    assert): the Dataset's `targets` if it has them, else its first item's label."""
+    assert): the Dataset's `targets` if it has them, and a sample of its items' labels (the rest: as batches are
+    built, Checked)."""
     targets = getattr(dataset, "targets", None)
     try:
-        labels = torch.as_tensor(targets if targets is not None else [int(dataset[0][1])]).reshape(-1)
-    except (TypeError, ValueError, RuntimeError):  # `targets` of another kind (class names): the first item's label
-        labels = torch.as_tensor([int(dataset[0][1])])
-    outside = labels[(labels < 0) | (labels >= len(classes))]
-    if len(outside):
-        some = ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
-        raise DataError(f"{name} has label {int(outside[0])}, but there are {len(classes)} classes ({some}): labels "
-                        f"are 0..{len(classes) - 1}; pass classes= with every class")
+        labels = torch.as_tensor(targets if targets is not None else []).reshape(-1).long()
+    except (TypeError, ValueError, RuntimeError):  # `targets` of another kind (class names): the items' labels
+        labels = torch.zeros(0, dtype=torch.long)
+    bad = ((labels < 0) | (labels >= len(classes))).nonzero().reshape(-1)
+    found = [(int(labels[bad[0]]), f"{name}.targets[{int(bad[0])}]")] if len(bad) else []
+    for i in sample(len(dataset)) if not found else ():
+        label = int(read(dataset, name, i)[1])
+        if not 0 <= label < len(classes):
+            found = [(label, f"{name}[{i}]")]
+            break
+    if found:
+        (label, where), some = found[0], ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else "")
+        raise DataError(f"{name} has label {label}, but there are {len(classes)} classes ({some}): labels are "
+                        f"0..{len(classes) - 1} ({where} is {label}); pass classes= with every class")
 
 
 def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded (--mean/--std, else 0 and 1: predict
     scales images to [0, 1]), not applied: the Dataset's tensors go to the model as they are."""
-    image = check_item(given.train_set, "train_set")
-    check_item(given.test_set, "test_set")
+    image, test_image = check_item(given.train_set, "train_set"), check_item(given.test_set, "test_set")
     mean, std = cfg.normalisation()
     info = DataInfo(type(given.train_set).__name__, class_names(given.train_set, given.classes),
                     mean or (0.0, 0.0, 0.0), std or (1.0, 1.0, 1.0), int(image.shape[-1]))
@@ -89,8 +162,11 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     workers, why = worker_count(cfg)
     common = dict(batch_size=batch, **loader_kwargs(cfg, device, workers))
     # training workers start anew each epoch: your Dataset's set_epoch (if any) reaches them
-    train_loader = DataLoader(given.train_set, shuffle=True, drop_last=True, **{**common, "persistent_workers": False})
-    test_loader = DataLoader(given.test_set, shuffle=False, drop_last=False, **common)
+    classes = info.num_classes
+    train_loader = DataLoader(Checked(given.train_set, "train_set", tuple(image.shape), classes), shuffle=True,
+                              drop_last=True, **{**common, "persistent_workers": False})
+    test_loader = DataLoader(Checked(given.test_set, "test_set", tuple(test_image.shape), classes), shuffle=False,
+                             drop_last=False, **common)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     return Data(train_loader, test_loader, cpu_inputs(memory_format), len(given.train_set), len(given.test_set), info,
                 "cpu", [f"your Datasets ({type(given.train_set).__name__}), as they are; {why}"])

@@ -45,6 +45,33 @@ def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = Fa
     return Net(num_classes, width, out)
 
 
+def probe(num_classes: int, keyword: bool = False):
+    """A linear probe: every parameter frozen (requires_grad=False) but the classifier's. keyword: the classifier is
+    called with a keyword argument (`self.head(input=x)`)."""
+    net = Net(num_classes)
+    for p in net.features.parameters():
+        p.requires_grad_(False)
+    if keyword:
+        net.head = _KeywordCall(net.head)
+    return net
+
+
+class _KeywordCall(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(input=x)
+
+
+def with_unused(num_classes: int):
+    """A model with a parameter its forward never uses (a head left from another task)."""
+    net = Net(num_classes)
+    net.spare = nn.Linear(8, 3)
+    return net
+
+
 def not_a_module(num_classes: int):
     return "a string"
 

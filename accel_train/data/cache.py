@@ -28,24 +28,31 @@ CHUNK = 512             # images decoded (a thread pool) per write
 ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
 
 
-def cache_path(files: list[Path], size: int) -> Path | None:
-    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches)."""
+def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path | None:
+    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches). `samples`: the
+    --train_samples/--test_samples that chose `files` from a larger folder, part of the name (not only of the key): a
+    subset's cache and the whole folder's are not stale versions of each other (write_cache's removal by name).
+    The key holds each file's inode and change time besides its size and mtime: a file replaced by one of the same
+    size and mtime (cp -p, rsync -a, tar x, touch -r keep the mtime) has a new ctime, which none of them can set."""
     root = cache_dir("decoded")
     if root is None or not files:
         return None
     key = hashlib.sha256(f"{VERSION} {size} {len(files)}\n".encode())
     for f in files:
         st = os.stat(f)
-        key.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
+        key.update(f"{os.path.abspath(f)}\0{stamp}\n".encode())
     folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
-    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px"
+    part = "" if samples is None else f"_{samples}of"  # (not "-": the whole folder's name would be its prefix)
+    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px{part}"
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 
 
 def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
-    """Why auto does not take the cache (None: it does): the disk that holds the caches lacks room for `nbytes` more
-    (1.1x + 1 GiB), or it is not local (a network file system, /proc/mounts: a shared home would be read over the
-    network by every epoch, and machines with their own copies of a folder would remove each other's caches)."""
+    """Why auto does not take the cache (None: it does): the disk that holds the caches lacks room for the `nbytes` of
+    caches still to write (1.1x + 1 GiB; 0: they are all there, whatever the free space), or it is not local (a
+    network file system, /proc/mounts: a shared home would be read over the network by every epoch, and machines with
+    their own copies of a folder would remove each other's caches)."""
     root = cache_dir("decoded")
     while root is not None and not root.exists() and root.parent != root:
         root = root.parent
@@ -58,14 +65,19 @@ def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
         free = shutil.disk_usage(root).free
     except OSError as e:
         return f"the cache's disk ({root}): {e.strerror or e}"
-    return None if free >= ROOM[0] * nbytes + ROOM[1] else f"nor the local disk ({free / 2**30:.1f} GiB free in {root})"
+    if nbytes == 0 or free >= ROOM[0] * nbytes + ROOM[1]:
+        return None
+    return f"nor the local disk ({free / 2**30:.1f} GiB free in {root})"
 
 
-NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p", "afs")
+# (prefixes: nfs4, smb3, fuse.sshfs, ...; autofs: an automount point, whose target is a network one nearly always)
+NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p", "afs", "autofs",
+              "virtiofs", "wekafs", "ocfs2", "gfs2", "orangefs", "pvfs2", "panfs", "quobyte", "davfs", "ncpfs", "coda")
 
 
 def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
-    """The type of the file system that holds `path`: the longest mount point above it in `mounts` ('' if unknown)."""
+    """The type of the file system that holds `path`: the longest mount point above it in `mounts` ('' if unknown),
+    the last of equal ones (the top of a stack: an automount's autofs, then the NFS mounted over it)."""
     try:
         with open(mounts) as f:
             table = [line.split()[1:3] for line in f if len(line.split()) > 2]
@@ -73,7 +85,7 @@ def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
         return ""
     path = os.path.realpath(path)
     above = [(point, kind) for point, kind in table if path == point or path.startswith(point.rstrip("/") + "/")]
-    return max(above, key=lambda m: len(m[0]))[1] if above else ""
+    return max(enumerate(above), key=lambda m: (len(m[1][0]), m[0]))[1][1] if above else ""
 
 
 def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:

@@ -57,7 +57,8 @@ def _image_extensions() -> set[str]:
 def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], list[Path], list[int]]:
     """<root>/<class>/<files> -> (class names, files, labels). Class names are the sorted folder names; with
     `classes` given (the training split's), the folders must be among them and labels index into them.
-    Hidden files and files whose extension no Pillow plugin claims are skipped."""
+    Hidden files, files in hidden folders (.AppleDouble/, .thumbnails/) and files whose extension no Pillow plugin
+    claims are skipped."""
     extensions = _image_extensions()
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not found:
@@ -73,8 +74,8 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tupl
                         f"({', '.join(classes)}); rename or remove them")
     files, labels = [], []
     for name in found:
-        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and not f.name.startswith(".")
-                        and f.suffix.lower() in extensions)
+        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and f.suffix.lower() in extensions
+                        and not any(part.startswith(".") for part in f.relative_to(root / name).parts))
         if not images:
             raise DataError(f"class folder {root / name} has no images; add some or remove the folder")
         files += images
@@ -200,9 +201,21 @@ def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float,
 
 
 def subset(files: list, labels: list, n: int | None) -> tuple[list, list]:
-    """--train_samples/--test_samples on an image folder: N evenly spaced files (files are sorted by class,
-    so the first N would be the first classes only)."""
+    """--train_samples/--test_samples on an image folder: N files, evenly spaced within each class (files are sorted
+    by class, so the first N would be the first classes only), each class's share as its share of the folder but at
+    least one file while N allows (a small class would fall between evenly spaced picks of the whole folder)."""
     if n is None or n >= len(files):
         return files, labels
-    keep = np.linspace(0, len(files) - 1, n).round().astype(int)
+    counts = np.bincount(labels)
+    present = counts > 0
+    ideal = n * counts / len(files)
+    share = np.where(present, np.maximum(np.floor(ideal), 1 if n >= present.sum() else 0), 0).astype(int)
+    while share.sum() > n:  # (the classes raised to one: taken from the classes furthest above their ideal share)
+        share[np.argmax(np.where(share > 1, share - ideal, -np.inf))] -= 1
+    while share.sum() < n:  # the largest remainders
+        share[np.argmax(np.where(share < counts, ideal - share, -np.inf))] += 1
+    keep = []
+    for c in np.flatnonzero(share):
+        members = np.flatnonzero(np.asarray(labels) == c)
+        keep += members[np.linspace(0, len(members) - 1, share[c]).round().astype(int)].tolist()
     return [files[i] for i in keep], [labels[i] for i in keep]

@@ -17,7 +17,7 @@ import torch
 
 from ..config import MAX_WORKERS, TrainConfig
 from ..errors import ConfigError, counted, end_workers
-from .cache import cache_path, no_room, write_cache
+from .cache import cache_path, no_room, open_cache, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
 from .info import CIFAR10, DataInfo
@@ -57,8 +57,9 @@ def device_budget(cfg: TrainConfig, device) -> int:
 
 
 def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None,
-                    cacheable: bool = False) -> tuple[str, str]:
-    """('device', 'cache' or 'cpu', the reason in words). `cacheable`: image files, which the cache can hold."""
+                    to_cache: int | None = None) -> tuple[str, str]:
+    """('device', 'cache' or 'cpu', the reason in words). `to_cache`: image files, which the cache can hold: the bytes
+    of their caches not yet written on this machine (0: all there, taken whatever the free space)."""
     if cfg.pipeline in ("cpu", "cache"):
         return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
     budget = device_budget(cfg, device) if budget is None else budget
@@ -69,9 +70,11 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         raise ConfigError(f"--pipeline device: {size} do not fit the {budget / 2**20:.0f} MiB allowed on {device}; "
                           "use --pipeline cpu (workers decode per sample) or raise --device_data_mb")
     why = f"{size} do not fit the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb)"
-    reason = no_room(nbytes) if cacheable else None
+    cacheable = to_cache is not None
+    reason = no_room(to_cache) if cacheable else None
     if cacheable and reason is None:
-        return "cache", why + ", the local disk has room for them decoded"
+        return "cache", why + (", the local disk has room for them decoded" if to_cache else
+                               ", decoded in the local disk's cache already")
     return "cpu", why + (f", {reason}" if cacheable else "")
 
 
@@ -157,16 +160,17 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
 def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None):
     train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
     classes = info.classes if info else None
-    found = {}
-    if "train" in wanted:
-        classes, files, labels = scan_split(train_dir, classes)
-        found["train"] = subset(files, labels, cfg.train_samples)
-    _, files, labels = scan_split(eval_dir, classes)
-    found["test"] = subset(files, labels, cfg.test_samples)
+    found, limits = {}, {"train": cfg.train_samples, "test": cfg.test_samples}
+    for split in wanted:
+        classes, files, labels = scan_split(train_dir if split == "train" else eval_dir, classes)
+        found[split] = subset(files, labels, limits[split])
+        limits[split] = limits[split] if len(found[split][0]) < len(files) else None  # (chose fewer: a subset)
     size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
                                                         and "train" in found else None)
-    pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget,
-                                    cacheable=True)
+    nbytes = {split: len(f) * 3 * size * size for split, (f, _) in found.items()}
+    homes = {split: home(f, size, limits[split]) for split, (f, _) in found.items()} if cfg.pipeline == "auto" else {}
+    pipeline, why = choose_pipeline(cfg, sum(nbytes.values()), device, budget, to_cache=sum(
+        n for split, n in nbytes.items() if cfg.pipeline != "auto" or not homes[split][1]))
     splits, notes = {}, [why]
     for split, (files, labels) in found.items():
         labels = torch.tensor(labels, dtype=torch.long)
@@ -175,7 +179,7 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes))
+            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split]))
         else:
             check_images(files)
             splits[split] = Split(labels, files=files)
@@ -194,13 +198,23 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     return info, splits, pipeline, notes
 
 
-def cached(files: list[Path], size: int, split: str, notes: list[str]) -> Path | None:
+def home(files: list[Path], size: int, samples: int | None) -> tuple[Path | None, bool]:
+    """(Where the split's decoded cache lives on this machine, whether a complete one is there already)."""
+    try:
+        path = cache_path(files, size, samples)
+    except OSError:  # (a file gone meanwhile: cached() says so)
+        return None, False
+    return path, path is not None and open_cache(path, len(files), size) is not None
+
+
+def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
-    written (a full or read-only disk, no home) the files are decoded per sample, said in one line."""
+    written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
+    --train_samples/--test_samples that chose `files` from more (cache_path)."""
     from accelerate import PartialState
     try:
-        path = cache_path(files, size)
+        path = cache_path(files, size, samples)
         if path is None:
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:

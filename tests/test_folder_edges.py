@@ -1,0 +1,168 @@
+"""Image folders and the decoded cache at the edges (issue 35): a small disk, replaced files, subsets, stacked mounts,
+hidden folders, small classes."""
+
+import subprocess
+from collections import namedtuple
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from accel_train.config import TrainConfig
+from accel_train.data import build_data, decode_image
+from accel_train.data import cache
+from accel_train.data.images import scan_split, subset
+from test_imagefolder import write_image_folder
+
+
+def cache_files(home):
+    return sorted(p.name for p in (home / "accel_train/decoded").glob("*.npy"))
+
+
+def small_disk(tmp_path, monkeypatch, size: int):
+    """A cache home on a disk of `size` bytes: a tmpfs where this machine lets us mount one, else the free-space
+    figure of such a disk (its size less the files written into it). -> (home, unmount)."""
+    home = tmp_path / "small"
+    home.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(home)], capture_output=True,
+                          timeout=30)
+    if proc.returncode == 0:
+        return home, lambda: subprocess.run(["umount", "-l", str(home)], capture_output=True, timeout=30)
+    usage = namedtuple("usage", "total used free")
+
+    def disk_usage(path):
+        used = sum(-(-f.stat().st_size // 4096) * 4096 for f in home.rglob("*") if f.is_file())
+        return usage(size, used, size - used)
+    monkeypatch.setattr(cache.shutil, "disk_usage", disk_usage)
+    return home, lambda: None
+
+
+def test_auto_keeps_using_its_complete_cache_on_a_disk_with_room_for_one(tmp_path, monkeypatch):
+    # item 1: the free-space check counted the complete cache's own size against it: start 1 wrote it, start 2 and
+    # every later one said "nor the local disk (... GiB free)" and decoded per sample (the old tests only ever
+    # started once on a disk with room to spare, or on one without room for a first cache)
+    root = write_image_folder(tmp_path / "d", train=40, val=2)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=64, batch_size=4, num_workers=0,
+              device_data_mb=0.001, mean="0.5,0.5,0.5", std="0.25,0.25,0.25")
+    nbytes = 126 * 3 * 64 * 64  # (40 + 2) x 3 classes
+    room = int(cache.ROOM[1] + 1.5 * nbytes)  # room for 1.1x + 1 GiB, not for 2.1x + 1 GiB
+    home, unmount = small_disk(tmp_path, monkeypatch, room - room % 4096)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    try:
+        first = build_data(TrainConfig(**kw), "cpu")
+        assert first.pipeline == "cache" and "the local disk has room" in first.describe(), first.describe()
+        assert len(cache_files(home)) == 2
+        for start in range(2):
+            again = build_data(TrainConfig(**kw), "cpu")
+            assert again.pipeline == "cache", again.describe()
+            assert "decoded in the local disk's cache already" in again.describe()
+            assert again.describe().count("written by an earlier run: read, not decoded") == 2
+        # a cache still to write is still judged by the free space: another size does not fit beside it
+        other = build_data(TrainConfig(**{**kw, "image_size": 72}), "cpu")
+        assert other.pipeline == "cpu" and "nor the local disk" in other.describe()
+    finally:
+        unmount()
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_decoded_again(tmp_path, monkeypatch):
+    # item 2: the key was (path, size, mtime_ns): cp -p, rsync -a, tar x and touch -r keep the mtime, and an image
+    # replaced by another of the same size was read from the cache, stale (the old test changed the mtime too)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    root = write_image_folder(tmp_path / "d", train=4, val=2)
+    target = root / "train" / "apple" / "a.bmp"  # (BMP: the same size for the same width and height)
+    Image.fromarray(np.full((24, 24, 3), 40, np.uint8)).save(target)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4, pipeline="cache", num_workers=0)
+    first = build_data(TrainConfig(**kw), "cpu")
+    index = first.train_loader.dataset.split.files.index(target)
+    assert (first.train_loader.dataset.images([index]) == 40).all()
+    reference = tmp_path / "mtime"
+    subprocess.run(["touch", "-r", str(target), str(reference)], check=True, timeout=30)
+    replacement = tmp_path / "new.bmp"
+    for level, copy in ((215, "cp"), (90, "mv")):  # (cp: the same inode, a new ctime; mv: another inode)
+        Image.fromarray(np.full((24, 24, 3), level, np.uint8)).save(replacement)
+        assert replacement.stat().st_size == target.stat().st_size
+        subprocess.run([copy, str(replacement), str(target)], check=True, timeout=30)
+        subprocess.run(["touch", "-r", str(reference), str(target)], check=True, timeout=30)
+        assert target.stat().st_mtime_ns == reference.stat().st_mtime_ns
+        again = build_data(TrainConfig(**kw), "cpu")
+        assert "train: decoded cache" in again.describe() and "written once" in again.describe(), again.describe()
+        assert (again.train_loader.dataset.images([index]) == level).all()
+        assert torch.equal(again.train_loader.dataset.images([index])[0], decode_image(target, 16))
+
+
+def test_runs_with_different_sample_limits_keep_each_others_caches(tmp_path, monkeypatch):
+    # item 5: stale caches were removed by folder and size, so a --train_samples run and a full one removed each
+    # other's cache at every start (a subset is not a changed folder); a changed folder still replaces its cache
+    home = tmp_path / "home"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    root = write_image_folder(tmp_path / "d", train=4, val=2)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=2, pipeline="cache", num_workers=0)
+    smoke = dict(kw, train_samples=6, test_samples=3)
+    for cfg in (smoke, kw, smoke, kw):
+        data = build_data(TrainConfig(**cfg), "cpu")
+    assert data.describe().count("read, not decoded") == 2 and len(cache_files(home)) == 4
+    assert "read, not decoded" in build_data(TrainConfig(**smoke), "cpu").describe()
+    (root / "train" / "apple" / "img_000.png").unlink()  # a changed folder: each run's cache is replaced by one
+    for cfg in (smoke, kw):
+        build_data(TrainConfig(**cfg), "cpu")
+    assert len(cache_files(home)) == 4
+    assert sum(np.load(home / "accel_train/decoded" / name, mmap_mode="r").shape[0] == 11
+               for name in cache_files(home)) == 1
+
+
+def test_a_mount_stacked_over_another_is_judged_by_the_top_one(tmp_path, monkeypatch):
+    # item 4: of equal mount points the first (the hidden lower one) was taken: an automounted NFS home counted as
+    # local; autofs, virtiofs and wekafs were not known to be remote (the old test had one mount per point)
+    mounts = tmp_path / "mounts"
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    stacks = {"nfs4": f"/dev/sda1 / ext4 rw 0 0\n/dev/sdb1 {tmp_path} ext4 rw 0 0\nserver:/h {tmp_path} nfs4 rw 0 0\n",
+              "ext4": f"/dev/sda1 / ext4 rw 0 0\nsystemd-1 {tmp_path} autofs rw 0 0\n/dev/sdb {tmp_path} ext4 rw 0 0\n"}
+    for top, table in stacks.items():
+        mounts.write_text(table)
+        assert cache.file_system(home, str(mounts)) == top
+    assert cache.no_room(1, str(mounts)) is None
+    for kind in ("autofs", "virtiofs", "wekafs", "nfs4", "fuse.sshfs"):
+        mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nx {tmp_path} {kind} rw 0 0\n")
+        assert f"is {kind}, not local" in cache.no_room(1, str(mounts))
+
+
+def test_files_in_hidden_folders_are_skipped(tmp_path):
+    # item 8: only hidden files were skipped: macOS's .AppleDouble/ (not images: exit 2) and a viewer's .thumbnails/
+    # (trained as the class) were read (the old tests had hidden files only)
+    root = write_image_folder(tmp_path / "d", train=3, val=1)
+    before = scan_split(root / "train")
+    (root / "train/apple/.AppleDouble").mkdir()
+    (root / "train/apple/.AppleDouble/00000.jpg").write_bytes(b"\x00\x05\x16\x07 not an image")
+    (root / "train/apple/.thumbnails/normal").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "train/apple/.thumbnails/normal/x.jpg")
+    (root / "train/apple/sub").mkdir()  # (a visible subfolder is still read)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / "train/apple/sub/y.jpg")
+    classes, files, labels = scan_split(root / "train")
+    assert classes == before[0] and files == sorted(before[1][:3] + [root / "train/apple/sub/y.jpg"]) + before[1][3:]
+    assert build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, batch_size=2),
+                      "cpu").train_size == 10
+
+
+def test_sample_limits_keep_a_small_class(tmp_path):
+    # item 10: N evenly spaced files of the whole folder stepped over a class of 3 between two of 1000 for every N
+    # from 50 to 500 (the old test's classes were of equal size)
+    labels = [0] * 1000 + [1] * 3 + [2] * 1000
+    files = [f"f{i}" for i in range(len(labels))]
+    for n in (3, 50, 101, 500, 2000):
+        chosen, kept = subset(files, labels, n)
+        assert len(chosen) == n == len(set(chosen)) and np.bincount(kept).min() >= 1, n
+        assert all(files.index(f) in np.flatnonzero(np.asarray(labels) == y) for f, y in zip(chosen, kept))
+    assert np.bincount(subset(files, labels, 500)[1]).tolist() == [250, 1, 249]  # (the rest as the folder's shares)
+    assert subset(files, labels, None) == (files, labels) and len(subset(files, labels, 2)[0]) == 2
+    root = write_image_folder(tmp_path / "d", train=2, val=1, classes={"a": 40, "b": 128, "c": 215})
+    for f in sorted((root / "train/b").iterdir())[1:]:
+        f.unlink()
+    for name in ("a", "c"):
+        write_image_folder(tmp_path / "d", train=12, val=1, classes={name: 40})
+    data = build_data(TrainConfig(data="imagefolder", data_dir=str(root), image_size=16, train_samples=5,
+                                  batch_size=5), "cpu")
+    _, y = data.inputs(torch.arange(5), train=True)
+    assert sorted(set(y.tolist())) == [0, 1, 2]

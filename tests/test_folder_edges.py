@@ -166,3 +166,31 @@ def test_sample_limits_keep_a_small_class(tmp_path):
                                   batch_size=5), "cpu")
     _, y = data.inputs(torch.arange(5), train=True)
     assert sorted(set(y.tolist())) == [0, 1, 2]
+
+
+def test_the_cache_pipelines_mean_and_std_are_the_device_pipelines_read_not_decoded(tmp_path, monkeypatch):
+    # item 7: the cache pipeline decoded a sample of the training files again at every start for mean/std (a sample:
+    # at >= STATS_SAMPLE images other numbers than the device pipeline's, which uses every image); the old tests gave
+    # --mean/--std or had fewer images than the sample
+    from accel_train.data import load
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(load, "STATS_SAMPLE", 4)  # (as a folder of more than 2048 images)
+    root = write_image_folder(tmp_path / "d", train=8, val=2)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=16, batch_size=4, num_workers=0)
+    device = build_data(TrainConfig(**kw), "cpu")
+    assert device.pipeline == "device"
+    first = build_data(TrainConfig(pipeline="cache", **kw), "cpu")
+    assert (first.info.mean, first.info.std) == (device.info.mean, device.info.std)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded")
+    monkeypatch.setattr(load, "decode_all", no_decoding)
+    monkeypatch.setattr(load, "channel_stats", no_decoding)  # (nor the whole cache read again: its stats are kept)
+    again = build_data(TrainConfig(pipeline="cache", **kw), "cpu")
+    assert (again.info.mean, again.info.std) == (device.info.mean, device.info.std)
+    # a rank that took another mean/std (its machine's cache not yet written) takes rank 0's before the first batch
+    again.set_normalisation((0.1, 0.2, 0.3), (0.5, 0.5, 0.5))
+    images = again.test_loader.dataset.images([0, 1, 2, 3]).float() / 255
+    y, _ = again.inputs(again.test_loader.dataset.__getitems__([0, 1, 2, 3]), train=False)
+    assert again.info.mean == (0.1, 0.2, 0.3)
+    assert torch.allclose(y, (images - torch.tensor([0.1, 0.2, 0.3]).view(1, 3, 1, 1)) / 0.5, atol=1e-5)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -21,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from ..files import cache_dir
-from .images import check_images, decode_all
+from .images import channel_stats, check_images, decode_all
 
 VERSION = 1             # of the decode (decode_image) and the file's layout: a new one re-caches
 CHUNK = 512             # images decoded (a thread pool) per write
 ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
+STATS = ".stats.json"   # beside a cache: its images' mean/std (cache_stats)
 
 
 def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path | None:
@@ -158,9 +160,29 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
         publish(tmp, path, len(files), size)
     finally:
         tmp.unlink(missing_ok=True)
-    prefix = _same_folder_and_size(path)  # a changed folder's older cache
+    prefix = _same_folder_and_size(path)  # a changed folder's older cache (and its statistics)
     for stale in path.parent.iterdir():
-        if stale.name.startswith(prefix) and stale.suffix == ".npy" and stale != path:
+        if stale.name.startswith(prefix) and stale.name.endswith((".npy", STATS)) \
+                and not stale.name.startswith(path.stem + "."):
             stale.unlink(missing_ok=True)
     return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at {np.median(rates):.0f} images/s "
             f"(remove it with rm; README: Speed)")
+
+
+def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean/std of the complete cache `images` at `path` (channel_stats: the device pipeline's numbers for the
+    same images), kept beside it once computed: a later start reads them instead of the whole cache."""
+    side = path.with_name(path.stem + STATS)
+    try:
+        mean, std = json.loads(side.read_text())
+        return tuple(mean), tuple(std)
+    except (OSError, ValueError, TypeError):
+        pass
+    stats = channel_stats(images)
+    tmp = side.with_name(f".{side.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, side)
+    except OSError:  # (a full or read-only disk: computed again next time)
+        tmp.unlink(missing_ok=True)
+    return stats

@@ -187,14 +187,16 @@ def check_images(files: list[Path]) -> None:
         raise unreadable_images(errors)
 
 
-def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std in [0, 1] of N x 3 x H x W uint8 images."""
+def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in [0, 1] of N x 3 x H x W uint8 images (a tensor, or the decoded cache's mapped
+    array: the same sums in the same order, the same numbers)."""
     total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    for chunk in images.split(256):
-        c = chunk.double()
+    for start in range(0, len(images), 256):
+        chunk = images[start:start + 256]
+        c = (chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(np.array(chunk))).double()
         total += c.sum((0, 2, 3))
         squares += (c * c).sum((0, 2, 3))
-    n = images.numel() / 3
+    n = int(np.prod(images.shape)) / 3
     mean = total / n / 255
     std = (squares / n / 255**2 - mean**2).clamp_min(1e-6).sqrt().clamp_min(1e-3)
     return tuple(round(v, 4) for v in mean.tolist()), tuple(round(v, 4) for v in std.tolist())

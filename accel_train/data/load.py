@@ -17,7 +17,7 @@ import torch
 
 from ..config import MAX_WORKERS, TrainConfig
 from ..errors import ConfigError, counted, end_workers
-from .cache import cache_path, no_room, open_cache, write_cache
+from .cache import cache_path, cache_stats, no_room, open_cache, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
 from .info import CIFAR10, DataInfo
@@ -187,8 +187,11 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
         mean, std = cfg.normalisation()
         if mean is None or std is None:
             train = splits["train"]
+            mapped = open_cache(train.cache, len(train), size) if train.cache else None
             if train.images is not None:
                 stats = channel_stats(train.images)
+            elif mapped is not None:  # the device pipeline's numbers, not decoded again (setup: rank 0's for all)
+                stats = cache_stats(train.cache, mapped)
             else:  # an evenly spaced sample of the training files, the same on every rank
                 step = max(1, len(train.files) // STATS_SAMPLE)
                 stats = channel_stats(decode_all(train.files[::step], size)[0])

@@ -13,7 +13,8 @@ from accel_train.config import TrainConfig
 from accel_train.data import build_data, decode_image
 from accel_train.data import cache
 from accel_train.data.images import scan_split, subset
-from test_imagefolder import write_image_folder
+from conftest import clean_env, launch, run_cli
+from test_imagefolder import SMALL, write_image_folder
 
 
 def cache_files(home):
@@ -194,3 +195,56 @@ def test_the_cache_pipelines_mean_and_std_are_the_device_pipelines_read_not_deco
     y, _ = again.inputs(again.test_loader.dataset.__getitems__([0, 1, 2, 3]), train=False)
     assert again.info.mean == (0.1, 0.2, 0.3)
     assert torch.allclose(y, (images - torch.tensor([0.1, 0.2, 0.3]).view(1, 3, 1, 1)) / 0.5, atol=1e-5)
+
+
+def truncated(root, split="val"):
+    """A JPEG whose header reads (check_images passes) but whose pixels end early (only a decode finds it)."""
+    jpeg = root / split / "cherry-2" / "img_001.jpg"
+    data = jpeg.read_bytes()
+    jpeg.write_bytes(data[:len(data) - 150])
+    return jpeg
+
+
+def one_error_line(proc, jpeg):
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "ChildFailedError" not in line
+              and not line.lstrip().startswith(("error_file", "traceback :", "E1", "raise ChildFailedError"))]
+    assert len(errors) == 1 and errors[0].startswith(f"accel-train: error: {jpeg} is not a readable image (image "
+                                                      "file is truncated"), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stdout + "\n".join(l for l in proc.stderr.splitlines() if "[RANK" in l)
+
+
+def test_a_truncated_jpeg_found_by_a_dataloader_worker_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    # item 3: UnreadableImage(path, reason) could not be rebuilt by torch's ExceptionWrapper (one argument): a worker's
+    # truncated JPEG became a RuntimeError, a traceback and exit 1 after an epoch (the old tests used 0 workers, or
+    # files whose header does not read, which check_images names at start). Here the start-up check is bypassed
+    # (STATS_SAMPLE 1: as a split too large to decode at start) so that a worker finds it.
+    from accel_train.data import load
+    monkeypatch.setattr(load, "STATS_SAMPLE", 1)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    root = write_image_folder(tmp_path / "d", train=8, val=4)
+    jpeg = truncated(root)
+    out = tmp_path / "out"
+    proc = run_cli([*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", out, "--pipeline", "cpu",
+                    "--num_workers", "2", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25", "--batch_size", "4"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    one_error_line(proc, jpeg)
+    assert "epoch 1/1" not in proc.stderr  # (found by the evaluation's worker, after the epoch's steps)
+
+
+@pytest.mark.slow
+def test_a_truncated_jpeg_is_found_at_start_on_every_rank(tmp_path):
+    # item 3 on 2 ranks: a training file with --mean/--std given (no statistics decode) was found by one rank's worker
+    # mid-run: that rank's traceback (exit 1), the other rank's survivor save (exit 3); the old tests read headers
+    # only. A split of up to 2048 files is decoded at start: the same one line and exit 2 on every rank
+    root = write_image_folder(tmp_path / "d", train=40, val=4)
+    jpeg = truncated(root, "train")
+    status, out = tmp_path / "status", tmp_path / "out"
+    status.mkdir()
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", out, "--pipeline",
+                                     "cpu", "--num_workers", "2", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25",
+                                     "--batch_size", "4"], check=False,
+                  env=clean_env(XDG_CACHE_HOME=str(tmp_path / "home"), ACCEL_TRAIN_STATUS_DIR=str(status)))
+    assert proc.returncode != 0
+    assert sorted(f.read_text().strip() for f in status.iterdir() if f.is_file()) == ["2", "2"], proc.stderr[-4000:]
+    one_error_line(proc, jpeg)
+    assert not (out / "checkpoints").exists()

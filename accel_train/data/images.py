@@ -18,11 +18,13 @@ EVAL_DIRS = ("val", "validation", "test")  # an image folder's evaluation split,
 
 
 class UnreadableImage(DataError):
-    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images)."""
+    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images). Rebuilt from
+    one argument, its message (a DataLoader worker's: DataError), it has neither."""
 
-    def __init__(self, path, reason: str):
-        super().__init__(f"{path} is not a readable image ({reason}); replace or remove it")
-        self.path, self.reason = path, reason
+    def __init__(self, path, reason: str | None = None):
+        super().__init__(str(path) if reason is None else f"{path} is not a readable image ({reason}); replace or "
+                         "remove it")
+        self.path, self.reason = (None, None) if reason is None else (path, reason)
 
 
 def why_unreadable(path, error: Exception) -> str:

@@ -172,16 +172,18 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     pipeline, why = choose_pipeline(cfg, sum(nbytes.values()), device, budget, to_cache=sum(
         n for split, n in nbytes.items() if cfg.pipeline != "auto" or not homes[split][1]))
     splits, notes = {}, [why]
+    sampled = info is None and None in cfg.normalisation()  # the training files' mean/std: decoded below
     for split, (files, labels) in found.items():
         labels = torch.tensor(labels, dtype=torch.long)
+        later = sampled and split == "train"
         if pipeline == "device":
             images, rate = decode_all(files, size)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split]))
+            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split], later))
         else:
-            check_images(files)
+            checked(files, size, later)
             splits[split] = Split(labels, files=files)
     if info is None:
         mean, std = cfg.normalisation()
@@ -210,11 +212,23 @@ def home(files: list[Path], size: int, samples: int | None) -> tuple[Path | None
     return path, path is not None and open_cache(path, len(files), size) is not None
 
 
-def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None) -> Path | None:
+def checked(files: list[Path], size: int, sampled: bool = False) -> None:
+    """Files decoded per sample later: every header read now (check_images), and a split of up to STATS_SAMPLE files
+    decoded (a few seconds), unless `sampled` (the mean/std's sample decodes all of it anyway), so that a file whose
+    header reads but whose pixels end early is named now, alike on every rank, not by one rank's DataLoader worker
+    mid-run (that rank exits 2; the others lose a peer)."""
+    check_images(files)
+    if len(files) <= STATS_SAMPLE and not sampled:
+        for start in range(0, len(files), 256):
+            decode_all(files[start:start + 256], size)
+
+
+def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None,
+           sampled: bool = False) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
     written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
-    --train_samples/--test_samples that chose `files` from more (cache_path)."""
+    --train_samples/--test_samples that chose `files` from more (cache_path); `sampled`: as checked's."""
     from accelerate import PartialState
     try:
         path = cache_path(files, size, samples)
@@ -222,12 +236,12 @@ def cached(files: list[Path], size: int, split: str, notes: list[str], samples: 
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:
             notes.append(f"{split}: " + write_cache(files, size, path))
-        else:
+        else:  # (the writer decodes every file: a bad one is its error, on every rank: setup's on_every_rank)
             check_images(files)
             notes.append(f"{split}: the decoded cache {path}, written by this machine's local main process")
         return path
     except OSError as e:
         notes.append(f"{split}: the decoded cache cannot be written ({e.strerror or e}"
                      f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}): decoding per sample")
-        check_images(files)
+        checked(files, size, sampled)
         return None

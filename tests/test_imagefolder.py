@@ -212,7 +212,7 @@ def test_decoded_cache_is_reused_and_rewritten_when_the_folder_changes(tmp_path,
     first_file.unlink()
     host = __import__("socket").gethostname()
     abandoned = path.with_name(f".{path.name.rsplit('-', 1)[0]}-0123.npy.{host}.{2**22 + 1}.tmp")
-    running = path.with_name(f".{path.name.rsplit('-', 1)[0]}-4567.npy.{host}.{os.getpid()}.tmp")
+    running = path.with_name(f".{path.name.rsplit('-', 1)[0]}-4567.npy.{host}.1.tmp")  # (pid 1 runs: no lock needed)
     abandoned.write_bytes(b"x" * 1000)
     running.write_bytes(b"x")
     fewer = build_data(TrainConfig(**kw), "cpu")

@@ -66,7 +66,8 @@ class TrainConfig:
                            "for cifar10/random, computed from the training images for imagefolder", "data")
     std: str | None = opt(None, "per-channel std 'R,G,B' (see --mean)", "data")
     num_workers: int | None = opt(None, "DataLoader worker processes per process (the cpu pipeline); default: the "
-                                  "cores of the process's CPU affinity / the processes on this machine, at most "
+                                  "cores of the process's CPU affinity (its cgroup's CPU quota if fewer) / the "
+                                  "processes on this machine, at most "
                                   f"{MAX_WORKERS}", "data")
 
     # model

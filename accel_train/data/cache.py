@@ -39,12 +39,14 @@ def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path
     """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches). `samples`: the
     --train_samples/--test_samples that chose `files` from a larger folder, part of the name (not only of the key): a
     subset's cache and the whole folder's are not stale versions of each other (write_cache's removal by name).
-    The key holds each file's inode and change time besides its size and mtime: a file replaced by one of the same
-    size and mtime (cp -p, rsync -a, tar x, touch -r keep the mtime) has a new ctime, which none of them can set."""
+    The key holds Pillow's version (an upgrade may decode differently), and each file's inode and change time besides
+    its size and mtime: a file replaced by one of the same size and mtime (cp -p, rsync -a, tar x, touch -r keep the
+    mtime) has a new ctime, which none of them can set."""
     root = cache_dir("decoded")
     if root is None or not files:
         return None
-    key = hashlib.sha256(f"{VERSION} {size} {len(files)}\n".encode())
+    from PIL import __version__ as pillow
+    key = hashlib.sha256(f"{VERSION} {pillow} {size} {len(files)}\n".encode())
     for f in files:
         st = os.stat(f)
         stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"

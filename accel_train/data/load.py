@@ -221,7 +221,8 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split], later))
+            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split], later,
+                                                                    homes.get(split, (None,))[0]))
         else:
             checked(files, size, later)
             splits[split] = Split(labels, files=files)
@@ -264,14 +265,15 @@ def checked(files: list[Path], size: int, sampled: bool = False) -> None:
 
 
 def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None,
-           sampled: bool = False) -> Path | None:
+           sampled: bool = False, path: Path | None = None) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
     written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
-    --train_samples/--test_samples that chose `files` from more (cache_path); `sampled`: as checked's."""
+    --train_samples/--test_samples that chose `files` from more (cache_path); `sampled`: as checked's; `path`: the
+    cache_path already found (home: every file's stat once)."""
     from accelerate import PartialState
     try:
-        path = cache_path(files, size, samples)
+        path = path or cache_path(files, size, samples)
         if path is None:
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:

@@ -360,3 +360,25 @@ def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp
     before = cache.cache_path(files, 16)
     monkeypatch.setattr("PIL.__version__", "99.0.0")
     assert cache.cache_path(files, 16) != before
+
+
+@pytest.mark.slow
+def test_a_truncated_jpeg_met_mid_run_by_one_rank_is_exit_2_on_every_rank(tmp_path):
+    # item 3, a split too large to decode at start (> 2048 files): one rank's worker meets the file in the evaluation;
+    # that rank says it and exits 2, and its peer, which only sees it gone, said "lost contact with a peer" and exited
+    # 3. Now the rank leaves a note in the output dir and the peer says the same file, exit 2 (the old tests had no
+    # bad file that only a worker finds)
+    root = write_image_folder(tmp_path / "d", train=8, val=700)
+    jpeg = truncated(root)
+    status, out = tmp_path / "status", tmp_path / "out"
+    status.mkdir()
+    proc = launch("2proc_cpu.yaml", [*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", out, "--pipeline",
+                                     "cpu", "--num_workers", "1", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25",
+                                     "--batch_size", "4"], check=False,
+                  env=clean_env(XDG_CACHE_HOME=str(tmp_path / "home"), ACCEL_TRAIN_STATUS_DIR=str(status)))
+    assert sorted(f.read_text().strip() for f in status.iterdir() if f.is_file()) == ["2", "2"], proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error: ")]
+    assert len(lines) == 2 and all(line.startswith(f"accel-train: error: {jpeg} is not a readable image (image "
+                                                   "file is truncated") for line in lines), proc.stderr[-4000:]
+    assert "lost contact" not in proc.stderr and "Traceback" not in "\n".join(
+        line for line in proc.stderr.splitlines() if "[RANK" in line)

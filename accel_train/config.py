@@ -56,7 +56,8 @@ class TrainConfig:
                         "decoded data fits --device_data_mb, else cache where the local disk has room, else cpu",
                         "data", choices=("auto", "device", "cpu", "cache"))
     device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
-                                       "the device; default: a quarter of its free memory", "data")
+                                       "the device; default: a quarter of its free memory (a CPU's: shared by "
+                                       "the processes on the machine)", "data")
     augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "
                         "on training images", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "

@@ -1,6 +1,7 @@
 """Image folders and the decoded cache at the edges (issue 35): a small disk, replaced files, subsets, stacked mounts,
 hidden folders, small classes."""
 
+import os
 import subprocess
 from collections import namedtuple
 
@@ -382,3 +383,15 @@ def test_a_truncated_jpeg_met_mid_run_by_one_rank_is_exit_2_on_every_rank(tmp_pa
                                                    "file is truncated") for line in lines), proc.stderr[-4000:]
     assert "lost contact" not in proc.stderr and "Traceback" not in "\n".join(
         line for line in proc.stderr.splitlines() if "[RANK" in line)
+
+
+def test_the_cpu_device_budget_is_shared_by_the_machines_processes(monkeypatch):
+    # suspected, verified: on a CPU device each local rank holds its own copy of the decoded data, yet each was allowed
+    # a quarter of the machine's free memory: 4 local ranks could take all of it (the old test had one process)
+    from accel_train.data.load import device_budget
+    real = os.sysconf
+    monkeypatch.setattr("os.sysconf", lambda name: 4000 if name == "SC_AVPHYS_PAGES" else real(name))
+    page = real("SC_PAGE_SIZE")
+    for local in (1, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        assert device_budget(TrainConfig(), "cpu") == 4000 * page // local // 4

@@ -41,15 +41,18 @@ class Split:
 
 
 def device_budget(cfg: TrainConfig, device) -> int:
-    """Bytes of decoded images the device pipeline may keep on `device`, as measured here. Under several
+    """Bytes of decoded images the device pipeline may keep on `device`, as measured here (on a CPU, a quarter of the
+    available memory shared by the processes on this machine: each keeps a copy). Under several
     ranks, take rank 0's measure for every rank (broadcast it before build_data): all ranks must choose
     the same pipeline."""
     if cfg.device_data_mb is not None:
         return int(cfg.device_data_mb * 2**20)
     device = torch.device(device)
     try:
-        if device.type == "cpu":
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if device.type == "cpu":  # (one memory for the machine's processes, each of which holds its own copy)
+            from accelerate.utils.environment import get_cpu_distributed_information
+            local = max(1, get_cpu_distributed_information().local_world_size)
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // local
         else:
             free, _ = torch.accelerator.get_memory_info(device)
     except (ValueError, OSError, RuntimeError, AttributeError):

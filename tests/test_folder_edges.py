@@ -308,9 +308,10 @@ def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_co
 
     def signalled_during_the_first(chunk, size):
         calls.append(len(chunk))
+        images = decode(chunk, size)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # (the trainer's handler records it)
-        return decode(chunk, size)
+        return images
     monkeypatch.setattr(cache, "decode_all", signalled_during_the_first)
     args = [*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", tmp_path / "out", "--pipeline", "cache",
             "--num_workers", "0"]
@@ -395,3 +396,25 @@ def test_the_cpu_device_budget_is_shared_by_the_machines_processes(monkeypatch):
     for local in (1, 4):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
         assert device_budget(TrainConfig(), "cpu") == 4000 * page // local // 4
+
+
+def test_a_stop_signal_during_the_device_pipelines_decode_ends_it_at_once(tmp_path, monkeypatch):
+    # item 9, the device pipeline: its decode of every image (and the statistics' and the start check's) ran to its
+    # end before the start-up check saw the signal; now the decode's pool passes over the rest
+    import os
+    import signal
+    from accel_train.data import images
+    root = write_image_folder(tmp_path / "d", train=40, val=2)
+    decode, calls = images.decode_image, []
+
+    def signalled(path, size):
+        calls.append(path)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return decode(path, size)
+    monkeypatch.setattr(images, "decode_image", signalled)
+    proc = run_cli([*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", tmp_path / "out", "--pipeline",
+                    "device"])
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "stopped by SIGTERM while decoding 120 images at start-up" in proc.stderr, proc.stderr[-2000:]
+    assert len(calls) <= 16, len(calls)  # (the pool's threads: at most one image each after the signal)

@@ -211,7 +211,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
     check_images(files)  # every unreadable file named before the long decode
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    keep, header, row, rates = False, _header(n, size), 3 * size * size, []
+    keep, header, row, rates, done = False, _header(n, size), 3 * size * size, [], 0
     try:
         adopted = remove_abandoned(path, tmp)
         with open(tmp, "r+b" if adopted else "wb") as f:
@@ -224,10 +224,8 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
             f.seek(0, os.SEEK_END)
             piece = 16
             while done < n:
-                if (stop := pending_stop()) is not None:
-                    keep = True
-                    raise Preempted(f"stopped by {stop} while decoding the cache {path} ({done} of {n} images); the "
-                                    "next start continues it")
+                if pending_stop() is not None:
+                    raise Preempted("")
                 if open_cache(path, n, size) is not None:
                     return (f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another process: read, "
                             f"{done} of {n} images decoded here")
@@ -239,6 +237,10 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
             f.flush()
             os.fsync(f.fileno())
         publish(tmp, path, n, size)
+    except Preempted:  # (between pieces, or inside one: decode_all)
+        keep = True
+        raise Preempted(f"stopped by {pending_stop()} while decoding the cache {path} ({done} of {n} images); the "
+                        "next start continues it") from None
     finally:
         if not keep:
             tmp.unlink(missing_ok=True)

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from ..config import SIZE_SAMPLE
+from ..errors import Preempted
+from ..preempt import pending_stop
 from .info import DataError
 
 EVAL_DIRS = ("val", "validation", "test")  # an image folder's evaluation split, first found wins
@@ -139,11 +141,14 @@ def decode_image(path, size: int) -> torch.Tensor:
 
 
 def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
-    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s)."""
+    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s). A stop
+    signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once: Preempted."""
     start = time.perf_counter()
     out = torch.empty((len(files), 3, size, size), dtype=torch.uint8)
 
     def one(i):
+        if pending_stop() is not None:  # (the rest of the pool's files are passed over)
+            return None
         try:
             out[i] = decode_image(files[i], size)
         except UnreadableImage as e:
@@ -151,6 +156,8 @@ def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         errors = [e for e in pool.map(one, range(len(files))) if e is not None]
+    if (stop := pending_stop()) is not None:
+        raise Preempted(f"stopped by {stop} while decoding {len(files)} images at start-up")
     if errors:
         raise unreadable_images(errors)
     return out, len(files) / max(time.perf_counter() - start, 1e-9)

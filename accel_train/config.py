@@ -54,8 +54,8 @@ class TrainConfig:
                         "decoded data fits --device_data_mb, else cache where the local disk has room, else cpu",
                         "data", choices=("auto", "device", "cpu", "cache"))
     device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
-                                       "the device; default: a quarter of its free memory (none where torch cannot "
-                                       "measure it)", "data")
+                                       "the device; default: a quarter of its free memory (a CPU's: shared by "
+                                       "the machine's processes; none where torch cannot measure it)", "data")
     augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "
                         "on training images", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
@@ -65,7 +65,8 @@ class TrainConfig:
                            "for cifar10/random, computed from the training images for imagefolder", "data")
     std: str | None = opt(None, "per-channel std 'R,G,B' (see --mean)", "data")
     num_workers: int | None = opt(None, "DataLoader worker processes per process (the cpu pipeline); default: the "
-                                  "cores of the process's CPU affinity / the processes on this machine, at most "
+                                  "cores of the process's CPU affinity (its cgroup's CPU quota if fewer) / the "
+                                  "processes on this machine, at most "
                                   f"{MAX_WORKERS}", "data")
 
     # model

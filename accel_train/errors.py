@@ -174,9 +174,47 @@ def end_progress_line() -> bool:
     return any(not bar.disable for bar in bars)
 
 
+STARTED = time.time()  # (a peer's bad-input note from before this process started is an earlier run's)
+
+
+def note_bad_input(output_dir, error: Exception) -> None:
+    """Bad input met mid-run by this rank alone (a file a DataLoader worker could not decode): a note in the output
+    dir, so that its peers, which only see it gone, say the same line and exit 2 as well (peer_gone, lost_peer)."""
+    if isinstance(error, ConfigError) and output_dir:
+        try:
+            Path(output_dir, f".bad_input.{socket.gethostname()}.{os.getpid()}").write_text(str(error))
+        except OSError:
+            pass
+
+
+def bad_input_of_peer(output_dir, pids=()) -> str | None:
+    """A peer's note of this run (note_bad_input): of one of `pids` on this machine, or (none given) any."""
+    names = [f".bad_input.{socket.gethostname()}.{pid}" for pid in pids] if pids else None
+    if not output_dir:
+        return None
+    try:
+        notes = [p for p in Path(output_dir).glob(".bad_input.*") if names is None or p.name in names]
+        return next((p.read_text() for p in notes if p.stat().st_mtime >= STARTED - 1), None)
+    except OSError:
+        return None
+
+
+def peer_gone(text: str, said: str, output_dir, pids) -> None:
+    """The survivor's signal watch found a local peer gone: `text`, exit 3; or the bad input the peer met, exit 2
+    (written without print: the main thread may be in the middle of a write to sys.stderr)."""
+    bad = bad_input_of_peer(output_dir, pids)
+    line = f"{bad} (met by rank process {pids[0]}); {said}" if bad else text
+    try:
+        os.write(sys.__stderr__.fileno(), f"\naccel-train: error: {line}\n".encode())
+    except Exception:  # (no stderr, a full pipe)
+        pass
+    report_status(EXIT_BAD_INPUT if bad else EXIT_LOST_PEER)
+    os._exit(EXIT_BAD_INPUT if bad else EXIT_LOST_PEER)
+
+
 def lost_peer(error: Exception, cfg) -> None:
     """A collective failed: a peer died or stopped answering. One line, then exit without teardown
-    (destroying a process group whose peer is gone can hang)."""
+    (destroying a process group whose peer is gone can hang); the bad input a peer met, if it left a note, exit 2."""
     from .files import checkpoint_dirs, resumed_from
     text = " ".join(str(error).split())
     peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text)
@@ -186,6 +224,10 @@ def lost_peer(error: Exception, cfg) -> None:
     if getattr(error, "survivor", None):  # the last completed step, written by this machine's survivor (survivor.py)
         where = error.survivor if found and str(found[-1]) in error.survivor else f"{error.survivor}; {where}"
     end_progress_line()
+    if (bad := bad_input_of_peer(cfg.output_dir)) is not None:
+        print(f"accel-train: error: {bad} (met by a peer); {where}", file=sys.stderr, flush=True)
+        report_status(EXIT_BAD_INPUT)
+        os._exit(EXIT_BAD_INPUT)
     print(f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} during a collective "
           f"({detail}); the job stops here, {where}; relaunch with --resume auto (launch.sh --max_restarts N does "
           "it) once every node is back", file=sys.stderr, flush=True)

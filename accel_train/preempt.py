@@ -115,6 +115,13 @@ def watch_launcher(stop: StopRequest) -> None:
     threading.Thread(target=poll, daemon=True, name="accel_train-launcher-watch").start()
 
 
+def pending_stop() -> str | None:
+    """The name of the stop signal that this process's installed StopRequest recorded (None: none, or none
+    installed): work that runs before the loop's agreed checks (the decoded cache's first decode) stops at it."""
+    request = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return request.name if isinstance(request, StopRequest) and request.signal is not None else None
+
+
 def say(text: str) -> None:
     """Write from a signal handler: straight to stderr's file descriptor (print could find sys.stderr's buffer in
     the middle of a write of the interrupted code and raise), and never raise into the code it interrupted (a full

@@ -143,6 +143,8 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
     else:
         data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
                              processes=accelerator.num_processes)
+        if (stats := rank0s((data.info.mean, data.info.std))) != (data.info.mean, data.info.std):
+            data.set_normalisation(*stats)  # (a rank whose machine was writing the decoded cache took a sample's)
     if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
         cfg.stem = init_stem(cfg.init_from)
         log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")

@@ -40,10 +40,10 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from .checkpoint import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
-from .errors import EXIT_LOST_PEER, is_lost_peer, report_status
+from .errors import is_lost_peer, note_bad_input, peer_gone
 from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
                     step_dir)
-from .preempt import SIGNALS, say
+from .preempt import SIGNALS
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
 LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
@@ -159,6 +159,7 @@ class Survivor:
         try:
             yield self
         except Exception as error:
+            note_bad_input(self.cfg.output_dir, error)  # (a bad file one rank's worker met: its peers say it too)
             if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
                 error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
                 if self.owner == "watch":  # the signal watch saved first: it says so and exits (one status file)
@@ -282,10 +283,8 @@ class Survivor:
                 said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
                 if self.owner != "watch":
                     return  # the main thread saved: it says so and exits
-                say(f"\naccel-train: error: lost contact with a peer ({why}); {said}; relaunch with --resume auto "
-                    "(launch.sh --max_restarts N does it) once every node is back\n")
-                report_status(EXIT_LOST_PEER)
-                os._exit(EXIT_LOST_PEER)
+                peer_gone(f"lost contact with a peer ({why}); {said}; relaunch with --resume auto (launch.sh "
+                          "--max_restarts N does it) once every node is back", said, self.cfg.output_dir, gone[:1])
             time.sleep(0.1)
 
 

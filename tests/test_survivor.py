@@ -257,7 +257,7 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     # ranks never agree on the stop and no step completes; the watch saves after GRACE_S / 2 (torchrun's grace: 30 s)
     import types
     watch = object.__new__(survivor.Survivor)
-    watch.local, watch.owner = [], None
+    watch.local, watch.owner, watch.cfg = [], None, types.SimpleNamespace(output_dir=None)
     watch.stop = types.SimpleNamespace(agreed=False, signal=signal.SIGTERM, step_s=0.1)  # (an agreed check measured)
     watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))  # no step completes: stalled
     saved, exits = [], []
@@ -274,7 +274,7 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     monkeypatch.setattr(survivor, "GRACE_S", 1.0)
     monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s)
     monkeypatch.setattr(survivor.os, "_exit", exit_)
-    monkeypatch.setattr(survivor, "report_status", lambda code: None)
+    monkeypatch.setattr("accel_train.errors.report_status", lambda code: None)  # (errors.peer_gone says and exits)
     read, write = os.pipe()
     os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # (other signals' bytes are passed over)
     start = time.monotonic()
@@ -385,7 +385,7 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
     watch.save = lambda failure, in_main=False: saved.append(failure) or "saved"
     monkeypatch.setattr(survivor, "GRACE_S", 1.0)
     monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s, without the write)
-    monkeypatch.setattr(survivor.os, "_exit", lambda code: pytest.fail(f"the watch exited {code}"))
+    monkeypatch.setattr(survivor, "peer_gone", lambda *a, **k: pytest.fail("the watch saved and exited"))
 
     def write_then_agree():
         time.sleep(1.5)  # past both

@@ -10,8 +10,11 @@ start-up's next collective (on_every_rank's gather in setup), which the writer r
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
+import io
+import json
 import os
 import re
 import shutil
@@ -20,32 +23,45 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import Preempted
 from ..files import cache_dir
-from .images import check_images, decode_all
+from ..preempt import pending_stop
+from .images import channel_stats, check_images, decode_all
 
 VERSION = 1             # of the decode (decode_image) and the file's layout: a new one re-caches
-CHUNK = 512             # images decoded (a thread pool) per write
+CHUNK = 512             # most images decoded (a thread pool) per write
+PIECE_S = 0.5           # seconds of decoding per write, so that a stop signal is answered within about a second
 ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
+STATS = ".stats.json"   # beside a cache: its images' mean/std (cache_stats)
 
 
-def cache_path(files: list[Path], size: int) -> Path | None:
-    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches)."""
+def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path | None:
+    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches). `samples`: the
+    --train_samples/--test_samples that chose `files` from a larger folder, part of the name (not only of the key): a
+    subset's cache and the whole folder's are not stale versions of each other (write_cache's removal by name).
+    The key holds Pillow's version (an upgrade may decode differently), and each file's inode and change time besides
+    its size and mtime: a file replaced by one of the same size and mtime (cp -p, rsync -a, tar x, touch -r keep the
+    mtime) has a new ctime, which none of them can set."""
     root = cache_dir("decoded")
     if root is None or not files:
         return None
-    key = hashlib.sha256(f"{VERSION} {size} {len(files)}\n".encode())
+    from PIL import __version__ as pillow
+    key = hashlib.sha256(f"{VERSION} {pillow} {size} {len(files)}\n".encode())
     for f in files:
         st = os.stat(f)
-        key.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
+        key.update(f"{os.path.abspath(f)}\0{stamp}\n".encode())
     folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
-    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px"
+    part = "" if samples is None else f"_{samples}of"  # (not "-": the whole folder's name would be its prefix)
+    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px{part}"
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 
 
 def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
-    """Why auto does not take the cache (None: it does): the disk that holds the caches lacks room for `nbytes` more
-    (1.1x + 1 GiB), or it is not local (a network file system, /proc/mounts: a shared home would be read over the
-    network by every epoch, and machines with their own copies of a folder would remove each other's caches)."""
+    """Why auto does not take the cache (None: it does): the disk that holds the caches lacks room for the `nbytes` of
+    caches still to write (1.1x + 1 GiB; 0: they are all there, whatever the free space), or it is not local (a
+    network file system, /proc/mounts: a shared home would be read over the network by every epoch, and machines with
+    their own copies of a folder would remove each other's caches)."""
     root = cache_dir("decoded")
     while root is not None and not root.exists() and root.parent != root:
         root = root.parent
@@ -58,14 +74,19 @@ def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
         free = shutil.disk_usage(root).free
     except OSError as e:
         return f"the cache's disk ({root}): {e.strerror or e}"
-    return None if free >= ROOM[0] * nbytes + ROOM[1] else f"nor the local disk ({free / 2**30:.1f} GiB free in {root})"
+    if nbytes == 0 or free >= ROOM[0] * nbytes + ROOM[1]:
+        return None
+    return f"nor the local disk ({free / 2**30:.1f} GiB free in {root})"
 
 
-NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p", "afs")
+# (prefixes: nfs4, smb3, fuse.sshfs, ...; autofs: an automount point, whose target is a network one nearly always)
+NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p", "afs", "autofs",
+              "virtiofs", "wekafs", "ocfs2", "gfs2", "orangefs", "pvfs2", "panfs", "quobyte", "davfs", "ncpfs", "coda")
 
 
 def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
-    """The type of the file system that holds `path`: the longest mount point above it in `mounts` ('' if unknown)."""
+    """The type of the file system that holds `path`: the longest mount point above it in `mounts` ('' if unknown),
+    the last of equal ones (the top of a stack: an automount's autofs, then the NFS mounted over it)."""
     try:
         with open(mounts) as f:
             table = [line.split()[1:3] for line in f if len(line.split()) > 2]
@@ -73,7 +94,7 @@ def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
         return ""
     path = os.path.realpath(path)
     above = [(point, kind) for point, kind in table if path == point or path.startswith(point.rstrip("/") + "/")]
-    return max(above, key=lambda m: len(m[0]))[1] if above else ""
+    return max(enumerate(above), key=lambda m: (len(m[1][0]), m[0]))[1][1] if above else ""
 
 
 def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
@@ -90,23 +111,79 @@ def _same_folder_and_size(path: Path) -> str:
     return path.name.rsplit("-", 1)[0] + "-"
 
 
-def remove_abandoned(path: Path) -> None:
+def remove_abandoned(path: Path, mine: Path | None = None) -> bool:
     """The temporary files of this folder's caches at this size left by a writer of this machine that no longer runs
-    (killed mid-write: hundreds of GB for a large folder); a live writer's file (its pid runs) stays."""
+    (killed mid-write: hundreds of GB for a large folder) are removed, but one of `path`'s own key that this boot
+    wrote becomes `mine` (renamed; True), so that a decode stopped by a signal or killed continues where it stopped.
+    A writer runs while it holds its file's lock (flock: also one in another PID namespace of this host, a container
+    sharing ~/.cache, whose pid means nothing here) or, for a writer without one, while its pid runs."""
     prefix = _same_folder_and_size(path)
     # exactly write_cache's name with this host: a glob's `*` would take "gpu1.cluster"'s files (a shared home) for
     # "gpu1"'s, whose pids do not run here
     host = re.escape(socket.gethostname())
     ours = re.compile(re.escape(f".{prefix}") + rf"[0-9a-f]+\.npy\.{host}\.(\d{{1,9}})\.tmp")
-    for tmp in path.parent.glob(f".{glob.escape(prefix)}*.tmp"):
-        if (mine := ours.fullmatch(tmp.name)) is None:
+    adopted = False
+    for tmp in sorted(path.parent.glob(f".{glob.escape(prefix)}*.tmp")):
+        if (match := ours.fullmatch(tmp.name)) is None or _runs(tmp, int(match[1])):
             continue
-        try:
-            os.kill(int(mine[1]), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except OSError:  # it runs (as another user)
-            pass
+        if not adopted and mine is not None and tmp.name.startswith(f".{path.name}.") and _this_boot(tmp):
+            try:
+                os.rename(tmp, mine)
+                adopted = True
+            except OSError:  # (another writer took it first)
+                pass
+            continue
+        tmp.unlink(missing_ok=True)
+    return adopted
+
+
+def _runs(tmp: Path, pid: int) -> bool:
+    """Whether the writer of `tmp` runs: it holds the file's lock, or (a writer without one) its pid runs here."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except OSError:  # (gone, or not ours to read: left alone)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # (BlockingIOError: locked)
+        return True
+    finally:
+        os.close(fd)
+    if pid == os.getpid():  # (this process's own, stopped earlier: an in-process restart, train() called again)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it runs (as another user)
+        pass
+    return True
+
+
+def _this_boot(tmp: Path) -> bool:
+    """Whether `tmp` was written since this machine booted: what a killed process wrote is in the page cache, all of
+    it, but rows written before a crash of the machine may not have reached the disk (holes of zeros)."""
+    try:
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return tmp.stat().st_mtime > boot
+    except (OSError, StopIteration, ValueError):
+        return False
+
+
+def _header(n: int, size: int) -> bytes:
+    out = io.BytesIO()
+    np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (n, 3, size, size)})
+    return out.getvalue()
+
+
+def _rows_in(tmp: Path, header: bytes, row: int) -> int:
+    """The whole images (rows of `row` bytes, written in order) after `header` in a temporary file (0: another
+    header, a file of another shape)."""
+    with open(tmp, "rb") as f:
+        if f.read(len(header)) != header:
+            return 0
+        return max(0, (os.fstat(f.fileno()).st_size - len(header)) // row)
 
 
 def publish(tmp: Path, path: Path, n: int, size: int) -> None:
@@ -124,31 +201,73 @@ def publish(tmp: Path, path: Path, n: int, size: int) -> None:
 
 def write_cache(files: list[Path], size: int, path: Path) -> str:
     """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
-    image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind."""
-    mib = len(files) * 3 * size * size / 2**20
-    if open_cache(path, len(files), size) is not None:
+    image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind.
+    The decode answers a stop signal (the trainer's StopRequest) within about a second: Preempted, its rows kept for
+    the next start to continue (remove_abandoned); a complete cache of the same key that another writer (another
+    container sharing ~/.cache) publishes meanwhile is taken, the rest not decoded."""
+    n, mib = len(files), len(files) * 3 * size * size / 2**20
+    if open_cache(path, n, size) is not None:
         return f"decoded cache {path} ({mib:.0f} MiB), written by an earlier run: read, not decoded"
     check_images(files)  # every unreadable file named before the long decode
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(path)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    keep, header, row, rates, done = False, _header(n, size), 3 * size * size, [], 0
     try:
-        with open(tmp, "wb") as f:
-            np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
-                                                     "shape": (len(files), 3, size, size)})
-            rates = []
-            for start in range(0, len(files), CHUNK):
-                images, rate = decode_all(files[start:start + CHUNK], size)
+        adopted = remove_abandoned(path, tmp)
+        with open(tmp, "r+b" if adopted else "wb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # (held until closed: this writer runs)
+            resumed = done = min(n, _rows_in(tmp, header, row)) if adopted else 0
+            f.seek(len(header) + done * row)
+            f.truncate()
+            f.seek(0)
+            f.write(header)
+            f.seek(0, os.SEEK_END)
+            piece = 16
+            while done < n:
+                if pending_stop() is not None:
+                    raise Preempted("")
+                if open_cache(path, n, size) is not None:
+                    return (f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another process: read, "
+                            f"{done} of {n} images decoded here")
+                images, rate = decode_all(files[done:done + piece], size)
                 f.write(images.numpy().tobytes())
+                done += len(images)
                 rates.append(rate)
+                piece = max(16, min(CHUNK, int(rate * PIECE_S)))  # (a stop signal answered within about a second)
             f.flush()
             os.fsync(f.fileno())
-        publish(tmp, path, len(files), size)
+        publish(tmp, path, n, size)
+    except Preempted:  # (between pieces, or inside one: decode_all)
+        keep = True
+        raise Preempted(f"stopped by {pending_stop()} while decoding the cache {path} ({done} of {n} images); the "
+                        "next start continues it") from None
     finally:
-        tmp.unlink(missing_ok=True)
-    prefix = _same_folder_and_size(path)  # a changed folder's older cache
+        if not keep:
+            tmp.unlink(missing_ok=True)
+    prefix = _same_folder_and_size(path)  # a changed folder's older cache (and its statistics)
     for stale in path.parent.iterdir():
-        if stale.name.startswith(prefix) and stale.suffix == ".npy" and stale != path:
+        if stale.name.startswith(prefix) and stale.name.endswith((".npy", STATS)) \
+                and not stale.name.startswith(path.stem + "."):
             stale.unlink(missing_ok=True)
-    return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at {np.median(rates):.0f} images/s "
-            f"(remove it with rm; README: Speed)")
+    again = f", continued from image {resumed + 1}" if resumed else ""
+    return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at {np.median(rates or [0]):.0f} "
+            f"images/s{again} (remove it with rm; README: Speed)")
+
+
+def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean/std of the complete cache `images` at `path` (channel_stats: the device pipeline's numbers for the
+    same images), kept beside it once computed: a later start reads them instead of the whole cache."""
+    side = path.with_name(path.stem + STATS)
+    try:
+        mean, std = json.loads(side.read_text())
+        return tuple(mean), tuple(std)
+    except (OSError, ValueError, TypeError):
+        pass
+    stats = channel_stats(images)
+    tmp = side.with_name(f".{side.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, side)
+    except OSError:  # (a full or read-only disk: computed again next time)
+        tmp.unlink(missing_ok=True)
+    return stats

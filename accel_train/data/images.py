@@ -12,17 +12,21 @@ import numpy as np
 import torch
 
 from ..config import SIZE_SAMPLE
+from ..errors import Preempted
+from ..preempt import pending_stop
 from .info import DataError
 
 EVAL_DIRS = ("val", "validation", "test")  # an image folder's evaluation split, first found wins
 
 
 class UnreadableImage(DataError):
-    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images)."""
+    """One image file Pillow cannot read; `path` and `reason` for a list of several (unreadable_images). Rebuilt from
+    one argument, its message (a DataLoader worker's: DataError), it has neither."""
 
-    def __init__(self, path, reason: str):
-        super().__init__(f"{path} is not a readable image ({reason}); replace or remove it")
-        self.path, self.reason = path, reason
+    def __init__(self, path, reason: str | None = None):
+        super().__init__(str(path) if reason is None else f"{path} is not a readable image ({reason}); replace or "
+                         "remove it")
+        self.path, self.reason = (None, None) if reason is None else (path, reason)
 
 
 def why_unreadable(path, error: Exception) -> str:
@@ -57,7 +61,8 @@ def _image_extensions() -> set[str]:
 def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], list[Path], list[int]]:
     """<root>/<class>/<files> -> (class names, files, labels). Class names are the sorted folder names; with
     `classes` given (the training split's), the folders must be among them and labels index into them.
-    Hidden files and files whose extension no Pillow plugin claims are skipped."""
+    Hidden files, files in hidden folders (.AppleDouble/, .thumbnails/) and files whose extension no Pillow plugin
+    claims are skipped."""
     extensions = _image_extensions()
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not found:
@@ -73,8 +78,8 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tupl
                         f"({', '.join(classes)}); rename or remove them")
     files, labels = [], []
     for name in found:
-        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and not f.name.startswith(".")
-                        and f.suffix.lower() in extensions)
+        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and f.suffix.lower() in extensions
+                        and not any(part.startswith(".") for part in f.relative_to(root / name).parts))
         if not images:
             raise DataError(f"class folder {root / name} has no images; add some or remove the folder")
         files += images
@@ -136,11 +141,14 @@ def decode_image(path, size: int) -> torch.Tensor:
 
 
 def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
-    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s)."""
+    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s). A stop
+    signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once: Preempted."""
     start = time.perf_counter()
     out = torch.empty((len(files), 3, size, size), dtype=torch.uint8)
 
     def one(i):
+        if pending_stop() is not None:  # (the rest of the pool's files are passed over)
+            return None
         try:
             out[i] = decode_image(files[i], size)
         except UnreadableImage as e:
@@ -148,6 +156,8 @@ def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         errors = [e for e in pool.map(one, range(len(files))) if e is not None]
+    if (stop := pending_stop()) is not None:
+        raise Preempted(f"stopped by {stop} while decoding {len(files)} images at start-up")
     if errors:
         raise unreadable_images(errors)
     return out, len(files) / max(time.perf_counter() - start, 1e-9)
@@ -186,23 +196,37 @@ def check_images(files: list[Path]) -> None:
         raise unreadable_images(errors)
 
 
-def channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std in [0, 1] of N x 3 x H x W uint8 images."""
+def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in [0, 1] of N x 3 x H x W uint8 images (a tensor, or the decoded cache's mapped
+    array: the same sums in the same order, the same numbers)."""
     total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    for chunk in images.split(256):
-        c = chunk.double()
+    for start in range(0, len(images), 256):
+        chunk = images[start:start + 256]
+        c = (chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(np.array(chunk))).double()
         total += c.sum((0, 2, 3))
         squares += (c * c).sum((0, 2, 3))
-    n = images.numel() / 3
+    n = int(np.prod(images.shape)) / 3
     mean = total / n / 255
     std = (squares / n / 255**2 - mean**2).clamp_min(1e-6).sqrt().clamp_min(1e-3)
     return tuple(round(v, 4) for v in mean.tolist()), tuple(round(v, 4) for v in std.tolist())
 
 
 def subset(files: list, labels: list, n: int | None) -> tuple[list, list]:
-    """--train_samples/--test_samples on an image folder: N evenly spaced files (files are sorted by class,
-    so the first N would be the first classes only)."""
+    """--train_samples/--test_samples on an image folder: N files, evenly spaced within each class (files are sorted
+    by class, so the first N would be the first classes only), each class's share as its share of the folder but at
+    least one file while N allows (a small class would fall between evenly spaced picks of the whole folder)."""
     if n is None or n >= len(files):
         return files, labels
-    keep = np.linspace(0, len(files) - 1, n).round().astype(int)
+    counts = np.bincount(labels)
+    present = counts > 0
+    ideal = n * counts / len(files)
+    share = np.where(present, np.maximum(np.floor(ideal), 1 if n >= present.sum() else 0), 0).astype(int)
+    while share.sum() > n:  # (the classes raised to one: taken from the classes furthest above their ideal share)
+        share[np.argmax(np.where(share > 1, share - ideal, -np.inf))] -= 1
+    while share.sum() < n:  # the largest remainders
+        share[np.argmax(np.where(share < counts, ideal - share, -np.inf))] += 1
+    keep = []
+    for c in np.flatnonzero(share):
+        members = np.flatnonzero(np.asarray(labels) == c)
+        keep += members[np.linspace(0, len(members) - 1, share[c]).round().astype(int)].tolist()
     return [files[i] for i in keep], [labels[i] for i in keep]

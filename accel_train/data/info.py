@@ -13,7 +13,15 @@ from ..errors import ConfigError
 
 
 class DataError(ConfigError):
-    """The data on disk is missing, unreadable or not in the expected layout."""
+    """The data on disk is missing, unreadable or not in the expected layout. Raised in a DataLoader worker, it is
+    rebuilt in the trainer by torch's ExceptionWrapper from one argument, "Caught <type> in DataLoader worker process
+    N.\nOriginal Traceback ...": the message is the traceback's last line, without the traceback."""
+
+    def __init__(self, message: str):
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            last = message.rstrip().splitlines()[-1]  # "<module>.<type>: <message>"
+            message = last.split(": ", 1)[1] if ": " in last else last
+        super().__init__(message)
 
 
 @dataclass(frozen=True)

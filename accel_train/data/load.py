@@ -9,6 +9,7 @@ DataLoader settings of every loader that has workers (how many, persistent, pref
 from __future__ import annotations
 
 import atexit
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 from ..config import MAX_WORKERS, TrainConfig
 from ..errors import ConfigError, counted, end_workers
-from .cache import cache_path, no_room, write_cache
+from .cache import cache_path, cache_stats, no_room, open_cache, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
 from .info import CIFAR10, DataInfo
@@ -41,12 +42,19 @@ class Split:
 
 def device_budget(cfg: TrainConfig, device) -> int:
     """Bytes of decoded images the device pipeline may keep on `device`, as measured here: a quarter of its free
-    memory, none where it cannot be measured. Under several ranks, take rank 0's measure for every rank (broadcast it
-    before build_data): all ranks must choose the same pipeline."""
+    memory (on a CPU, of the available memory shared by the processes on this machine: each keeps a copy), none where
+    it cannot be measured. Under several ranks, take rank 0's measure for every rank (broadcast it before
+    build_data): all ranks must choose the same pipeline."""
     if cfg.device_data_mb is not None:
         return int(cfg.device_data_mb * 2**20)
-    free = free_memory(torch.device(device))
-    return 0 if free is None else free // 4
+    device = torch.device(device)
+    free = free_memory(device)
+    if free is None:
+        return 0
+    if device.type == "cpu":  # (one memory for the machine's processes, each of which holds its own copy)
+        from accelerate.utils.environment import get_cpu_distributed_information
+        free //= max(1, get_cpu_distributed_information().local_world_size)
+    return free // 4
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -67,8 +75,9 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = None,
-                    cacheable: bool = False) -> tuple[str, str]:
-    """('device', 'cache' or 'cpu', the reason in words). `cacheable`: image files, which the cache can hold."""
+                    to_cache: int | None = None) -> tuple[str, str]:
+    """('device', 'cache' or 'cpu', the reason in words). `to_cache`: image files, which the cache can hold: the bytes
+    of their caches not yet written on this machine (0: all there, taken whatever the free space)."""
     if cfg.pipeline in ("cpu", "cache"):
         return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
     budget = device_budget(cfg, device) if budget is None else budget
@@ -82,25 +91,66 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         raise ConfigError(f"--pipeline device: {size} do not fit {allowed}; use --pipeline cpu (workers decode per "
                           "sample) or raise --device_data_mb")
     why = f"{size} do not fit {allowed}"
-    reason = no_room(nbytes) if cacheable else None
+    cacheable = to_cache is not None
+    reason = no_room(to_cache) if cacheable else None
     if cacheable and reason is None:
-        return "cache", why + ", the local disk has room for them decoded"
+        return "cache", why + (", the local disk has room for them decoded" if to_cache else
+                               ", decoded in the local disk's cache already")
     return "cpu", why + (f", {reason}" if cacheable else "")
 
 
 def worker_count(cfg: TrainConfig) -> tuple[int, str]:
     """DataLoader workers per process and why: --num_workers, else the cores this process may run on (its CPU
-    affinity, os.sched_getaffinity) shared by the processes on this machine (Accelerate's
+    affinity, os.sched_getaffinity, or its cgroup's CPU quota where that is fewer) shared by the processes on this
+    machine (Accelerate's
     get_cpu_distributed_information: LOCAL_WORLD_SIZE, which torchrun sets), at most MAX_WORKERS."""
     if cfg.num_workers is not None:
         return cfg.num_workers, f"{counted(cfg.num_workers, 'worker')} per process (--num_workers)"
     from accelerate.utils.environment import get_cpu_distributed_information
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = min(affinity, cpu_quota() or affinity)
+    where = "in this process's CPU affinity" if cores == affinity else \
+        f"of its cgroup's CPU quota ({affinity} in its CPU affinity)"
     local = max(1, get_cpu_distributed_information().local_world_size)
     n = max(1, min(MAX_WORKERS, cores // local))
     capped = f", at most {MAX_WORKERS}" if cores // local > MAX_WORKERS else ""
-    return n, (f"{counted(n, 'worker')} per process: {cores} cores in this process's CPU affinity / {local} process"
+    return n, (f"{counted(n, 'worker')} per process: {cores} cores {where} / {local} process"
                f"{'es' if local > 1 else ''} on this machine{capped} (--num_workers N to change)")
+
+
+def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The cores that this process's cgroup CPU quota allows (docker --cpus, Kubernetes CPU limits; cgroup v2's
+    cpu.max, v1's cpu.cfs_quota_us / cpu.cfs_period_us; the smallest along its hierarchy), rounded up; None: none.
+    The CPU affinity alone lets a container limited to 2 of 64 cores start 8 workers per loader."""
+    try:
+        with open(cgroups) as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    quotas = []
+    for _, controllers, path in (e for e in entries if len(e) == 3):
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        base = Path(root) / controllers  # (v2: the unified root itself)
+        folder = base / path.lstrip("/")
+        while True:
+            quotas.append(_quota(folder, v2=not controllers))
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    quotas = [q for q in quotas if q]
+    return max(1, math.ceil(min(quotas))) if quotas else None
+
+
+def _quota(folder: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((folder / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
+        return None if quota in ("max", "-1") else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
@@ -170,34 +220,41 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
 def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None):
     train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
     classes = info.classes if info else None
-    found = {}
-    if "train" in wanted:
-        classes, files, labels = scan_split(train_dir, classes)
-        found["train"] = subset(files, labels, cfg.train_samples)
-    _, files, labels = scan_split(eval_dir, classes)
-    found["test"] = subset(files, labels, cfg.test_samples)
+    found, limits = {}, {"train": cfg.train_samples, "test": cfg.test_samples}
+    for split in wanted:
+        classes, files, labels = scan_split(train_dir if split == "train" else eval_dir, classes)
+        found[split] = subset(files, labels, limits[split])
+        limits[split] = limits[split] if len(found[split][0]) < len(files) else None  # (chose fewer: a subset)
     size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
                                                         and "train" in found else None)
-    pipeline, why = choose_pipeline(cfg, sum(len(f) for f, _ in found.values()) * 3 * size * size, device, budget,
-                                    cacheable=True)
+    nbytes = {split: len(f) * 3 * size * size for split, (f, _) in found.items()}
+    homes = {split: home(f, size, limits[split]) for split, (f, _) in found.items()} if cfg.pipeline == "auto" else {}
+    pipeline, why = choose_pipeline(cfg, sum(nbytes.values()), device, budget, to_cache=sum(
+        n for split, n in nbytes.items() if cfg.pipeline != "auto" or not homes[split][1]))
     splits, notes = {}, [why]
+    sampled = info is None and None in cfg.normalisation()  # the training files' mean/std: decoded below
     for split, (files, labels) in found.items():
         labels = torch.tensor(labels, dtype=torch.long)
+        later = sampled and split == "train"
         if pipeline == "device":
             images, rate = decode_all(files, size)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes))
+            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split], later,
+                                                                    homes.get(split, (None,))[0]))
         else:
-            check_images(files)
+            checked(files, size, later)
             splits[split] = Split(labels, files=files)
     if info is None:
         mean, std = cfg.normalisation()
         if mean is None or std is None:
             train = splits["train"]
+            mapped = open_cache(train.cache, len(train), size) if train.cache else None
             if train.images is not None:
                 stats = channel_stats(train.images)
+            elif mapped is not None:  # the device pipeline's numbers, not decoded again (setup: rank 0's for all)
+                stats = cache_stats(train.cache, mapped)
             else:  # an evenly spaced sample of the training files, the same on every rank
                 step = max(1, len(train.files) // STATS_SAMPLE)
                 stats = channel_stats(decode_all(train.files[::step], size)[0])
@@ -207,23 +264,46 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     return info, splits, pipeline, notes
 
 
-def cached(files: list[Path], size: int, split: str, notes: list[str]) -> Path | None:
+def home(files: list[Path], size: int, samples: int | None) -> tuple[Path | None, bool]:
+    """(Where the split's decoded cache lives on this machine, whether a complete one is there already)."""
+    try:
+        path = cache_path(files, size, samples)
+    except OSError:  # (a file gone meanwhile: cached() says so)
+        return None, False
+    return path, path is not None and open_cache(path, len(files), size) is not None
+
+
+def checked(files: list[Path], size: int, sampled: bool = False) -> None:
+    """Files decoded per sample later: every header read now (check_images), and a split of up to STATS_SAMPLE files
+    decoded (a few seconds), unless `sampled` (the mean/std's sample decodes all of it anyway), so that a file whose
+    header reads but whose pixels end early is named now, alike on every rank, not by one rank's DataLoader worker
+    mid-run (that rank exits 2; the others lose a peer)."""
+    check_images(files)
+    if len(files) <= STATS_SAMPLE and not sampled:
+        for start in range(0, len(files), 256):
+            decode_all(files[start:start + 256], size)
+
+
+def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None,
+           sampled: bool = False, path: Path | None = None) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
-    written (a full or read-only disk, no home) the files are decoded per sample, said in one line."""
+    written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
+    --train_samples/--test_samples that chose `files` from more (cache_path); `sampled`: as checked's; `path`: the
+    cache_path already found (home: every file's stat once)."""
     from accelerate import PartialState
     try:
-        path = cache_path(files, size)
+        path = path or cache_path(files, size, samples)
         if path is None:
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:
             notes.append(f"{split}: " + write_cache(files, size, path))
-        else:
+        else:  # (the writer decodes every file: a bad one is its error, on every rank: setup's on_every_rank)
             check_images(files)
             notes.append(f"{split}: the decoded cache {path}, written by this machine's local main process")
         return path
     except OSError as e:
         notes.append(f"{split}: the decoded cache cannot be written ({e.strerror or e}"
                      f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}): decoding per sample")
-        check_images(files)
+        checked(files, size, sampled)
         return None

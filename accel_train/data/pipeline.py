@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -178,6 +178,13 @@ class Data:
     info: DataInfo = CIFAR10
     pipeline: str = "device"
     notes: list[str] = field(default_factory=list)  # which pipeline and why, decode rates, statistics
+    normalize: Normalize | None = None  # what `inputs` normalises with
+
+    def set_normalisation(self, mean, std) -> None:
+        """Another mean/std before the first batch: rank 0's (setup), where a rank could not read the decoded cache
+        that its machine's local main process was still writing and took a sample's."""
+        self.info = replace(self.info, mean=tuple(mean), std=tuple(std))
+        self.normalize.__init__(self.normalize.shift.device, self.info.mean, self.info.std)
 
     def describe(self) -> str:
         return f"data {self.info.name}: {counted(self.info.num_classes, 'class')} at {self.info.image_size}x" \
@@ -231,4 +238,4 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, **common) if train is not None else None
     test_loader = DataLoader(test_ds, shuffle=False, drop_last=False, **common)
     return Data(train_loader, test_loader, inputs, len(train) if train is not None else 0, len(test), info,
-                pipeline, notes)
+                pipeline, notes, normalize)

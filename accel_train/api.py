@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from .config import TrainConfig
-from .errors import ConfigError, Diverged, Preempted, exit_rank, is_lost_peer, lost_peer, note_aborts
+from .errors import ConfigError, Diverged, Preempted, is_lost_peer, lost_peer, note_aborts
+from .exits import exit_rank
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
 from .preempt import SIGNALS
 from .status import status_of

@@ -22,7 +22,8 @@ from . import __version__
 from .config import TrainConfig, fields
 from .flag_types import base_type
 from .status import status_of
-from .errors import EXIT_OK, ConfigError, Parser, exit_rank
+from .errors import EXIT_OK, ConfigError, Parser
+from .exits import exit_rank
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")

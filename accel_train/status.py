@@ -7,7 +7,8 @@ import sys
 import traceback
 
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, Diverged,
-                     Preempted, end_progress_line, process_group, report_status, says_shared_errors)
+                     Preempted, end_progress_line, report_status)
+from .exits import process_group, says_shared_errors
 
 
 def status_of(call) -> int:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from accel_train import errors
+from accel_train import errors, exits
 from conftest import ROOT
 
 LAUNCH = (ROOT / "launch.sh").read_text()
@@ -86,11 +86,11 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
 
     calls = []
     group = Group() if in_group else None
-    monkeypatch.setattr(errors, "process_group", lambda: group)
+    monkeypatch.setattr(exits, "process_group", lambda: group)
     monkeypatch.setattr(status, "process_group", lambda: group)
     monkeypatch.setattr(status, "report_status", lambda c: calls.append(("status", c)))
-    monkeypatch.setattr(errors.os, "_exit", lambda c: calls.append(("_exit", c)))
-    monkeypatch.setattr(errors.atexit, "_run_exitfuncs", lambda: calls.append(("atexit", None)))
+    monkeypatch.setattr(exits.os, "_exit", lambda c: calls.append(("_exit", c)))
+    monkeypatch.setattr(exits.atexit, "_run_exitfuncs", lambda: calls.append(("atexit", None)))
 
     def command(argv):
         if raised is not None:
@@ -103,7 +103,7 @@ def test_a_rank_of_a_group_exits_with_its_status_without_finalization(monkeypatc
 
 def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
     # DataLoader workers leave a first SIGTERM to the trainer; multiprocessing's exit handler sends exactly one and
-    # joins without a timeout. Before errors.end_workers: a 2-rank run of your own Datasets (persistent workers)
+    # joins without a timeout. Before exits.end_workers: a 2-rank run of your own Datasets (persistent workers)
     # hung at exit (test_the_examples_train_on_two_ranks hit the suite's 600 s timeout). torch's SIGCHLD handler
     # (set by the loader's iterator) must not turn the kill into "DataLoader worker ... is killed by signal".
     script = tmp_path / "outlive.py"
@@ -111,7 +111,7 @@ def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
         "import sys\n"
         "from torch.utils.data import DataLoader\n"
         "from accel_train.data.load import _leave_signals_to_the_trainer\n"
-        "from accel_train.errors import exit_rank\n"
+        "from accel_train.exits import exit_rank\n"
         "if __name__ == '__main__':\n"
         "    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,\n"
         "                        worker_init_fn=_leave_signals_to_the_trainer)\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_train import cli, errors, status
+from accel_train import cli, errors, exits, status
 from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
 from accel_train.cli import load_yaml
 from accel_train.errors import ConfigError, Preempted
@@ -80,7 +80,7 @@ def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
 
 
 def test_start_up_error_before_the_group_is_said_by_the_first_local_process(monkeypatch, capsys):
-    monkeypatch.setattr(errors, "QUIET_EXIT_DELAY_S", 0)
+    monkeypatch.setattr(exits, "QUIET_EXIT_DELAY_S", 0)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     for local_rank, lines in (("1", 0), ("0", 1)):  # torchrun's environment, read by accelerate
         monkeypatch.setenv("LOCAL_RANK", local_rank)

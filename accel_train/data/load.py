@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..config import MAX_WORKERS, TrainConfig
-from ..errors import ConfigError, counted, end_workers
+from ..errors import ConfigError, counted
+from ..exits import end_workers
 from .cache import cache_path, cache_stats, no_room, open_cache, write_cache
 from .cifar import read_cifar10
 from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
@@ -169,7 +170,7 @@ def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
 
 # A process that exits with a loader's iterator alive (an uncaught exception in your script: its traceback holds the
 # frames) would hang in multiprocessing's exit handler, which sends its workers one SIGTERM, the one they leave to the
-# trainer, and joins them without a timeout: errors.end_workers ends them first.
+# trainer, and joins them without a timeout: exits.end_workers ends them first.
 _ends_workers_at_exit: list = []
 
 

@@ -138,7 +138,8 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     held = [r["explicit"] for r in reports if r["explicit"]]
     if not held:
         raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no {STATE_FILE} / "
-                          f"{MODEL_FILE}); pass a {CKPT_DIR}/step_N directory or --resume auto")
+                          f"{MODEL_FILE}, or a file shorter than it recorded); pass a {CKPT_DIR}/step_N directory or "
+                          "--resume auto")
     return held[0], runs
 
 

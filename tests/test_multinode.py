@@ -264,6 +264,9 @@ def test_an_earlier_run_on_the_machines_own_disks(two_hosts, tmp_path):
     broken = outs[0] / "checkpoints" / ckpt_a.name / "optimizer.bin"
     broken.unlink()
     broken.symlink_to("/proc/self/mem")
+    state = outs[0] / "checkpoints" / ckpt_a.name / "trainer_state.json"
+    meta = json.loads(state.read_text())
+    state.write_text(json.dumps({**meta, "files": {**meta["files"], "optimizer.bin": 0}}))  # (its size as read: 0)
     line = stopped_at_start(*job("j13r", outs, ["--resume", "auto"]))
     assert "cannot read" in line and "optimizer.bin" in line and "rank 0" in line, line
     assert not (outs[1] / "checkpoints").exists() or not any((outs[1] / "checkpoints").iterdir())

@@ -77,8 +77,9 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
     (issue 33 item 2: launch.sh's relaunch passes --resume auto). A fresh run drops an earlier record."""
     if not decision.writer:
         return
-    set_aside(decision.overwritten, "of an earlier run (--overwrite)")
-    set_aside(decision.abandoned, "of the branch this resume from an older step abandons")
+    set_aside(decision.overwritten, "--overwrite", "of an earlier run")
+    set_aside(decision.abandoned, f"--resume {Path(str(decision.origin)).name}",
+              "of the branch this resume from an older step abandons")
     record = Path(output_dir) / CKPT_DIR / ORIGIN_FILE
     if decision.origin is not None:
         record.parent.mkdir(parents=True, exist_ok=True)
@@ -87,10 +88,10 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
         record.unlink(missing_ok=True)
 
 
-def set_aside(paths: list[Path], why: str) -> None:
+def set_aside(paths: list[Path], flag: str, why: str) -> None:
     for path in paths:
-        logging.getLogger("accel_train").info(f"setting {path} {why} aside; it is deleted once this run has saved "
-                                              "a checkpoint")
+        logging.getLogger("accel_train").info(f"{flag}: setting {path} {why} aside; it is deleted once this run has "
+                                              "saved a checkpoint")
         aside = path.with_name(SET_ASIDE + path.name)
         try:
             shutil.rmtree(aside, ignore_errors=True)  # (one set aside before whose deletion did not happen)

@@ -134,8 +134,8 @@ def test_the_flags_every_machine_must_share_are_named_and_per_machine_paths_are_
     with pytest.raises(ConfigError, match=r"--init_from is None on rank 0 but 'a weights file' on rank 1"):
         _check_flags([report(0), report(1, "--init_from", tmp_path / "w.safetensors")])
     # each machine's own data copy, output dir and checkpoint path are its own business
-    _check_flags([report(0, "--data_dir", "a", "--resume", "/m0/step_8", "--num_workers", "2"),
-                  report(1, "--data_dir", "b", "--resume", "/m1/step_8", "--num_workers", "0")])
+    _check_flags([report(0, "--data", "random", "--data_dir", "a", "--resume", "/m0/step_8", "--num_workers", "2"),
+                  report(1, "--data", "random", "--data_dir", "b", "--resume", "/m1/step_8", "--num_workers", "0")])
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +212,7 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     shutil.copytree(other / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008")
     shutil.rmtree(out / "checkpoints" / "step_00000001")
     proc = launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--overwrite"))
-    assert "--overwrite: setting" in proc.stderr and "--overwrite: deleting" in proc.stderr
+    assert "--overwrite: setting" in proc.stderr and "set aside at the start of this run" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000008"]
     def run_of(ckpt):
         return json.loads((ckpt / "trainer_state.json").read_text())["run_id"]

@@ -62,7 +62,8 @@ def seal(folder: Path, meta: dict) -> None:
         if p.is_file() and p.name != STATE_FILE:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-            sizes[p.name] = p.stat().st_size
+            if not p.name.startswith(RNG_PREFIX):  # (optional: a resume does without them, README: resume)
+                sizes[p.name] = p.stat().st_size
     with open(folder / STATE_FILE, "w") as f:
         json.dump({**meta, "files": sizes}, f, indent=1)
         f.flush()

@@ -36,8 +36,8 @@ def opt(default, help, group, **extra):
 class TrainConfig:
     # data
     data: str | None = opt(None, "'cifar10' reads <data_dir>/cifar-10-batches-py, 'imagefolder' <data_dir>/train/"
-                           "<class>/* and val|validation|test/<class>/*, 'random' random images (by --seed); default: "
-                           "what --data_dir holds", "data", choices=("cifar10", "imagefolder", "random"))
+                           "<class>/* and val|valid|validation|test/<class>/*, 'random' random images (by --seed); "
+                           "default: what --data_dir holds", "data", choices=("cifar10", "imagefolder", "random"))
     data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
                         "(imagefolder)", "data", aliases=("--data_url",))
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "

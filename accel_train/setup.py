@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -28,11 +29,13 @@ from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
 from .defaults import dropped_note
 from .errors import ConfigError, counted
+from .files import CONFIG_FILE
 from .gradcheck import check_run_precision, first_batch
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
+from .outputs import main_process_writes
 from .preempt import checkpoint_interval_text
 from .ranks import on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
@@ -107,6 +110,10 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
                                   init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step))  # (resumed: purge)
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
     on_every_rank(accelerator, start_branch, cfg.output_dir, decision, cfg.resume == "auto")  # every input checked
+    # the run's flags as resolved, from its start (a run stopped by Ctrl-C has a config.yaml to replay); the end
+    # writes it again
+    main_process_writes(accelerator, partial(cfg.save_yaml, Path(cfg.output_dir) / CONFIG_FILE,
+                                             model=architecture), cfg.output_dir)
     return run
 
 

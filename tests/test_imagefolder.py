@@ -562,3 +562,10 @@ def test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the_
     again = build_data(TrainConfig(**kw), "cpu")
     assert again.train_loader.dataset.split.cache != first.train_loader.dataset.split.cache
     assert torch.equal(again.train_loader.dataset.images([0])[0], decode_image(target, 16))
+
+
+def test_a_valid_folder_is_the_evaluation_split(tmp_path):
+    """Issue 40 item 7: Roboflow's and many Kaggle sets' `valid/` was not taken as the evaluation split."""
+    root = write_image_folder(tmp_path / "d", train=2, val=1, eval_dir="valid")
+    data = build_data(TrainConfig(data_dir=str(root), image_size=16, batch_size=2), "cpu")  # (--data: inferred)
+    assert data.test_size == 3 and data.train_size == 6

@@ -1,4 +1,4 @@
-"""Image folders: <root>/train/<class>/*, <root>/val|validation|test/<class>/*. Scanning the splits, reading
+"""Image folders: <root>/train/<class>/*, <root>/val|validation|valid|test/<class>/*. Scanning the splits, reading
 and decoding the files, the errors that name unreadable ones, and the training images' channel statistics."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from ..errors import Preempted
 from ..preempt import pending_stop
 from .info import DataError
 
-EVAL_DIRS = ("val", "validation", "test")  # an image folder's evaluation split, first found wins
+EVAL_DIRS = ("val", "validation", "valid", "test")  # an image folder's evaluation split, first found wins (valid/:
+# Roboflow's and many Kaggle sets' name)
 
 
 class UnreadableImage(DataError):
@@ -98,7 +99,7 @@ def image_folder_splits(data_dir, need_train: bool = True) -> tuple[Path, Path]:
                         f"{root}/val/<class>/...")
     evaluation = next((root / d for d in EVAL_DIRS if (root / d).is_dir()), None)
     if evaluation is None:
-        raise DataError(f"{root} has no evaluation split; add {root}/val/<class>/... (or validation/ or test/)")
+        raise DataError(f"{root} has no evaluation split; add {root}/val/<class>/... (or validation/, valid/ or test/)")
     return train, evaluation
 
 

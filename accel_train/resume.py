@@ -87,7 +87,8 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
             "listing": listing, "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
-            "alike": alike and (alike["step"], alike.get("epoch", 0)), "launch": os.environ.get(RUN_ID_ENV) or None}
+            "alike": alike and (alike["step"], alike.get("epoch", 0), *([True] if alike["finished"] else [])),
+            "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
 def _check_flags(reports: list[dict]) -> None:

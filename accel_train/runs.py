@@ -40,6 +40,11 @@ def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
     where = f"{holder['out']}/{CKPT_DIR}"
     if not shared:
         where = f"on rank {holder['rank']}'s machine, {where}"
+    if holder["alike"] and len(holder["alike"]) > 2:  # the user's own finished run, the same command run again
+        step, epoch, _ = holder["alike"]
+        raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} written, last "
+                          f"checkpoint step {step}, epoch {epoch + 1}); to train it longer pass --resume auto with a "
+                          "larger --epochs, to train it again from the start --overwrite true (or another --output_dir)")
     if holder["alike"]:  # most often the user's own interrupted run, started again with the same command
         step, epoch = holder["alike"]
         raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, epoch "
@@ -50,17 +55,17 @@ def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
 
 
 def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
-    """The newest checkpoint's trainer_state.json if its run has not exported its model yet and has the run math
-    of these flags (what a resume would accept; an automatic value takes the checkpoint's), else None."""
+    """The newest checkpoint's trainer_state.json if its run has the run math of these flags (what a resume would
+    accept; an automatic value takes the checkpoint's), else None; "finished": whether it exported its model."""
     found = checkpoint_dirs(out)
-    if not found or (out / MODEL_FILE).is_file():
+    if not found:
         return None
     try:
         meta = json.loads((found[-1] / STATE_FILE).read_text())
         old = meta.get("run") or {}
         now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
         alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)  # (auto: whatever it was)
-        return meta if alike and "step" in meta else None
+        return {**meta, "finished": (out / MODEL_FILE).is_file()} if alike and "step" in meta else None
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 

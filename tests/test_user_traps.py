@@ -228,6 +228,11 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
     line = one_error_line(run_cli([*args, "--seed", "7"]).stderr)  # another run's: the message as before
     assert "already holds checkpoints of another run" in line
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "step_00000006", "trainer_state.json"]
+    # issue 40 item 7: the quick start's command run twice is your own finished run, not "another run"
+    (out / "model.safetensors").write_bytes(b"w")
+    line = one_error_line(run_cli(args).stderr)
+    assert "holds your finished run with these settings (model.safetensors written, last checkpoint step 6, epoch 2)"\
+        in line and "--resume auto with a larger --epochs" in line and "--overwrite true" in line, line
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -504,30 +504,35 @@ crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
 # Ranks of this attempt that outlive its launcher (torchrun starts each in a session of its own: a SIGKILLed agent
 # leaves them running) stop by themselves with a checkpoint (exit 3, accel_train/preempt.py watch_launcher); nothing
-# is relaunched, and no status read, before every rank this attempt started on this machine (each notes its pid in
-# ACCEL_TRAIN_STATUS_DIR/running/) has ended. Past RANK_STOP_S they are SIGKILLed (issue 33 item 3).
+# is relaunched, and no status read, before every process this attempt started on this machine (found by the
+# ACCEL_TRAIN_STATUS_DIR in its environment) has ended. Past RANK_STOP_S they are SIGKILLed (issue 33 item 3).
 RANK_STOP_S="${ACCEL_RANK_STOP_S:-120}"
 ranks_ended() {
-  local pid left waited=0 said=0
+  local pid env left waited=0 said=0 termed=0
   while true; do
     left=()
-    for pid in "$1"/running/*; do
-      pid="${pid##*/}"
-      # alive and still that rank (its environment names this attempt's folder: never a reused pid)
-      if is_uint "$pid" && grep -qsaF "ACCEL_TRAIN_STATUS_DIR=$1" "/proc/$pid/environ"; then left+=("$pid"); fi
+    # every process of this attempt (its environment names this attempt's folder: never a reused pid), found
+    # whatever it has reached: a rank still importing, blocked in the rendezvous, or training
+    for env in /proc/[0-9]*/environ; do
+      pid="${env#/proc/}"; pid="${pid%/environ}"
+      if ((pid != $$)) && grep -qsaF "ACCEL_TRAIN_STATUS_DIR=$1" "$env"; then left+=("$pid"); fi
     done
     ((${#left[@]})) || return 0
     if ((said == 0)); then
-      echo "launch.sh: the launcher ended but rank process(es) ${left[*]} of this attempt still run: waiting for them to stop (they checkpoint the step they reached)" >&2
+      echo "launch.sh: the launcher ended but process(es) ${left[*]} of this attempt still run: waiting for them to stop (the ranks checkpoint the step they reached)" >&2
       said=1
     fi
-    if ((waited >= RANK_STOP_S * 10)); then
-      echo "launch.sh: rank process(es) ${left[*]} did not stop within ${RANK_STOP_S} s: killed" >&2
+    if [[ -n "$signalled" ]] && ((termed == 0)); then  # this script was told to stop: so are they
+      kill -s TERM "${left[@]}" 2>/dev/null || true
+      termed=1
+    fi
+    if ((waited >= RANK_STOP_S * 2)); then
+      echo "launch.sh: process(es) ${left[*]} did not stop within ${RANK_STOP_S} s: killed" >&2
       kill -9 "${left[@]}" 2>/dev/null || true
       sleep 1
       return 0
     fi
-    sleep 0.1; waited=$((waited + 1))
+    sleep 0.5; waited=$((waited + 1))
   done
 }
 

@@ -18,7 +18,7 @@ from .config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, is_lost_peer, lost_peer, note_aborts
 from .exits import exit_rank
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
-from .preempt import SIGNALS
+from .preempt import SIGNALS, watch_launcher
 from .status import status_of
 from .user import Given, name_of
 
@@ -58,6 +58,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     """The run (loop.train) for the command line and for train(): a refused start leaves no empty --output_dir
     behind; a stop by a signal is said by every rank under --log_all_ranks; a lost peer is one line and exit 3."""
     note_aborts()
+    watch_launcher()  # (from here: a launcher that ends during start-up leaves no rank behind)
     created = missing_dirs(cfg.output_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -72,7 +72,6 @@ def report_status(code: int) -> None:
     if folder:
         try:
             Path(folder, f"{socket.gethostname()}-{os.getpid()}").write_text(f"{code}\n")
-            Path(folder, "running", str(os.getpid())).unlink(missing_ok=True)
         except OSError:
             pass
 
@@ -116,9 +115,7 @@ def note_aborts() -> None:
     folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
     if not folder:
         return
-    try:  # and that this rank runs: launch.sh never relaunches while a rank of the attempt lives (issue 33 item 3)
-        Path(folder, "running").mkdir(exist_ok=True)
-        Path(folder, "running", str(os.getpid())).touch()
+    try:
         Path(folder, "faults").mkdir(exist_ok=True)
         note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
     except OSError:

@@ -43,12 +43,16 @@ def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def resumed_from(output_dir) -> Path | None:
+def resumed_from(output_dir, launch: str | None = None) -> Path | None:
     """The checkpoint an explicit --resume PATH started this output dir's run from, while it is complete: a relaunch's
-    --resume auto continues from it until the run has saved its own (issue 33 item 2)."""
+    --resume auto continues from it until the run has saved its own (issue 33 item 2). `launch`: only if recorded by
+    that launch (launch.sh's ACCEL_TRAIN_RUN_ID: an --overwrite relaunch takes its own start, never an older one)."""
     try:
-        path = Path(json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())["path"])
+        record = json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())
+        path = Path(record["path"])
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if launch is not None and record.get("launch") != launch:
         return None
     return path if complete(path) and (path / MODEL_FILE).is_file() else None
 

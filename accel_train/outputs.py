@@ -21,7 +21,7 @@ from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FI
                     MODEL_FILE, STEPS_FILE)
 from .metrics import MetricsLog
 from .model import bare_model
-from .ranks import on_every_rank
+from .ranks import main_process_writes
 
 if TYPE_CHECKING:
     from .setup import Run
@@ -106,22 +106,6 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
         filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
     if whole:
         best.take(row)
-
-
-def main_process_writes(accelerator, write, out):
-    """`write()` on the main process; a write that fails there (a full disk, permissions) is one line on every
-    rank (exit 2), not a traceback on one rank while the others wait. Returns write()'s value on the main
-    process, None elsewhere."""
-    def attempt():
-        if not accelerator.is_main_process:
-            return None
-        try:
-            return write()
-        except OSError as e:
-            raise ConfigError(f"cannot write the run's outputs in {out} ({e.strerror or e}); free space or fix the "
-                              "permissions, then run the same command with --resume auto: it continues from the "
-                              "newest checkpoint and writes them") from None
-    return on_every_rank(accelerator, attempt)
 
 
 def lr_of_step(scheduler, step: int) -> float:

@@ -89,29 +89,41 @@ class StopRequest:
 # A launcher (`accelerate launch`: torchrun's agent, or its one-process launcher) whose ranks run on without it:
 # torchrun starts each rank in a session of its own, so a SIGKILL (or the OOM killer) that ends the agent leaves them
 # training, re-parented, outside any control, while launch.sh relaunches into the same output directory (issue 33
-# item 3). Each rank started by one looks every LAUNCHER_POLL_S whether the process that started it is still its
-# parent; once it is not, the rank signals itself SIGTERM: the ranks agree on a stop at their next agreed check,
-# checkpoint that step and exit 3 (the survivor's signal watch saves where no agreed stop comes).
-LAUNCHER_POLL_S = 1.0
+# item 3). Each rank started by one watches, from the start of the run (api.run_training) every LAUNCHER_POLL_S,
+# whether the process that started it (its parent when the package was imported, accel_train.PARENT) is still its
+# parent (one gone before that is launch.sh's to find: it looks for every process of the attempt). Once it is not,
+# the rank signals itself SIGTERM: in training the ranks agree on a
+# stop at their next agreed check, checkpoint that step and exit 3; before the handler is installed the signal ends
+# the process. A rank that has not stopped LAUNCHER_GRACE_S later without an agreed stop (blocked in the launcher's
+# own store, a rendezvous) ends itself, status 3.
+LAUNCHER_POLL_S, LAUNCHER_GRACE_S = 1.0, 30.0
 LAUNCHED_BY = "ACCELERATE_MIXED_PRECISION"  # set for every process `accelerate launch` starts (utils/launch.py)
 _watching: list = []
 
 
-def watch_launcher(stop: StopRequest) -> None:
-    if LAUNCHED_BY not in os.environ or threading.current_thread() is not threading.main_thread():
-        return
-    _watching[:] = [stop]  # the run in progress (a script may call train() again: one thread for the process)
-    if getattr(watch_launcher, "started", False):
+def watch_launcher(stop: StopRequest | None = None) -> None:
+    """Start the watch (once a process); `stop`: the run's installed StopRequest, told which launcher ended."""
+    if stop is not None:
+        _watching[:] = [stop]  # the run in progress (a script may call train() again)
+    if LAUNCHED_BY not in os.environ or getattr(watch_launcher, "started", False):
         return
     watch_launcher.started = True
-    parent = os.getppid()
+    from . import PARENT
 
     def poll():
-        while os.getppid() == parent:
+        while os.getppid() == PARENT:
             time.sleep(LAUNCHER_POLL_S)
         if _watching:
-            _watching[0].launcher_gone = parent
-            os.kill(os.getpid(), signal.SIGTERM)
+            _watching[0].launcher_gone = PARENT
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + LAUNCHER_GRACE_S
+        while time.monotonic() < deadline or (_watching and getattr(_watching[0], "agreed", False)):
+            time.sleep(LAUNCHER_POLL_S)
+        say(f"\naccel-train: error: the launcher that started this process (pid {PARENT}) is gone and no stop was "
+            f"agreed within {LAUNCHER_GRACE_S:.0f} s (blocked in start-up or a collective): ended without a "
+            "checkpoint; relaunch with --resume auto\n")
+        report_status(EXIT_LOST_PEER)
+        os._exit(EXIT_LOST_PEER)
     threading.Thread(target=poll, daemon=True, name="accel_train-launcher-watch").start()
 
 
@@ -173,7 +185,8 @@ class AgreedChecks:
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
         since, write_s = (start - clock.saved_at, clock.write_s or -1.0) if clock is not None else (0.0, -1.0)
-        mine = torch.tensor([[float(self.stop.signal is not None) + bool(self.stop.launcher_gone), 0.0, per_step, self.cost, 0.0, since, write_s,
+        stop = float(self.stop.signal is not None) + bool(self.stop.launcher_gone)  # (2: a launcher is gone)
+        mine = torch.tensor([[stop, 0.0, per_step, self.cost, 0.0, since, write_s,
                               float(step)]], dtype=torch.float64, device=accelerator.device)
         if watch is not None:
             mine[0, 1], mine[0, 4] = watch.first, watch.jumped  # stay on the device until the one read below

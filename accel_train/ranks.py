@@ -51,3 +51,19 @@ def same_everywhere(accelerator, what: str, value) -> None:
 def rank0s(value):
     """Rank 0's value on every rank: one choice for all (a run id, the pipeline's device budget)."""
     return broadcast_object_list([value])[0]
+
+
+def main_process_writes(accelerator, write, out):
+    """`write()` on the main process; a write that fails there (a full disk, permissions) is one line on every
+    rank (exit 2), not a traceback on one rank while the others wait. Returns write()'s value on the main
+    process, None elsewhere."""
+    def attempt():
+        if not accelerator.is_main_process:
+            return None
+        try:
+            return write()
+        except OSError as e:
+            raise ConfigError(f"cannot write the run's outputs in {out} ({e.strerror or e}); free space or fix the "
+                              "permissions, then run the same command with --resume auto: it continues from the "
+                              "newest checkpoint and writes them") from None
+    return on_every_rank(accelerator, attempt)

@@ -68,7 +68,8 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
             continue  # not a checkpoint accel_train wrote
     explicit, given = None, None  # --resume PATH; for --resume auto, the one that started this run (files.resumed_from)
     if cfg.resume:
-        given = resumed_from(out) if cfg.resume == "auto" else Path(cfg.resume)
+        given = Path(cfg.resume) if cfg.resume != "auto" else \
+            resumed_from(out, (os.environ.get(RUN_ID_ENV) or "") if cfg.overwrite else None)
     if given is not None:
         p = given
         if complete(p) and (p / MODEL_FILE).is_file():
@@ -123,12 +124,13 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     if not cfg.resume:
         return None, runs
     if cfg.resume == "auto" and cfg.overwrite:  # launch.sh's relaunch of an --overwrite run: that run's only
-        ours = {r["launch"] for r in reports} - {None}
+        ours = {r["launch"] for r in reports} | {r["explicit"][1] for r in reports if r.get("explicit")}
+        ours -= {None}  # (this launch's run id, or the run of the checkpoint its --resume PATH started from)
         if not ours:
             raise ConfigError("--overwrite true starts a new run (setting the checkpoints in --output_dir aside), "
                               "--resume auto continues one: pass one of them (launch.sh --max_restarts relaunches an "
                               "--overwrite run with both and resumes only that run's own checkpoints)")
-        found = [entry for r in reports for entry in r["listing"] if entry[1] in ours]
+        found = [e for r in reports for e in [*r["listing"], r.get("explicit")] if e and e[1] in ours]
         return (max(found) if found else None), runs
     if cfg.resume == "auto":
         if len(runs) > 1:

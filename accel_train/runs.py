@@ -44,7 +44,8 @@ def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
         step, epoch, _ = holder["alike"]
         raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} written, last "
                           f"checkpoint step {step}, epoch {epoch + 1}); to train it longer pass --resume auto with a "
-                          "larger --epochs, to train it again from the start --overwrite true (or another --output_dir)")
+                          "larger --epochs, to train it again from the start --overwrite true (or another "
+                          "--output_dir)")
     if holder["alike"]:  # most often the user's own interrupted run, started again with the same command
         step, epoch = holder["alike"]
         raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, epoch "
@@ -88,7 +89,8 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
     record = Path(output_dir) / CKPT_DIR / ORIGIN_FILE
     if decision.origin is not None:
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"path": str(decision.origin.resolve())}))
+        record.write_text(json.dumps({"path": str(decision.origin.resolve()),
+                                      "launch": os.environ.get("ACCEL_TRAIN_RUN_ID")}))
     elif not keep_origin:
         record.unlink(missing_ok=True)
 
@@ -109,6 +111,13 @@ def delete_set_aside(root: Path) -> None:
     for path in sorted(root.glob(SET_ASIDE + "step_*")):
         logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of this run")
         shutil.rmtree(path, ignore_errors=True)
+
+
+def check_output_dir_free(out: Path) -> None:
+    """Before the resume decision (whose refusals would otherwise speak first): a directory another job is writing
+    is one line naming it, on the process that finds it (each machine's local main process looks)."""
+    hold_output_dir(out)
+    release_output_dir(out, refused=True)  # (as it was: a lock file this look made is removed)
 
 
 def hold_output_dir(out: Path) -> None:

@@ -35,11 +35,10 @@ from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
-from .outputs import main_process_writes
 from .preempt import checkpoint_interval_text
-from .ranks import on_every_rank, rank0s, said_once, same_everywhere
+from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
-from .runs import hold_output_dir, start_branch
+from .runs import check_output_dir_free, hold_output_dir, start_branch
 from .user import Given, check_forward, rebuild_problem, unused_parameters
 
 logger = get_logger("accel_train")
@@ -126,6 +125,7 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     if cfg.init_from and (said := on_every_rank(accelerator, init_model_code, cfg)):  # weights of a model built by code
         log(said)
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
+    on_every_rank(accelerator, lambda: accelerator.is_local_main_process and check_output_dir_free(out))
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)
         on_every_rank(accelerator, lambda: decision.writer and hold_output_dir(out))  # one job writes it at a time

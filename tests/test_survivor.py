@@ -381,11 +381,17 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
     watch.stop = types.SimpleNamespace(agreed=False, signal=signal.SIGTERM, step_s=0.1)
     watch.run = types.SimpleNamespace(state=types.SimpleNamespace(step=7))
     watch.checkpointer = types.SimpleNamespace(writing=True)
+    watch.cfg = types.SimpleNamespace(output_dir="out")
     saved = []
     watch.save = lambda failure, in_main=False: saved.append(failure) or "saved"
     monkeypatch.setattr(survivor, "GRACE_S", 1.0)
     monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s, without the write)
-    monkeypatch.setattr(survivor, "peer_gone", lambda *a, **k: pytest.fail("the watch saved and exited"))
+    exits = []
+
+    def peer_gone(*a, **k):
+        exits.append(a)
+        raise SystemExit(3)
+    monkeypatch.setattr(survivor, "peer_gone", peer_gone)
 
     def write_then_agree():
         time.sleep(1.5)  # past both
@@ -397,11 +403,27 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
     os.write(write, bytes([signal.SIGTERM]))
     try:
         watch._on_signal(read)
+        assert saved == [] and exits == []
+        # the control: the same signal without a write in progress saves (late) and exits
+        watch.stop.agreed, watch.owner = False, "watch"
+        os.write(write, bytes([signal.SIGTERM]))
+        with pytest.raises(SystemExit):
+            watch._on_signal(read)
+        assert len(saved) == 1 and len(exits) == 1
     finally:
         writer.join()
         os.close(read)
         os.close(write)
-    assert saved == []
+    # and the flag the watch reads is the one a real save sets while it writes
+    from accel_train.checkpoint import Checkpointer
+    seen = []
+    ckpt = object.__new__(Checkpointer)
+    ckpt.accelerator, ckpt.output_dir, ckpt.run_math, ckpt.model, ckpt.ema, ckpt.keep = None, None, {}, None, None, 2
+    ckpt.facts, ckpt.history, ckpt.writing = None, dict, False
+    ckpt.decision = types.SimpleNamespace(writer=True, shared=True)
+    ckpt.watch = types.SimpleNamespace(check=lambda *a: None)
+    monkeypatch.setattr("accel_train.checkpoint.save_checkpoint", lambda *a, **k: seen.append(ckpt.writing) or "p")
+    assert ckpt.save(types.SimpleNamespace(step=3)) == "p" and seen == [True] and ckpt.writing is False
 
 
 def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(monkeypatch):

@@ -111,7 +111,7 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
     from . import PARENT
 
     def poll():
-        while os.getppid() == PARENT:
+        while os.getppid() == PARENT and not orphaned_at_start(PARENT):
             time.sleep(LAUNCHER_POLL_S)
         if _watching:
             _watching[0].launcher_gone = PARENT
@@ -125,6 +125,18 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
         report_status(EXIT_LOST_PEER)
         os._exit(EXIT_LOST_PEER)
     threading.Thread(target=poll, daemon=True, name="accel_train-launcher-watch").start()
+
+
+def orphaned_at_start(parent: int) -> bool:
+    """The launcher ended before this process read its parent: that parent is PID 1 and PID 1 is no launcher (one in
+    a container may be: `accelerate launch` as the entry point)."""
+    if parent != 1:
+        return False
+    try:
+        cmd = open("/proc/1/cmdline", "rb").read()
+    except OSError:
+        return False
+    return not any(name in cmd for name in (b"accelerate", b"torchrun", b"torch.distributed"))
 
 
 def pending_stop() -> str | None:

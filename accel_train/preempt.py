@@ -136,7 +136,7 @@ def orphaned_at_start(parent: int) -> bool:
         cmd = open("/proc/1/cmdline", "rb").read()
     except OSError:
         return False
-    return not any(name in cmd for name in (b"accelerate", b"torchrun", b"torch.distributed"))
+    return not any(name in cmd for name in (b"accelerate", b"torchrun", b"distributed.run"))
 
 
 def pending_stop() -> str | None:

@@ -211,7 +211,8 @@ def truncated(root, split="val"):
 
 def one_error_line(proc, jpeg):
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() and "ChildFailedError" not in line
-              and not line.lstrip().startswith(("error_file", "traceback :", "E1", "raise ChildFailedError"))]
+              and not line.lstrip().startswith(("error_file", "traceback :", "E1", "raise ChildFailedError"))
+              and "precision check:" not in line]  # (its "worst relative error", under the bf16 CPU facts)
     assert len(errors) == 1 and errors[0].startswith(f"accel-train: error: {jpeg} is not a readable image (image "
                                                       "file is truncated"), proc.stderr[-4000:]
     assert "Traceback" not in proc.stdout + "\n".join(l for l in proc.stderr.splitlines() if "[RANK" in l)

@@ -92,9 +92,8 @@ class StopRequest:
 # item 3). Each rank started by one watches, from the start of the run (api.run_training) every LAUNCHER_POLL_S,
 # whether the process that started it (its parent when the package was imported, accel_train.PARENT) is still its
 # parent (one gone before that is launch.sh's to find: it looks for every process of the attempt). Once it is not,
-# the rank signals itself SIGTERM: in training the ranks agree on a
-# stop at their next agreed check, checkpoint that step and exit 3; before the handler is installed the signal ends
-# the process. A rank that has not stopped LAUNCHER_GRACE_S later without an agreed stop (blocked in the launcher's
+# the rank signals itself SIGTERM: in training the ranks agree on a stop at their next agreed check, checkpoint that
+# step and exit 3; before the handler is installed the signal ends the process. A rank that has not stopped LAUNCHER_GRACE_S later without an agreed stop (blocked in the launcher's
 # own store, a rendezvous) ends itself, status 3.
 LAUNCHER_POLL_S, LAUNCHER_GRACE_S = 1.0, 30.0
 LAUNCHED_BY = "ACCELERATE_MIXED_PRECISION"  # set for every process `accelerate launch` starts (utils/launch.py)
@@ -111,7 +110,8 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
     from . import PARENT
 
     def poll():
-        while os.getppid() == PARENT and not orphaned_at_start(PARENT):
+        gone = orphaned_at_start(PARENT)
+        while os.getppid() == PARENT and not gone:
             time.sleep(LAUNCHER_POLL_S)
         if _watching:
             _watching[0].launcher_gone = PARENT

@@ -33,13 +33,12 @@ from .config import TrainConfig
 from .defaults import BATCH_SIZE
 from .errors import ConfigError
 from .ranks import rank0s
-from .runs import AUTOMATIC, RUN_MATH, others, refuse_fresh_run, unfinished_alike
+from .runs import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
 
 PROBE = ".accel_train-probe-"
 # the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches, so that a relaunch
 # of an --overwrite run (--overwrite with --resume auto) resumes that run's checkpoints only, never the replaced run's
-RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
                "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}

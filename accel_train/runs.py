@@ -23,6 +23,7 @@ from .files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, che
 # the checkpoint's.
 RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
 AUTOMATIC = (None, "auto")
+RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
 LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends
 HELD: dict[str, tuple] = {}      # output dir -> (the open lock file of this process, whether this process made it)
 
@@ -90,7 +91,7 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
     if decision.origin is not None:
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"path": str(decision.origin.resolve()),
-                                      "launch": os.environ.get("ACCEL_TRAIN_RUN_ID")}))
+                                      "launch": os.environ.get(RUN_ID_ENV)}))
     elif not keep_origin:
         record.unlink(missing_ok=True)
 

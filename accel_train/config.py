@@ -239,11 +239,12 @@ class TrainConfig:
             and info.image_size <= CIFAR_STEM_MAX else {}
         self.image_size = info.image_size
         self.stem = self.stem_for(info.image_size, cifar_fits)
-        self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
+        if info.mean is not None:  # (None: your own Dataset's, not seen: config.yaml keeps null)
+            self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
         self.pipeline = pipeline
         if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
             self.num_workers = 0
-        said = [why.get(name, f"--{name} {getattr(self, name)}") for name in auto]
+        said = [why.get(name, f"--{name} {getattr(self, name)}") for name in auto if getattr(self, name) is not None]
         said.append(resolve_batch(self, train_size, num_processes))  # (None: given, or no data size to follow)
         return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")
 

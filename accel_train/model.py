@@ -188,7 +188,7 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
             return tuple(meta["mean"]), tuple(meta["std"]), str(beside)
         with safe_open(str(path), "pt") as f:
             header = f.metadata() or {}
-        if "mean" in header and "std" in header:
+        if json.loads(header.get("mean", "null")) and json.loads(header.get("std", "null")):
             return tuple(json.loads(header["mean"])), tuple(json.loads(header["std"])), f"{path}'s metadata"
     except Exception:  # not readable here: load_init_weights names the problem
         return None, None, "unreadable"

@@ -27,6 +27,7 @@ from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
 from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
+from .data.info import listed
 from .defaults import dropped_note
 from .errors import ConfigError, counted
 from .files import CONFIG_FILE
@@ -252,7 +253,7 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
                 num_processes=accelerator.num_processes, num_machines=decision.num_machines,
                 grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
-                image_size=cfg.image_size, mean=list(data.info.mean), std=list(data.info.std), augment=cfg.augment,
+                image_size=cfg.image_size, mean=listed(data.info.mean), std=listed(data.info.std), augment=cfg.augment,
                 hflip=cfg.hflip, settings=settings(cfg, accelerator.mixed_precision))
 
 

@@ -18,7 +18,7 @@ import torch
 from ..config import TrainConfig
 from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
-from ..files import EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+from ..files import CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from ..user import allow_import
 
 
@@ -56,6 +56,31 @@ def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str
     return model.eval(), meta
 
 
+def normalisation_flags(p) -> None:
+    """--mean/--std: over the recorded ones; needed where the model was trained on your own Dataset whose
+    normalisation was not seen (model_config.json records null)."""
+    for name in ("mean", "std"):
+        p.add_argument(f"--{name}", default=None, help=f"R,G,B {name} the images are normalised with (default: "
+                       "model_config.json's; required where it records none: a model trained on your own Dataset)")
+
+
+def given_normalisation(args) -> tuple:
+    return TrainConfig(mean=args.mean, std=args.std).normalisation()
+
+
+def recorded_run(checkpoint) -> dict:
+    """The config.yaml of the run that wrote `checkpoint` (an output dir, or one of its checkpoints/step_N), {} if
+    none: where its data came from."""
+    import yaml
+    root = Path(checkpoint)
+    path = root.parent.parent / CONFIG_FILE if root.parent.name == "checkpoints" else root / CONFIG_FILE
+    try:
+        recorded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def model_code_flags(p) -> None:
     """--trust_model_code / --model: what allows importing the model code a model_config.json names."""
     p.add_argument("--trust_model_code", action="store_true", help="import the model code (module.path:callable) "
@@ -74,7 +99,8 @@ def main_evaluate(argv: list[str]) -> int:
                    "(<output_dir>/checkpoints/step_N)")
     p.add_argument("--data", default=None, choices=("cifar10", "imagefolder", "random"),
                    help="default: the data set the model was trained on")
-    p.add_argument("--data_dir", "--data_url", default=defaults.data_dir)
+    p.add_argument("--data_dir", "--data_url", default=None, help="default: the run's (its config.yaml), else "
+                   f"{defaults.data_dir}")
     p.add_argument("--test_samples", type=int, default=None, help="only the first N test samples")
     p.add_argument("--batch_size", type=int, default=256, help="per process")
     p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu", "cache"))
@@ -84,6 +110,7 @@ def main_evaluate(argv: list[str]) -> int:
     p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")
     model_code_flags(p)
+    normalisation_flags(p)
     args = p.parse_args(argv)
 
     from accelerate import Accelerator
@@ -93,9 +120,14 @@ def main_evaluate(argv: list[str]) -> int:
     from ..hardware import has_accelerator
     from ..ranks import on_every_rank, rank0s
     model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
-    info = DataInfo.from_model_config(meta)
-    data_name = args.data or meta.get("data", "cifar10")
-    cfg = TrainConfig(data=data_name, data_dir=args.data_dir, test_samples=args.test_samples, seed=args.seed,
+    info = DataInfo.from_model_config(meta, *given_normalisation(args))
+    data_name, run = args.data or meta.get("data", "cifar10"), recorded_run(args.checkpoint)
+    if data_name == "dataset":
+        raise ConfigError(f"the model was trained on your own Dataset ({meta.get('dataset')}) through train(); pass "
+                          "--data imagefolder or cifar10 with --data_dir for files to evaluate it on (read as accel_train "
+                          "reads them: shorter side resized, centre crop, the recorded mean/std)")
+    data_dir = args.data_dir or (run.get("data_dir") if run.get("data") == data_name else None) or defaults.data_dir
+    cfg = TrainConfig(data=data_name, data_dir=data_dir, test_samples=args.test_samples, seed=args.seed,
                       batch_size=args.batch_size, pipeline=args.pipeline, num_workers=args.num_workers,
                       image_size=info.image_size if data_name != "cifar10" else None)
     accelerator = Accelerator(cpu=not has_accelerator())

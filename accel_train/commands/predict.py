@@ -17,15 +17,14 @@ from pathlib import Path
 import torch
 
 from ..errors import EXIT_BAD_INPUT, ConfigError, Parser
-from .evaluate import load_exported, model_code_flags
+from .evaluate import given_normalisation, load_exported, model_code_flags, normalisation_flags
 
 
-def load_image(path, meta: dict) -> torch.Tensor:
+def load_image(path, info) -> torch.Tensor:
     """An image file -> normalised (3, S, S) float tensor, exactly as the model saw its data (decode_image)."""
     from torchvision.transforms.v2 import functional as TF
 
-    from ..data import DataError, DataInfo, decode_image
-    info = DataInfo.from_model_config(meta)
+    from ..data import DataError, decode_image
     try:
         x = decode_image(path, info.image_size)
     except DataError as e:
@@ -46,15 +45,15 @@ def image_paths(args: list[str]) -> list[Path]:
     return out
 
 
-def predict_lines(model, meta: dict, paths: list[Path], top: int, batch: int = 64):
+def predict_lines(model, info, paths: list[Path], top: int, batch: int = 64):
     """Yields (path, [(class, probability), ...] or None, error or None) per image, in order: a file that cannot be
-    read is named, and the others are still predicted."""
-    classes = meta["classes"]
+    read is named, and the others are still predicted. `info`: the DataInfo of model_config.json (+ --mean/--std)."""
+    classes = info.classes
     for start in range(0, len(paths), batch):
         chunk, good, errors = paths[start:start + batch], [], {}
         for path in chunk:
             try:
-                good.append((path, load_image(path, meta)))
+                good.append((path, load_image(path, info)))
             except ConfigError as e:
                 errors[path] = str(e)
         probs = iter(())
@@ -112,13 +111,16 @@ def main_predict(argv: list[str]) -> int:
     p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
                    "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
     model_code_flags(p)
+    normalisation_flags(p)
     args = p.parse_args(argv)
+    from ..data import DataInfo
     model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
+    info = DataInfo.from_model_config(meta, *given_normalisation(args))
     paths = image_paths(args.images)
     if not paths:
         raise ConfigError(f"no image files in {' '.join(args.images)}")
     bad, say = [], Printer(args.format, min(args.top, len(meta["classes"])))
-    for path, top, error in predict_lines(model, meta, paths, args.top):
+    for path, top, error in predict_lines(model, info, paths, args.top):
         bad += [path] if error else []
         say(path, top, error)
     if bad:

@@ -149,13 +149,44 @@ def check_labels(dataset, name: str, classes) -> None:
                         f"0..{len(classes) - 1} ({where} is {label}); pass classes= with every class")
 
 
+def seen_normalisation(dataset) -> tuple[tuple, tuple, str] | None:
+    """(mean, std, what showed them) of the images a Dataset gives, read from its torchvision transform: a Normalize
+    (v1 or v2) -> its mean/std; a conversion to [0, 1] floats (ToTensor, ToDtype(scale=True), ConvertImageDtype)
+    without one -> 0 and 1. None where it cannot be seen: no transform, a Lambda or a transform of your own (then
+    evaluate/predict of raw files need --mean/--std)."""
+    while getattr(dataset, "transform", None) is None and hasattr(dataset, "dataset"):  # Subset and the like
+        dataset = dataset.dataset
+    steps = flatten(getattr(dataset, "transform", None))
+    names = [type(t).__name__ for t in steps]
+    known = {"Normalize", "ToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "PILToTensor", "Resize", "CenterCrop",
+             "RandomResizedCrop", "RandomCrop", "RandomHorizontalFlip", "Grayscale", "Pad"}
+    if not steps or not set(names) <= known or names.count("Normalize") > 1:
+        return None
+    if "Normalize" in names:
+        t = steps[names.index("Normalize")]
+        return tuple(map(float, t.mean)), tuple(map(float, t.std)), "the Normalize in train_set's transform"
+    if any(n in ("ToTensor", "ConvertImageDtype") or (n == "ToDtype" and getattr(t, "scale", False))
+           for n, t in zip(names, steps)):
+        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), "train_set's transform (to [0, 1], no Normalize)"
+    return None
+
+
+def flatten(transform) -> list:
+    if transform is None:
+        return []
+    inner = getattr(transform, "transforms", None)  # Compose (v1, v2)
+    return [t for step in inner for t in flatten(step)] if isinstance(inner, (list, tuple)) else [transform]
+
+
 def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
-    """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded (--mean/--std, else 0 and 1: predict
-    scales images to [0, 1]), not applied: the Dataset's tensors go to the model as they are."""
+    """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded, not applied (the Dataset's tensors go
+    to the model as they are): --mean/--std, else what the Dataset's transform shows (seen_normalisation), else
+    unknown (None: evaluate and predict of raw files then ask for --mean/--std)."""
     image, test_image = check_item(given.train_set, "train_set"), check_item(given.test_set, "test_set")
     mean, std = cfg.normalisation()
-    info = DataInfo(type(given.train_set).__name__, class_names(given.train_set, given.classes),
-                    mean or (0.0, 0.0, 0.0), std or (1.0, 1.0, 1.0), int(image.shape[-1]))
+    seen = seen_normalisation(given.train_set) or (None, None, "")
+    info = DataInfo("dataset", class_names(given.train_set, given.classes), mean or seen[0], std or seen[1],
+                    int(image.shape[-1]), dataset=type(given.train_set).__name__, normalised_by=seen[2])
     for dataset, name in ((given.train_set, "train_set"), (given.test_set, "test_set")):
         check_labels(dataset, name, info.classes)
     batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
@@ -168,8 +199,17 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     test_loader = DataLoader(Checked(given.test_set, "test_set", tuple(test_image.shape), classes), shuffle=False,
                              drop_last=False, **common)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    notes = [f"your Datasets ({info.dataset}), as they are; {why}", said_normalisation(info, mean is not None)]
     return Data(train_loader, test_loader, cpu_inputs(memory_format), len(given.train_set), len(given.test_set), info,
-                "cpu", [f"your Datasets ({type(given.train_set).__name__}), as they are; {why}"])
+                "cpu", notes)
+
+
+def said_normalisation(info: DataInfo, flags: bool) -> str:
+    if info.mean is None or info.std is None:
+        return ("mean/std not seen in your Dataset (no torchvision Normalize/ToTensor transform): recorded as unknown; "
+                "pass --mean/--std to record what it applies (evaluate/predict of image files need them)")
+    return f"mean/std {list(info.mean)} / {list(info.std)} recorded, from " + (
+        "--mean/--std" if flags else info.normalised_by)
 
 
 def cpu_inputs(memory_format):

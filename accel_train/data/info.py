@@ -29,9 +29,11 @@ class DataInfo:
     """The facts of a data set that the model, the export, evaluate and predict share."""
     name: str
     classes: tuple[str, ...]
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+    mean: tuple[float, float, float] | None  # None: unknown (your own Dataset's, not seen in its transform)
+    std: tuple[float, float, float] | None
     image_size: int
+    dataset: str | None = None  # your own Dataset's class name (name "dataset")
+    normalised_by: str = ""  # where an own Dataset's mean/std were seen
 
     @property
     def num_classes(self) -> int:
@@ -44,14 +46,26 @@ class DataInfo:
 
     def model_config(self) -> dict:
         """The data half of model_config.json (timm's data-config names where there is one)."""
-        return {"data": self.name, "num_classes": self.num_classes, "input_size": [3, self.image_size, self.image_size],
-                "mean": list(self.mean), "std": list(self.std), "classes": list(self.classes),
+        return {"data": self.name, **({"dataset": self.dataset} if self.dataset else {}),
+                "num_classes": self.num_classes, "input_size": [3, self.image_size, self.image_size],
+                "mean": listed(self.mean), "std": listed(self.std), "classes": list(self.classes),
                 "interpolation": "bilinear", "crop_pct": 1.0, "resize": "shorter side, then centre crop"}
 
     @classmethod
-    def from_model_config(cls, meta: dict) -> "DataInfo":
-        return cls(meta.get("data", "cifar10"), tuple(meta["classes"]), tuple(meta["mean"]), tuple(meta["std"]),
-                   int(meta["input_size"][-1]))
+    def from_model_config(cls, meta: dict, mean=None, std=None) -> "DataInfo":
+        """`mean`/`std` (--mean/--std of evaluate and predict) over the recorded ones; a model whose data's
+        normalisation is unknown (your own Dataset's) is refused without them: files would be scaled at random."""
+        mean, std = mean or meta.get("mean"), std or meta.get("std")
+        if mean is None or std is None:
+            raise ConfigError(f"the model was trained on your own Dataset ({meta.get('dataset', 'train()')}) whose "
+                              "normalisation was not recorded; pass --mean R,G,B --std R,G,B (what its transform "
+                              "applied to [0, 1] images)")
+        return cls(meta.get("data", "cifar10"), tuple(meta["classes"]), tuple(mean), tuple(std),
+                   int(meta["input_size"][-1]), meta.get("dataset"))
+
+
+def listed(values) -> list | None:
+    return None if values is None else list(values)
 
 
 # CIFAR-10: channel statistics computed on the 50,000 training images; random data borrows them.

@@ -187,7 +187,8 @@ class Data:
         self.normalize.__init__(self.normalize.shift.device, self.info.mean, self.info.std)
 
     def describe(self) -> str:
-        return f"data {self.info.name}: {counted(self.info.num_classes, 'class')} at {self.info.image_size}x" \
+        name = f"your Dataset {self.info.dataset}" if self.info.dataset else self.info.name
+        return f"data {name}: {counted(self.info.num_classes, 'class')} at {self.info.image_size}x" \
                f"{self.info.image_size}; pipeline {self.pipeline}: " + "; ".join(self.notes)
 
 

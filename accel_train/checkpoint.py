@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
@@ -229,11 +230,11 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     step and the current flags (see README: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
-    if not rng.is_file():  # said by the rank it concerns, whatever --log_all_ranks says
-        logging.getLogger("accel_train").info(
+    if not rng.is_file():  # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says
+        get_logger("accel_train").info(
             f"{path} has no RNG state for rank {accelerator.process_index} (it was written by "
             f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a function of "
-            "(seed, step, rank)")
+            "(seed, step, rank)", main_process_only=False)
     try:
         with quiet_rng_load(), settings_from_flags(accelerator._optimizers):  # (the optimizers prepare() wrapped)
             accelerator.load_state(str(path))

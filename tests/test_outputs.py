@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from accel_train.cli import parse_train_args
 from accel_train.data import CIFAR10
 from accel_train.commands.evaluate import load_exported
-from conftest import launch, run_cli, write_cifar
+from conftest import ROOT, launch, run_cli, write_cifar
 
 pytestmark = pytest.mark.slow
 
@@ -101,16 +101,34 @@ def test_predict_prints_top5_for_each_image(finished, tmp_path):
     assert bad.returncode == 2 and "cannot read image" in bad.stderr
 
 
-def test_export_loads_with_timms_own_api(tmp_path):
+def documented_snippet(marker: str) -> str:
+    """The README's (or a docs page's) python block that holds `marker`."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    blocks = [b for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S) if marker in b]
+    assert len(blocks) == 1, f"{len(blocks)} python blocks hold {marker!r}"
+    return blocks[0]
+
+
+def test_export_loads_with_timms_own_api_and_scores_as_predict(tmp_path):
+    # issue 40 item 3: the documented snippet fed timm ImageNet's mean/std, bicubic and crop_pct 0.95 (one image:
+    # 0.781 through timm, 0.971 through predict); run as written, it scores an image as predict does
     out = tmp_path / "imagenet_stem"
     launch("cpu.yaml", ["--stem", "imagenet", "--train_samples", "64", "--test_samples", "8", "--batch_size", "32",
                         "--epochs", "1", "--output_dir", out])
+    image = tmp_path / "photo.png"  # 96x64: resized to 48x32, then centre-cropped
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(image)
+    code = documented_snippet("pretrained_cfg_overlay")
+    namespace = {}
+    with torch.no_grad():
+        exec(code.replace("output_dir/", f"{out}/").replace("cat.png", str(image)), namespace)
     ours, _ = load_exported(out)
-    model = timm.create_model("resnet18", num_classes=10, pretrained=True,
-                              pretrained_cfg_overlay=dict(file=str(out / "model.safetensors"), num_classes=10))
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
-        assert torch.allclose(model.eval()(x), ours(x), atol=1e-5)
+        assert torch.allclose(namespace["model"](x), ours(x), atol=1e-5)
+    proc = run_cli(["predict", "--checkpoint", out, "--format", "json", "--top", "10", image])
+    predicted = {t["class"]: t["probability"] for t in json.loads(proc.stdout)["top"]}
+    timms = namespace["probabilities"][0].tolist()
+    assert [predicted[name] for name in CIFAR10.classes] == pytest.approx(timms, abs=1e-4), (predicted, timms)
 
 
 def test_cifar_stem_export_loads_with_timm_plus_the_documented_stem_change(finished):

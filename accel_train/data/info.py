@@ -45,11 +45,16 @@ class DataInfo:
         return max(1, round(self.image_size / 8))
 
     def model_config(self) -> dict:
-        """The data half of model_config.json (timm's data-config names where there is one)."""
+        """The data half of model_config.json (timm's data-config names where there is one), with a
+        `pretrained_cfg` that timm resolves to the inputs training saw (timm.data.resolve_data_config(pretrained_cfg=
+        ...): input size, mean/std, bilinear, crop_pct 1.0 = the shorter side resized to the input size, centre
+        crop); none where the mean/std are unknown (your own Dataset's)."""
+        data = {"input_size": [3, self.image_size, self.image_size], "interpolation": "bilinear",
+                "mean": listed(self.mean), "std": listed(self.std), "crop_pct": 1.0, "crop_mode": "center"}
+        timm_cfg = {"pretrained_cfg": {**data, "num_classes": self.num_classes}} if self.mean is not None else {}
         return {"data": self.name, **({"dataset": self.dataset} if self.dataset else {}),
-                "num_classes": self.num_classes, "input_size": [3, self.image_size, self.image_size],
-                "mean": listed(self.mean), "std": listed(self.std), "classes": list(self.classes),
-                "interpolation": "bilinear", "crop_pct": 1.0, "resize": "shorter side, then centre crop"}
+                "num_classes": self.num_classes, **data, "classes": list(self.classes),
+                "resize": "shorter side, then centre crop", **timm_cfg}
 
     @classmethod
     def from_model_config(cls, meta: dict, mean=None, std=None) -> "DataInfo":

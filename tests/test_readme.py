@@ -131,7 +131,7 @@ def test_the_readme_stays_what_a_newcomer_reads_first():
     main commands, the code map and where to read more."""
     assert len(README.encode()) < 20_000
     heads = re.findall(r"^## (.+)$", README, re.M)
-    assert heads == ["Quick start", "Main commands", "Code map", "Read more"], heads
+    assert heads[:2] == ["Quick start", "Main commands"] and {"Code map", "Read more"} <= set(heads), heads
 
 
 def test_the_code_map_names_every_module():

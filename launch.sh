@@ -357,7 +357,7 @@ if ((dry_run == 0)); then
   esac
 fi
 
-# Precision: one the device has (accel_train/hardware.py; README: Precision and memory format per platform):
+# Precision: one the device has (accel_train/hardware.py; docs/speed.md: Precision and memory format per platform):
 # bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend 910A, fp32 on CPUs without bf16.
 # Our own configs get the device's best; a config the user named keeps its own where the device has it.
 # Skipped when the trainer's --mixed_precision (or --force_precision) decides, and in --dry-run on GPU/NPU (the probe imports torch)
@@ -376,7 +376,7 @@ if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACC
     echo "launch.sh: ${chosen#* }" >&2
     if [[ "$precision" != "${config_precision:-no}" ]]; then launch_args+=(--mixed_precision "$precision"); fi
     # launch.sh's own pick (not a precision the user's named config asked for): the trainer's start-up check may
-    # fall back to fp32 where this precision computes wrong gradients for the run's shapes (README: Precision)
+    # fall back to fp32 where this precision computes wrong gradients for the run's shapes (docs/speed.md: Precision)
     if [[ -z "$named_config" || "$precision" != "${config_precision:-no}" ]]; then
       env_vars+=("ACCEL_TRAIN_AUTO_PRECISION=$precision")
     fi
@@ -390,7 +390,7 @@ else
   # `accelerate launch` itself, run by the same Python as the probes above (not whichever `accelerate` is first on
   # PATH) and without the `accelerate` command's imports of all its subcommands (estimate-memory imports timm
   # and torchvision: ~3.5 s more CPU at every start of a 2-core machine)
-  # ACCEL_TRAIN_SCRIPT=my_script.py: your script (it calls accel_train.train(); README: Your own model) in its place
+  # ACCEL_TRAIN_SCRIPT=my_script.py: your script (it calls accel_train.train(); docs/own_data_and_models.md: Your own model) in its place
   entry=(-m accel_train) && [[ -n "${ACCEL_TRAIN_SCRIPT:-}" ]] && entry=("$ACCEL_TRAIN_SCRIPT")
   cmd=("$PYTHON" -m accelerate.commands.launch "${launch_args[@]}" "${entry[@]}" "${trainer_args[@]}")
 fi

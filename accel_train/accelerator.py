@@ -48,7 +48,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
                           f"{', '.join(LoggerType.list())}")
     facts = facts or device_facts(cpu=True if cpu else None)
-    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # README: Precision
+    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # docs/speed.md: Precision
     refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
     accelerator = Accelerator(
         cpu=cpu,

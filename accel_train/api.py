@@ -3,7 +3,7 @@
     train(TrainConfig(epochs=2, output_dir="out"), model=MyNet, train_set=my_train, test_set=my_test)
 
 from your own script, started with `python my_script.py`, `accelerate launch my_script.py` (every rank runs it) or
-launch.sh with ACCEL_TRAIN_SCRIPT=my_script.py (README: Your own model). The same run as the command line's, with
+launch.sh with ACCEL_TRAIN_SCRIPT=my_script.py (docs/own_data_and_models.md). The same run as the command line's, with
 every guarantee; it returns what that run returns.
 """
 
@@ -83,8 +83,9 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
 
 
 def main(script) -> None:
-    """`script()` (your own main, which calls train()) with the command line's lines and exit statuses (README: Exit
-    statuses): bad input one line and 2, preempted 4 (launch.sh --restart_on_preempt relaunches it), diverged 5.
+    """`script()` (your own main, which calls train()) with the command line's lines and exit statuses
+    (docs/failures.md): bad input one line and 2, preempted 4 (launch.sh --restart_on_preempt relaunches it),
+    diverged 5.
     Ends the process: `if __name__ == "__main__": accel_train.api.main(my_main)`. What `script` returns (train()'s
     metrics, or nothing) is status 0; an int it returns is its status."""
     code = status_of(lambda: status(script()))

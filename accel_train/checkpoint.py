@@ -227,7 +227,7 @@ def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output
 
 def load_checkpoint(accelerator, path: Path) -> TrainState:
     """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a function of the
-    step and the current flags (see README: resume)."""
+    step and the current flags (see docs/outputs_and_resume.md: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
     if not rng.is_file():  # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says

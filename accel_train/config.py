@@ -18,7 +18,7 @@ from .errors import ConfigError
 from .flag_types import check_types_and_choices
 
 
-# Automatic defaults (README: Train on your own images). The cifar stem keeps the full resolution into the first
+# Automatic defaults (docs/own_data_and_models.md). The cifar stem keeps the full resolution into the first
 # block: at 224 px that is ~49x the compute of timm's own stem (7x7/2 conv + maxpool, 4x smaller each side), so it
 # is the default only for small images.
 CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
@@ -71,7 +71,7 @@ class TrainConfig:
 
     # model
     model: str = opt("resnet18", "any timm model name, or your own module.path:callable (called with num_classes "
-                     "and --model_kwargs, it returns an nn.Module; README: Your own model)", "model")
+                     "and --model_kwargs, it returns an nn.Module; docs/own_data_and_models.md)", "model")
     trust_model_code: bool = opt(False, "import the model code a model_config.json names (--init_from)", "model")
     stem: str = opt("auto", "'cifar': 3x3/stride-1 first conv and no maxpool, for 32x32 inputs; "
                     f"'imagenet': timm's model unchanged; 'auto': cifar up to --image_size {CIFAR_STEM_MAX}, "

@@ -1,4 +1,4 @@
-"""What ends a run other than success, the exit status each gives (README: Exit statuses), and how it is
+"""What ends a run other than success, the exit status each gives (docs/failures.md: Exit statuses), and how it is
 reported: one line, by the process that should say it.
 
 Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`), because `accelerate launch`

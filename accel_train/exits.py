@@ -1,4 +1,4 @@
-"""How a rank's process ends (README: Exit statuses): its output flushed and its status out with `os._exit`, its
+"""How a rank's process ends (docs/failures.md): its output flushed and its status out with `os._exit`, its
 DataLoader workers ended first, no interpreter teardown that can hang or abort (gloo's threads, multiprocessing's
 exit join); and which process of a group speaks for it."""
 

@@ -66,7 +66,7 @@ def seal(folder: Path, meta: dict) -> None:
         if p.is_file() and p.name != STATE_FILE:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-            if not p.name.startswith(RNG_PREFIX):  # (optional: a resume does without them, README: resume)
+            if not p.name.startswith(RNG_PREFIX):  # (optional: a resume does without them, docs/outputs_and_resume.md)
                 sizes[p.name] = p.stat().st_size
     with open(folder / STATE_FILE, "w") as f:
         json.dump({**meta, "files": sizes}, f, indent=1)

@@ -2,7 +2,7 @@
 and on each layer alone, every parameter's gradient under the run's autocast precision is compared with the fp32 one.
 A kernel that computes wrong gradients for the run's shapes (bf16 autocast on some x86 CPUs: a 3x3/stride-2
 convolution whose input is 1x1 leaves its padding-only weight taps holding whatever was in memory, up to 6e32 or inf)
-fails it. README: Precision.
+fails it. docs/speed.md: Precision.
 
 The bound. A layer that rounds its inputs to a precision with unit roundoff u (bf16: 8 significant bits, u = 2^-8;
 fp16: 11 bits, u = 2^-11) and accumulates in fp32 computes a dot product with a relative error of at most 2u, to

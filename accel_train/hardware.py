@@ -1,7 +1,7 @@
 """What the device really has: the precision and memory format a run gets, and why.
 
 `device_facts()` reads the hardware (torch, torch_npu, /proc/cpuinfo); everything else here is a pure
-function of those facts, so that tests can mock any device. Sources of each fact (README: Precision
+function of those facts, so that tests can mock any device. Sources of each fact (docs/speed.md: Precision
 and memory format per platform):
 
 - NVIDIA below compute capability 8.0 (V100 7.0, T4 7.5) has no bf16 convolutions in cuDNN, while

@@ -2,7 +2,7 @@
 the curves and config.yaml, each written by the main process only; and the best epoch so far.
 
 The exports are plain state dicts (no `module.` / `_orig_mod.` prefixes): timm.create_model + load_state_dict
-takes them (README: Outputs)."""
+takes them (docs/outputs_and_resume.md: Outputs)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class BestModel:
     a resume on any machine). The file is this machine's: a file that is not the rows' best (written by epochs
     after the checkpoint resumed from, or by another run) is deleted at start; a machine whose disk lacks the
     best's file (a resume on another machine's disk) writes one again only when a later epoch beats the best:
-    checkpoints do not carry a second copy of the weights (see README: Outputs)."""
+    checkpoints do not carry a second copy of the weights (see docs/outputs_and_resume.md: Outputs)."""
 
     def __init__(self, output_dir, rows: list[dict], writer: bool):
         self.row = best_row(rows)

@@ -1,4 +1,4 @@
-"""What a run raised -> one line and the exit status (README: Exit statuses): one place for the command line
+"""What a run raised -> one line and the exit status (docs/failures.md: Exit statuses): one place for the command line
 (cli.main) and for a script that calls train() (api.main)."""
 
 from __future__ import annotations

@@ -313,5 +313,5 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
             "num_processes": acc.num_processes,
             "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
-                         "buffers_of": source}}  # BatchNorm's statistics (README: What a failure costs)
+                         "buffers_of": source}}  # BatchNorm's statistics (docs/failures.md: What a failure costs)
     seal(tmp, meta)

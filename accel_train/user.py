@@ -1,6 +1,6 @@
 """Your own model: `--model module.path:callable` (imported on every rank), or a module / factory given to
 `train()`; the trust rule for an import path read from a file; the checks that make a wrong model one line (exit 2)
-before the first step (README: Your own model)."""
+before the first step (docs/own_data_and_models.md: Your own model)."""
 
 from __future__ import annotations
 

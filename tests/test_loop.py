@@ -93,7 +93,7 @@ def test_epoch_meter_data_share_is_measured_not_clamped():
 
 
 def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again():
-    """The promise (README: exact resume, N ranks): every random draw of a step is a function of (seed, step,
+    """The promise (docs/outputs_and_resume.md, exact resume): every random draw of a step is a function of (seed, step,
     micro-batch, rank). Ranks that drew the same dropout masks would train correlated noise (issue 39: a reseed
     with rank 0 on every rank passed the suite)."""
     from types import SimpleNamespace

@@ -127,8 +127,8 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
     a, b = load_file(ref[0] / "model.safetensors"), load_file(outs[0] / "model.safetensors")
     params = {k for k in a if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in params) <= 1e-6
-    # BatchNorm's running statistics: rank 1's own where machine 0 was lost between windows (README: What a failure
-    # costs): its last step's local update, decayed by 0.9 per later step
+    # BatchNorm's running statistics: rank 1's own where machine 0 was lost between windows
+    # (docs/failures.md: What a failure costs): its last step's local update, decayed by 0.9 per later step
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a if k not in params) <= 0.05
     rows = [json.loads(line) for line in (outs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]  # the history survived machine 0's empty disk

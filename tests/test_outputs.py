@@ -134,7 +134,7 @@ def test_export_loads_with_timms_own_api_and_scores_as_predict(tmp_path):
 def test_cifar_stem_export_loads_with_timm_plus_the_documented_stem_change(finished):
     _, out = finished
     ours, _ = load_exported(out)
-    # README: timm.create_model, then this one-line stem change, then load the safetensors
+    # docs/outputs_and_resume.md: timm.create_model, then this one-line stem change, then load the safetensors
     model = timm.create_model("resnet18", num_classes=10)
     model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.Identity()
     model.load_state_dict(load_file(out / "model.safetensors"))

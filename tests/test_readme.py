@@ -1,4 +1,5 @@
-"""The README stays true: its commands are the ones CI and users run, and the flags it names exist."""
+"""The README and docs/ stay true: the README's commands are the ones CI and users run, the flags the pages name
+exist, every relative link resolves, and every docs page and module is reachable from the README."""
 
 import re
 import shlex
@@ -11,6 +12,8 @@ from accel_train.cli import train_parser
 from conftest import ROOT, check_best, clean_env
 
 README = (ROOT / "README.md").read_text()
+DOCS = {path: path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
+PAGES = {ROOT / "README.md": README, **DOCS}  # the README and the reference it points to
 
 
 def quick_start() -> list[str]:
@@ -26,11 +29,13 @@ def test_quick_start_is_exactly_two_commands_and_ci_runs_the_test_one():
     assert commands[0].startswith("pip install -e . && python -m accel_train ")  # (one process: the trainer's status)
 
 
-def test_every_trainer_flag_the_readme_names_exists():
+def test_every_trainer_flag_the_readme_and_docs_name_exists():
     known = set()
     for action in train_parser()._actions:
         known.update(action.option_strings)
-    table_flags = set(re.findall(r"\| `(--[a-z_]+)", README))
+    flags_table = DOCS[ROOT / "docs" / "training.md"].split("## Flags", 1)[1].split("\n## ", 1)[0]
+    assert len(set(re.findall(r"\| `(--[a-z_]+)", flags_table))) >= 20  # the main flags' table is where it says
+    table_flags = set(re.findall(r"\| `(--[a-z_]+)", "".join(PAGES.values())))
     assert table_flags and table_flags <= known, table_flags - known
 
 
@@ -44,8 +49,8 @@ def test_quick_start_training_command_says_bad_input_in_one_line_with_status_2(t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "accel-train: error: unknown argument --epoch (did you mean --epochs?); see accel-train --help"]
-    # the README's other one-process commands are started the same way
-    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    # the other one-process commands of the README and docs/ are started the same way
+    blocks = re.findall(r"```bash\n(.*?)```", "".join(PAGES.values()), re.S)
     assert not [line for block in blocks for line in block.splitlines() if "accelerate_configs/cpu.yaml -m" in line]
 
 
@@ -91,3 +96,51 @@ def test_ci_tests_the_lower_bounds_of_pyproject():
     assert {name: bounds[name].pop() for name in pins} == pins
     ci = (ROOT / ".ci" / "run").read_text()
     assert "bash .ci/min_versions.sh" in ci.splitlines()
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_' dropped, spaces -> '-'."""
+    heads = re.findall(r"^#{1,6} (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", head.strip().lower()).replace(" ", "-") for head in heads}
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    """Issue 40 item 9: the README was split into docs/ pages; a moved section must not leave a link behind."""
+    broken, checked = [], 0
+    for page, text in PAGES.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", text, flags=re.S)):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and (file.suffix != ".md" or anchor not in anchors(file.read_text())):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert checked > 50 and not broken, broken
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(ROOT / target.split("#")[0]).resolve() for target in re.findall(r"\]\((docs/[^)\s]+)\)", README)}
+    assert DOCS and set(DOCS) <= linked, sorted(p.name for p in set(DOCS) - linked)
+
+
+def test_the_readme_stays_what_a_newcomer_reads_first():
+    """Issue 40 item 9: the reference lives in docs/ (the README was 78 KB); the README keeps the quick start, the
+    main commands, the code map and where to read more."""
+    assert len(README.encode()) < 20_000
+    heads = re.findall(r"^## (.+)$", README, re.M)
+    assert heads[:2] == ["Quick start", "Main commands"] and {"Code map", "Read more"} <= set(heads), heads
+
+
+def test_the_code_map_names_every_module():
+    code_map = README.split("## Code map", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "accel_train"
+    missing = [f"accel_train/{p.name}" for p in package.glob("*.py")
+               if p.name != "__init__.py" and f"(accel_train/{p.name})" not in code_map]
+    for sub in (p for p in package.iterdir() if (p / "__init__.py").is_file()):
+        row = next((line for line in code_map.splitlines() if f"(accel_train/{sub.name}/__init__.py)" in line), "")
+        missing += [f"accel_train/{sub.name}/{p.name}" for p in sub.glob("*.py")
+                    if p.name != "__init__.py" and f"`{p.stem}`" not in row]
+    assert not missing, missing

@@ -110,7 +110,7 @@ def test_sgd_is_nesterov_and_norm_and_bias_parameters_have_no_weight_decay(tmp_p
     with built_run(tmp_path, "--ema") as (cfg, run):
         optimizer = run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer
         assert isinstance(optimizer, torch.optim.SGD)
-        assert all(g["nesterov"] and g["momentum"] == 0.9 for g in optimizer.param_groups)  # README: the recipe
+        assert all(g["nesterov"] and g["momentum"] == 0.9 for g in optimizer.param_groups)  # docs/training.md
         decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
         named = dict(bare(run.model).named_parameters())
         assert {id(p) for p in named.values()} == set(decay)  # every parameter trained, once
@@ -130,7 +130,7 @@ def test_the_training_loss_is_label_smoothed_cross_entropy_with_0_1(tmp_path):
     logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 3.0]])
     target = torch.tensor([0, 1])
     logp = torch.log_softmax(logits, -1)
-    # (1 - e) * NLL + e * the mean over classes of -log p, e = 0.1 (README: label smoothing 0.1)
+    # (1 - e) * NLL + e * the mean over classes of -log p, e = 0.1 (docs/training.md: label smoothing 0.1)
     expected = (0.9 * -logp[torch.arange(2), target] + 0.1 * -logp.mean(-1)).mean()
     with built_run(tmp_path) as (cfg, run):
         assert cfg.label_smoothing == 0.1

@@ -81,7 +81,7 @@ def test_sigterm_while_a_peer_is_stopped_saves_at_once_not_at_an_agreed_check(tm
     # rank 0 frozen (SIGSTOP), then SIGTERM to rank 1 (torchrun's agent, or a platform stopping what is left): rank 1
     # is blocked in a collective and never reaches an agreed check; its signal watch sees the stopped peer. Rank 1,
     # the lowest rank of the machine still answering, saves; its BatchNorm statistics are rank 0's where the window
-    # in flight had begun (DDP's broadcast, kept there), else its own (README: What a failure costs)
+    # in flight had begun (DDP's broadcast, kept there), else its own (docs/failures.md: What a failure costs)
     out, tag = tmp_path / "out", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml", "-m",
            "accel_train", *RUN, "--epochs", "1", "--timeout_s", "120", "--output_dir", out]

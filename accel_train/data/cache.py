@@ -251,7 +251,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
             stale.unlink(missing_ok=True)
     again = f", continued from image {resumed + 1}" if resumed else ""
     return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at {np.median(rates or [0]):.0f} "
-            f"images/s{again} (remove it with rm; README: Speed)")
+            f"images/s{again} (remove it with rm; docs/speed.md)")
 
 
 def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

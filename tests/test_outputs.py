@@ -80,6 +80,25 @@ def test_evaluate_prints_the_class_table_and_the_runs_accuracy(finished):
     assert ema.returncode == 0 and "[EMA] [flip TTA]" in ema.stdout
 
 
+def test_evaluate_takes_the_best_epoch_and_the_runs_data_folder(finished):
+    # issue 40 item 7: no way to evaluate model_best.safetensors, and the data folder config.yaml records was
+    # ignored (evaluate read ./input_dir)
+    data, out = finished
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    best = max(r["test_acc"] for r in rows)
+    for how in (["--checkpoint", out, "--best"], ["--checkpoint", out / "model_best.safetensors"]):
+        proc = run_cli(["evaluate", *how])  # (no --data_dir: the run's)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        acc = float(re.search(r"test accuracy ([\d.]+)% on 53 samples", proc.stdout)[1])
+        assert acc == pytest.approx(100 * best, abs=0.01), (proc.stdout, rows)
+    assert "[best epoch]" in proc.stdout or "model_best" in proc.stdout
+    image = out.parent / "best.png"
+    Image.new("RGB", (40, 40), (30, 90, 200)).save(image)
+    one, other = (run_cli(["predict", "--checkpoint", *how, "--format", "json", image]) for how in
+                  ([out, "--best"], [out / "model_best.safetensors"]))
+    assert one.returncode == 0 and one.stdout == other.stdout, one.stderr[-2000:]
+
+
 def test_predict_prints_top5_for_each_image(finished, tmp_path):
     _, out = finished
     paths = []

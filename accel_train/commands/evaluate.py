@@ -18,25 +18,31 @@ import torch
 from ..config import TrainConfig
 from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
-from ..files import CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from ..user import allow_import
 
 
-def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str | None = None
+def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str | None = None, best: bool = False
                   ) -> tuple[torch.nn.Module, dict]:
-    """model.safetensors (or the EMA's) + model_config.json -> (eval-mode model, config). `checkpoint`: a finished
-    run's output dir, or one of its checkpoints/step_N folders (each carries the model's model_config.json). A model
-    built by code (an import path) is imported only with `trust` (--trust_model_code) or `named` the same (--model)."""
+    """model.safetensors (the EMA's with `ema`, model_best.safetensors with `best`) + model_config.json -> (eval-mode
+    model, config). `checkpoint`: a finished run's output dir, one of its checkpoints/step_N folders (each carries the
+    model's model_config.json), or one of the run's .safetensors files. A model built by code (an import path) is
+    imported only with `trust` (--trust_model_code) or `named` the same (--model)."""
     from safetensors.torch import load_file
 
     from ..model import create_model, plain_state_dict
     root = Path(checkpoint)
-    weights = root / ((EMA_FILE if (root / EMA_FILE).is_file() else EMA_EXPORT_FILE) if ema else MODEL_FILE)
+    if root.suffix == ".safetensors" and not ema and not best:  # a weights file of the run (model_best's, ...)
+        root, weights = root.parent, root
+    else:
+        weights = root / ((EMA_FILE if (root / EMA_FILE).is_file() else EMA_EXPORT_FILE) if ema else
+                          BEST_FILE if best else MODEL_FILE)
     missing = [name for name, path in ((MODEL_CONFIG_FILE, root / MODEL_CONFIG_FILE), (weights.name, weights))
                if not path.is_file()]
     if missing:
         raise ConfigError(f"{root} has no {' and no '.join(missing)}; pass the --output_dir of a finished run or "
-                          "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else ""))
+                          "one of its checkpoints/step_N folders" + (" trained with --ema" if ema else "")
+                          + (" (model_best.safetensors: a run that evaluated at least one epoch)" if best else ""))
     meta = json.loads((root / MODEL_CONFIG_FILE).read_text())
     if not meta.get("architecture") and not named:  # a model given to train() that no import path rebuilds
         raise ConfigError(f"{root / MODEL_CONFIG_FILE} records no architecture (the model was given to train() and its "
@@ -72,7 +78,7 @@ def recorded_run(checkpoint) -> dict:
     """The config.yaml of the run that wrote `checkpoint` (an output dir, or one of its checkpoints/step_N), {} if
     none: where its data came from."""
     import yaml
-    root = Path(checkpoint)
+    root = Path(checkpoint).parent if Path(checkpoint).suffix == ".safetensors" else Path(checkpoint)
     path = root.parent.parent / CONFIG_FILE if root.parent.name == "checkpoints" else root / CONFIG_FILE
     try:
         recorded = yaml.safe_load(path.read_text())
@@ -82,7 +88,12 @@ def recorded_run(checkpoint) -> dict:
 
 
 def model_code_flags(p) -> None:
-    """--trust_model_code / --model: what allows importing the model code a model_config.json names."""
+    """--trust_model_code / --model: what allows importing the model code a model_config.json names; --ema / --best:
+    which of the run's weights."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--ema", action="store_true", help="the EMA weights (model_ema.safetensors; --ema runs)")
+    which.add_argument("--best", action="store_true", help="the best epoch's weights (model_best.safetensors); "
+                       "--checkpoint may also name a .safetensors file of the run")
     p.add_argument("--trust_model_code", action="store_true", help="import the model code (module.path:callable) "
                    "that the checkpoint's model_config.json names: it runs that code")
     p.add_argument("--model", default=None, help="the model's import path, as model_config.json names it: allows that "
@@ -107,7 +118,6 @@ def main_evaluate(argv: list[str]) -> int:
     p.add_argument("--num_workers", type=int, default=defaults.num_workers,
                    help="DataLoader workers (cpu pipeline); default: the cores per process")
     p.add_argument("--tta", action="store_true", help="horizontal-flip test-time augmentation")
-    p.add_argument("--ema", action="store_true", help="evaluate model_ema.safetensors")
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the random data set")
     model_code_flags(p)
     normalisation_flags(p)
@@ -119,13 +129,13 @@ def main_evaluate(argv: list[str]) -> int:
     from ..data import DataInfo, build_data, device_budget
     from ..hardware import has_accelerator
     from ..ranks import on_every_rank, rank0s
-    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
+    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model, args.best)
     info = DataInfo.from_model_config(meta, *given_normalisation(args))
     data_name, run = args.data or meta.get("data", "cifar10"), recorded_run(args.checkpoint)
     if data_name == "dataset":
         raise ConfigError(f"the model was trained on your own Dataset ({meta.get('dataset')}) through train(); pass "
-                          "--data imagefolder or cifar10 with --data_dir for files to evaluate it on (read as accel_train "
-                          "reads them: shorter side resized, centre crop, the recorded mean/std)")
+                          "--data imagefolder or cifar10 with --data_dir for files to evaluate it on (read as "
+                          "accel_train reads them: shorter side resized, centre crop, the recorded mean/std)")
     data_dir = args.data_dir or (run.get("data_dir") if run.get("data") == data_name else None) or defaults.data_dir
     cfg = TrainConfig(data=data_name, data_dir=data_dir, test_samples=args.test_samples, seed=args.seed,
                       batch_size=args.batch_size, pipeline=args.pipeline, num_workers=args.num_workers,
@@ -141,7 +151,8 @@ def main_evaluate(argv: list[str]) -> int:
     acc = (preds == labels).float().mean().item()
     width = max(12, *(len(c) for c in info.classes))
     lines = [f"{meta['architecture'] or args.model} ({meta['stem']} stem) from {args.checkpoint}"
-             + (" [EMA]" if args.ema else "") + (" [flip TTA]" if args.tta else "")
+             + (" [EMA]" if args.ema else "") + (" [best epoch]" if args.best else "")
+             + (" [flip TTA]" if args.tta else "")
              + f": test accuracy {acc:.2%} on {labels.numel()} samples ({accelerator.num_processes} process(es))",
              f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]
     for c, name in enumerate(info.classes):

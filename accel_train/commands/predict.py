@@ -102,7 +102,6 @@ def main_predict(argv: list[str]) -> int:
                            "probabilities for each image, from a finished run's model.")
     p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
                    "(<output_dir>/checkpoints/step_N)")
-    p.add_argument("--ema", action="store_true", help="use model_ema.safetensors")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--format", default="text", choices=("text", "json", "csv"),
                    help="text: 'file: class p%%, ...' per image; json: one object per line ({\"file\", \"top\": "
@@ -114,7 +113,7 @@ def main_predict(argv: list[str]) -> int:
     normalisation_flags(p)
     args = p.parse_args(argv)
     from ..data import DataInfo
-    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model)
+    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model, args.best)
     info = DataInfo.from_model_config(meta, *given_normalisation(args))
     paths = image_paths(args.images)
     if not paths:

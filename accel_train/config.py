@@ -80,8 +80,9 @@ class TrainConfig:
                                    "'{\"drop_rate\": 0.1}' or '{\"norm_layer\": \"groupnorm\"}'", "model")
     channels_last: bool | None = opt(None, "channels_last memory format for model and inputs; default: on for CPU "
                                      "and CUDA (measured faster), off on NPUs (not measured there)", "model")
-    init_from: str | None = opt(None, "start from the weights of a model.safetensors on disk (an earlier export "
-                                "or timm weights); a classifier with another class count is re-created", "model")
+    init_from: str | None = opt(None, "start from the weights of a model.safetensors or .pth state dict on disk (an "
+                                "earlier export or timm weights); a classifier with another class count is "
+                                "re-created", "model")
     compile: bool = opt(False, "torch.compile the model", "model")
     compile_mode: str = opt("default", "torch.compile mode", "model",
                             choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))

@@ -76,17 +76,8 @@ def load_init_weights(model: nn.Module, path) -> str:
     A classifier whose class count differs from the model's is re-created with timm's `reset_classifier`;
     tensors the file lacks keep their initialisation. Any other mismatch (a shape, a tensor the model does
     not have) is a ConfigError. Returns one line saying what was loaded, re-initialised and missing."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     path = weights_file(path)
-    if not path.is_file():
-        raise ConfigError(f"--init_from {path}: no such file; pass a model.safetensors (an earlier run's export or "
-                          "timm weights on disk) or a folder holding one")
-    try:
-        weights = plain_state_dict(load_file(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--init_from {path} is not a safetensors file ({str(e).splitlines()[0][:120]}); pass a "
-                          f"{MODEL_FILE}") from None
+    weights = read_weights(path)
     own = model.state_dict()
     head = getattr(model, "pretrained_cfg", {}).get("classifier") or "fc"
     head_keys = [k for k in own if k.startswith(head + ".")]
@@ -115,6 +106,38 @@ def load_init_weights(model: nn.Module, path) -> str:
     return line + (f"; missing (kept at init) {_names(missing)}" if missing else "; none missing")
 
 
+TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+
+
+def read_weights(path: Path) -> dict:
+    """The tensors of --init_from's file: safetensors, or a PyTorch state dict (.pth/.pt/.bin, read with
+    weights_only=True: no code runs; timm's and torchvision's checkpoints, a dict under "state_dict", "model" or
+    "state_dict_ema" as timm's load_checkpoint takes it), without a prepared model's prefixes."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    if not path.is_file():
+        raise ConfigError(f"--init_from {path}: no such file; pass a model.safetensors (an earlier run's export or "
+                          "timm weights on disk), a .pth state dict, or a folder holding a model.safetensors")
+    if path.suffix in TORCH_SUFFIXES:
+        try:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zipfile and torch raise their own kinds; a pickled object is refused
+            raise ConfigError(f"--init_from {path} does not load as a state dict of tensors with weights_only=True "
+                              f"({' '.join(str(e).split())[:160]}); save model.state_dict() with torch.save") from None
+        for key in ("state_dict", "model", "state_dict_ema"):
+            weights = weights[key] if isinstance(weights, dict) and isinstance(weights.get(key), dict) else weights
+        tensors = {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)} if isinstance(weights, dict) \
+            else {}
+        if not tensors:
+            raise ConfigError(f"--init_from {path} holds no tensors by name; save model.state_dict() with torch.save")
+        return plain_state_dict(tensors)
+    try:
+        return plain_state_dict(load_file(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--init_from {path} is not a safetensors file ({str(e).splitlines()[0][:120]}); pass a "
+                          f"{MODEL_FILE} or a .pth state dict") from None
+
+
 def weights_file(path) -> Path:
     """--init_from: a safetensors file, or a folder holding model.safetensors (an output dir, a checkpoint)."""
     path = Path(path)
@@ -140,8 +163,15 @@ def cifar_stem_fits(model_name: str) -> bool:
 
 
 def init_stem(path) -> str | None:
-    """The stem the --init_from weights were trained with (the model_config.json beside them), if known."""
-    return init_facts(path).get("stem")
+    """The stem the --init_from weights were trained with: the model_config.json beside them, else the shape of their
+    ResNet stem conv1 (7x7: timm's ImageNet stem; 3x3: the cifar stem); None if neither says."""
+    if stem := init_facts(path).get("stem"):
+        return stem
+    try:
+        kernel = tuple(read_weights(weights_file(path))["conv1.weight"].shape[-2:])
+    except (ConfigError, KeyError):
+        return None
+    return {(7, 7): "imagenet", (3, 3): "cifar"}.get(kernel)
 
 
 def init_facts(path) -> dict:

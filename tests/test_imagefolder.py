@@ -370,10 +370,10 @@ def break_folder(case, root, tmp_path):
     elif case == "init_not_safetensors":
         (tmp_path / "w.safetensors").write_bytes(b"{not safetensors at all")
         return ["--init_from", tmp_path / "w.safetensors"]
-    elif case == "init_does_not_fit":  # an imagenet-stem resnet18's weights into the cifar stem
-        import timm
+    elif case == "init_does_not_fit":  # an imagenet-stem resnet18's weights into the cifar stem, asked for (auto
+        import timm                      # takes the weights' stem: test_model)
         save_file(timm.create_model("resnet18", num_classes=3).state_dict(), tmp_path / "w.safetensors")
-        return ["--init_from", tmp_path / "w.safetensors"]
+        return ["--init_from", tmp_path / "w.safetensors", "--stem", "cifar"]
     elif case == "init_foreign":
         save_file({"encoder.weight": torch.zeros(2, 2)}, tmp_path / "w.safetensors")
         return ["--init_from", tmp_path / "w.safetensors"]

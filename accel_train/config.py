@@ -130,6 +130,10 @@ class TrainConfig:
     # logging
     log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
                                "separated by commas", "logging")
+    tracker_project: str = opt("accel_train", "the trackers' project (wandb's project; TensorBoard's subfolder of "
+                               "--output_dir)", "logging")
+    run_name: str | None = opt(None, "the run's name in the trackers (wandb's run name); default: the tracker's own",
+                               "logging")
     log_every: int = opt(50, "every N optimizer steps: the loss averaged over ranks and the lr to "
                          "steps.jsonl and the trackers", "logging")
     log_all_ranks: bool = opt(False, "let every rank print, not only the main process", "logging")

@@ -147,12 +147,15 @@ class MetricsLog:
                 f.write(dumps(row) + "\n")
 
 
-def tracker_init_kwargs(requested: list[str], step: int) -> dict:
+def tracker_init_kwargs(requested: list[str], step: int, run_name: str | None = None) -> dict:
     """Start arguments per tracker (Accelerator.init_trackers' init_kwargs). TensorBoard: purge_step, the first step
     this run logs (the resumed step + 1; 1 for a fresh start), so TensorBoard hides what an earlier attempt logged from
     there on (SummaryWriter writes a SessionLog START at that step), as steps.jsonl is cut back to the checkpoint:
-    after a crash and --resume auto the curves go on from the checkpoint instead of going backwards."""
-    return {"tensorboard": {"purge_step": step + 1}} if {"tensorboard", "all"} & set(requested) else {}
+    after a crash and --resume auto the curves go on from the checkpoint instead of going backwards. wandb: --run_name
+    as wandb.init's name."""
+    wanted = set(requested)
+    kwargs = {"tensorboard": {"purge_step": step + 1}} if {"tensorboard", "all"} & wanted else {}
+    return {**kwargs, "wandb": {"name": run_name}} if run_name and {"wandb", "all"} & wanted else kwargs
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:

@@ -106,8 +106,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
               steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture)
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
-        accelerator.init_trackers("accel_train", config=tracker_config(cfg),  # on the main process only
-                                  init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step))  # (resumed: purge)
+        accelerator.init_trackers(cfg.tracker_project, config=tracker_config(cfg),  # on the main process only
+                                  init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step, cfg.run_name))
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
     on_every_rank(accelerator, start_branch, cfg.output_dir, decision, cfg.resume == "auto")  # every input checked
     # the run's flags as resolved, from its start (a run stopped by Ctrl-C has a config.yaml to replay); the end

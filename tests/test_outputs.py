@@ -26,7 +26,8 @@ def finished(tmp_path_factory):
     data = write_cifar(root / "in", rows=(20, 20, 20, 20, 16), test_rows=53, learnable=True, seed=5)
     out = root / "out"
     launch("cpu.yaml", ["--data", "cifar10", "--data_dir", data, "--output_dir", out, "--epochs", "2",
-                        "--batch_size", "16", "--log_with", "tensorboard", "--log_every", "2", "--ema"])
+                        "--batch_size", "16", "--log_with", "tensorboard", "--log_every", "2", "--ema",
+                        "--tracker_project", "flowers", "--run_name", "first"])
     return data, out
 
 
@@ -45,6 +46,10 @@ def test_tensorboard_events_hold_the_scalars(finished):
     assert len(tags["epoch/test_acc"]) == 2 and len(tags["step/train_loss"]) == 96 // 16 * 2 // 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert tags["epoch/test_acc"] == pytest.approx([r["test_acc"] for r in rows])
+    # --tracker_project (issue 40 item 7: the project was always "accel_train"), --run_name as wandb's run name
+    assert {p.parent.relative_to(out).parts[0] for p in out.rglob("events.out.tfevents.*")} == {"flowers"}
+    from accel_train.metrics import tracker_init_kwargs
+    assert tracker_init_kwargs(["wandb"], 0, "first") == {"wandb": {"name": "first"}}
 
 
 def test_curves_png_is_a_real_image(finished):

@@ -11,12 +11,14 @@ import tempfile
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
                               LoggerType, ProjectConfiguration, TorchDynamoPlugin, is_npu_available)
 
 from .config import TrainConfig
+from .cores import intra_op_threads
 from .errors import ConfigError, note_backend
 from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, device_kind, has_accelerator
 from .ranks import said_once
@@ -74,6 +76,10 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     accelerator.device_facts = facts
     accelerator.precision_source = "" if choice.precision == "no" else asked_precision(cfg)[1]  # "": not asked
     logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
+    threads, why = intra_op_threads(cfg)
+    if threads:
+        torch.set_num_threads(threads)
+    logger.info(why, main_process_only=not cfg.log_all_ranks)
     return accelerator
 
 

@@ -140,6 +140,8 @@ class TrainConfig:
     plot: bool = opt(True, "write training_curves.png at the end (needs matplotlib)", "logging")
 
     # performance
+    threads: int | None = opt(None, "torch intra-op threads per process; default: OMP_NUM_THREADS if set, else the "
+                              "cores per process, 1 on a machine busy at start", "performance")
     ddp_bucket_cap_mb: int = opt(25, "DDP gradient bucket size in MiB", "performance")
     ddp_grad_as_bucket_view: bool = opt(True, "DDP gradient_as_bucket_view", "performance")
     mixed_precision: str = opt("auto", "'auto': the launcher's config (accelerate launch, launch.sh), and without a "
@@ -180,7 +182,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {value}")
-        for name in ("checkpoint_every", "num_workers", "warmup_epochs", "weight_decay", "min_lr"):
+        for name in ("checkpoint_every", "num_workers", "threads", "warmup_epochs", "weight_decay", "min_lr"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.lr is not None and not self.lr > 0:

@@ -106,9 +106,11 @@ def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "", fo
         return Choice("no", "", f"mixed precision {asked!r} is not one of {', '.join(PRECISIONS)}")
     ok, lacks = has(facts, asked)
     if ok:
-        faster = f"; {why}: {NAMES[best]} is faster (--mixed_precision {best}, or start with launch.sh, " \
-                 "which picks it)" if asked == "no" and best != "no" else ""
-        return Choice(asked, f"precision {NAMES[asked]}, as {source} asks{faster}")
+        # a fact, not a guess: which precision is faster for this model is not measured by the run (issue 40: the
+        # line said "bf16 is faster" where bf16 measured slower, and "start with launch.sh" under launch.sh)
+        other = f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure which is faster; " \
+                "bench/bench.py compares them here)" if asked == "no" and best != "no" else ""
+        return Choice(asked, f"precision {NAMES[asked]}, as {source} asks{other}")
     if force:
         return Choice(asked, f"precision {NAMES[asked]}, as {source} asks, forced by --force_precision although "
                              f"{lacks}")

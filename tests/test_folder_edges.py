@@ -339,27 +339,27 @@ def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp
     # suspected, verified: worker_count used the CPU affinity only, so a container limited by a CFS quota (docker
     # --cpus, Kubernetes limits: cgroup cpu.max) of 2 cores out of 64 still started 8 workers per loader; and a Pillow
     # upgrade (another decode) kept reading the old caches
-    from accel_train.data import load
+    from accel_train import cores
     proc = tmp_path / "cgroup"
     v2 = tmp_path / "v2"
     (v2 / "kubepods/pod1").mkdir(parents=True)
     (v2 / "kubepods/cpu.max").write_text("250000 100000\n")  # 2.5 cores: 3
     (v2 / "kubepods/pod1/cpu.max").write_text("max 100000\n")
     proc.write_text("0::/kubepods/pod1\n")
-    assert load.cpu_quota(str(proc), str(v2)) == 3
+    assert cores.cpu_quota(str(proc), str(v2)) == 3
     proc.write_text("0::/\n")
     (v2 / "cpu.max").write_text("max 100000\n")
-    assert load.cpu_quota(str(proc), str(v2)) is None
+    assert cores.cpu_quota(str(proc), str(v2)) is None
     v1 = tmp_path / "v1/cpu,cpuacct/docker/abc"
     v1.mkdir(parents=True)
     (v1 / "cpu.cfs_quota_us").write_text("200000\n")
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
     proc.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
-    assert load.cpu_quota(str(proc), str(tmp_path / "v1")) == 2
+    assert cores.cpu_quota(str(proc), str(tmp_path / "v1")) == 2
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setattr(load, "cpu_quota", lambda: 2)
+    monkeypatch.setattr(cores, "cpu_quota", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    n, why = load.worker_count(TrainConfig(pipeline="cpu"))
+    n, why = cores.worker_count(TrainConfig(pipeline="cpu"))
     assert n == 2 and "2 cores of its cgroup's CPU quota (64 in its CPU affinity) / 1 process" in why, why
     files = [write_image_folder(tmp_path / "d", train=1, val=1) / "train/apple/img_000.png"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from ..config import TrainConfig
 from ..defaults import auto_batch
 from .info import DataError, DataInfo
-from .load import loader_kwargs, worker_count
+from ..cores import worker_count
+from .load import loader_kwargs
 from .pipeline import Data
 
 

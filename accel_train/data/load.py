@@ -9,15 +9,15 @@ DataLoader settings of every loader that has workers (how many, persistent, pref
 from __future__ import annotations
 
 import atexit
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ..config import MAX_WORKERS, TrainConfig
-from ..errors import ConfigError, counted
+from ..config import TrainConfig
+from ..errors import ConfigError
+from ..cores import worker_count
 from ..exits import end_workers
 from .cache import cache_path, cache_stats, no_room, open_cache, write_cache
 from .cifar import read_cifar10
@@ -98,60 +98,6 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         return "cache", why + (", the local disk has room for them decoded" if to_cache else
                                ", decoded in the local disk's cache already")
     return "cpu", why + (f", {reason}" if cacheable else "")
-
-
-def worker_count(cfg: TrainConfig) -> tuple[int, str]:
-    """DataLoader workers per process and why: --num_workers, else the cores this process may run on (its CPU
-    affinity, os.sched_getaffinity, or its cgroup's CPU quota where that is fewer) shared by the processes on this
-    machine (Accelerate's
-    get_cpu_distributed_information: LOCAL_WORLD_SIZE, which torchrun sets), at most MAX_WORKERS."""
-    if cfg.num_workers is not None:
-        return cfg.num_workers, f"{counted(cfg.num_workers, 'worker')} per process (--num_workers)"
-    from accelerate.utils.environment import get_cpu_distributed_information
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = min(affinity, cpu_quota() or affinity)
-    where = "in this process's CPU affinity" if cores == affinity else \
-        f"of its cgroup's CPU quota ({affinity} in its CPU affinity)"
-    local = max(1, get_cpu_distributed_information().local_world_size)
-    n = max(1, min(MAX_WORKERS, cores // local))
-    capped = f", at most {MAX_WORKERS}" if cores // local > MAX_WORKERS else ""
-    return n, (f"{counted(n, 'worker')} per process: {cores} cores {where} / {local} process"
-               f"{'es' if local > 1 else ''} on this machine{capped} (--num_workers N to change)")
-
-
-def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The cores that this process's cgroup CPU quota allows (docker --cpus, Kubernetes CPU limits; cgroup v2's
-    cpu.max, v1's cpu.cfs_quota_us / cpu.cfs_period_us; the smallest along its hierarchy), rounded up; None: none.
-    The CPU affinity alone lets a container limited to 2 of 64 cores start 8 workers per loader."""
-    try:
-        with open(cgroups) as f:
-            entries = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    quotas = []
-    for _, controllers, path in (e for e in entries if len(e) == 3):
-        if controllers and "cpu" not in controllers.split(","):
-            continue
-        base = Path(root) / controllers  # (v2: the unified root itself)
-        folder = base / path.lstrip("/")
-        while True:
-            quotas.append(_quota(folder, v2=not controllers))
-            if folder == base or base not in folder.parents:
-                break
-            folder = folder.parent
-    quotas = [q for q in quotas if q]
-    return max(1, math.ceil(min(quotas))) if quotas else None
-
-
-def _quota(folder: Path, v2: bool) -> float | None:
-    try:
-        if v2:
-            quota, period = (folder / "cpu.max").read_text().split()[:2]
-        else:
-            quota, period = ((folder / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
-        return None if quota in ("max", "-1") else int(quota) / int(period)
-    except (OSError, ValueError, ZeroDivisionError):
-        return None
 
 
 def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:

@@ -7,7 +7,7 @@ Two pipelines, one contract. Both return DataLoaders that `accelerator.prepare` 
 - `device`: the uint8 images (150 MB for all of CIFAR-10; an image folder is decoded and resized once)
   live on the accelerator; the loaders yield only index batches; each batch is gathered there and
   augmented there, batched.
-- `cpu`: DataLoader workers (load.worker_count: the machine's cores shared by its processes) read, crop and
+- `cpu`: DataLoader workers (cores.worker_count: the machine's cores shared by its processes) read, crop and
   flip each batch (an image folder's files are decoded there, per sample) into uint8, pinned on an accelerator;
   normalised on the device. For data that does not fit.
 - `cache`: the cpu pipeline reading an image folder decoded once per machine (cache.py), memory-mapped.
@@ -31,7 +31,8 @@ from .augment import Normalize, crop_flip, crop_flip_each, crop_flip_params
 from .cache import open_cache
 from .images import decode_image
 from .info import CIFAR10, DataInfo
-from .load import Split, load_data, loader_kwargs, worker_count
+from ..cores import worker_count
+from .load import Split, load_data, loader_kwargs
 
 logger = logging.getLogger("accel_train")
 

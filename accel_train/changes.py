@@ -48,6 +48,16 @@ def log_changes(meta: dict, cfg, precision: str, log) -> None:
             "values on the left)")
 
 
+SCHEDULE = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs")  # what the lr of a step is a function of
+
+
+def schedule_changed(meta: dict, cfg) -> bool:
+    """Whether the lr schedule from the checkpoint's step on differs from its run's (an older checkpoint, whose
+    settings are not recorded: taken as changed)."""
+    old = (meta.get("run") or {}).get("settings")
+    return not old or any(k not in old or old[k] != getattr(cfg, k) for k in SCHEDULE)
+
+
 def _said(value) -> str:
     return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value).lower() \
         if isinstance(value, bool) else str(value)

@@ -42,6 +42,7 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
     run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
     epoch_train: dict | None = None  # the epoch's training numbers once reduced over ranks, until its row is recorded
+    schedule_since: int = 0  # the lr has followed this run's schedule since this step (before: steps.jsonl's lr)
 
 
 def _state_dict_cpu(module: torch.nn.Module) -> dict:
@@ -246,7 +247,8 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     # are taken at optimizer steps, so every rank starts a new accumulation window: count from 0 alike
     accelerator.step = 0
     return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
-                      run_id=meta.get("run_id", "legacy"), epoch_train=meta.get("epoch_train"))
+                      run_id=meta.get("run_id", "legacy"), epoch_train=meta.get("epoch_train"),
+                      schedule_since=meta.get("schedule_since", meta["step"]))
 
 
 class _DropRngLoadNotice(logging.Filter):

@@ -104,7 +104,10 @@ class MetricsLog:
     a replayed stretch is not counted twice and a machine with an empty disk still has the whole history.
     """
 
-    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None, steps_per_epoch: int = 1):
+    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None, steps_per_epoch: int = 1,
+                 done: bool = False):
+        """`done`: the resumed run has nothing left to train (its checkpoint is where --max_steps stops): its rows
+        are kept whole (cut, they emptied metrics.jsonl and the final metrics of a rerun command)."""
         self.path, self.steps_path = Path(cfg.output_dir) / METRICS_FILE, Path(cfg.output_dir) / STEPS_FILE
         self.enabled = enabled
         self.rows, self.step_rows = [], []
@@ -112,12 +115,12 @@ class MetricsLog:
             if history is None:  # an older checkpoint: the files of this machine
                 history = {METRICS_FILE: read_jsonl(self.path), STEPS_FILE: read_jsonl(self.steps_path)}
             # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch rewrites)
-            self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch]
+            self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch or done]
             self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
             # the row where --max_steps stopped (mid-epoch, off --log_every): one the uninterrupted run has not
             step = resume_at.step
             if self.step_rows and self.step_rows[-1]["step"] == step and step % cfg.log_every and \
-                    step % steps_per_epoch:
+                    step % steps_per_epoch and not done:
                 self.step_rows.pop()
         if enabled:
             self.path.write_text("".join(dumps(r) + "\n" for r in self.rows))

@@ -165,8 +165,7 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
         cfg.save_yaml(out / CONFIG_FILE, model=run.architecture)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(
             metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
-            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"], metrics.steps(),
-                              run.decision.meta["step"] if run.decision.resume_from else 0))
+            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"], metrics.steps(), run.state.schedule_since))
     written = main_process_writes(accelerator, write, out)
     if accelerator.is_main_process:
         path, curves = written
@@ -192,9 +191,11 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
                 lr_steps: list[dict] | None = None) -> bool:
     """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
 
-    Per-step points (steps.jsonl) are drawn where there are any: the loss faintly. The lr is drawn from
-    `lr_steps` (the lr each step trained with, lr_curve: warmup and cosine decay even on a short run, and the jump
-    where a resume changed the schedule), else from the logged points. Epoch ticks are whole numbers.
+    Per-step points (steps.jsonl) are drawn where they say more than the epoch points (some logged within an
+    epoch, more of them than epochs; with --log_every at least an epoch's steps they are epoch-end points only): the
+    loss faintly. The lr is drawn from `lr_steps` (the lr each step trained with, lr_curve: warmup and cosine decay
+    even on a short run, and the jump where a resume changed the schedule), else from the logged points. The epoch
+    axis starts at 0, its ticks whole numbers (a --max_steps run's part of one epoch got ticks 0.945-1.05).
     """
     try:
         import matplotlib
@@ -205,6 +206,8 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
         return False
     epochs = [r["epoch"] for r in rows]
     at = [s["step"] / steps_per_epoch for s in steps] if steps and steps_per_epoch else []
+    if not (len(at) > len(rows) and any(s["step"] % steps_per_epoch for s in steps)):
+        at = []  # (epoch-end points only: the epoch means say it)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     if at:
         axes[0].plot(at, [s["loss"] for s in steps], "-", alpha=0.3, label="train loss (steps)")
@@ -223,7 +226,9 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     else:
         axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
     axes[2].set_title("learning rate")
+    right = max([*epochs, *at, *(s["step"] / steps_per_epoch for s in lr_steps or () if steps_per_epoch)])
     for ax in axes:
+        ax.set_xlim(0, max(right, 1) * 1.02)
         ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

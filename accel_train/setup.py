@@ -23,7 +23,7 @@ from timm.utils import ModelEmaV3
 
 from . import __version__
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
-from .changes import log_changes, settings
+from .changes import log_changes, schedule_changed, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
 from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
@@ -239,6 +239,8 @@ def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, 
         state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size, accelerator.num_processes)
         history = read_history(decision.resume_from)
         log_changes(decision.meta, cfg, accelerator.mixed_precision, log)  # momentum, weight decay, ...: the flags'
+        if schedule_changed(decision.meta, cfg):  # (the curves draw the lr before it from steps.jsonl)
+            state.schedule_since = state.step
     scheduler.step_update(state.step)
     ema = ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True) if cfg.ema else None
     if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from):

@@ -181,3 +181,60 @@ def test_only_the_global_main_process_writes_the_runs_outputs(tmp_path):
         result = main_process_writes(acc, lambda: wrote.append(rank) or f"written by {rank}", tmp_path)
         assert result == (f"written by {rank}" if main else None)
     assert wrote == [0], wrote
+
+
+def captured_figures(monkeypatch) -> list:
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda f=None: figures.append(f))
+    return figures  # (matplotlib's backend switch also calls plt.close('all'): the figures are the non-strings)
+
+
+def test_the_curves_say_only_what_was_logged_and_a_partial_epoch_starts_at_0(tmp_path, monkeypatch):
+    # issue 40 item 8: with --log_every >= the steps of an epoch the step-loss line held only epoch-end points; a
+    # --max_steps run's part of an epoch got axis ticks 0.945-1.05
+    from accel_train.outputs import plot_curves
+    figures = captured_figures(monkeypatch)
+    rows = [{"epoch": e, "step": 4 * e, "train_loss": 1.0 / e, "train_acc": 0.5, "test_acc": 0.5, "lr": 0.1}
+            for e in (1, 2, 3)]
+    at_ends = [{"step": 4 * e, "loss": 1.0, "lr": 0.1} for e in (1, 2, 3)]
+    within = [{"step": k, "loss": 1.0, "lr": 0.1} for k in range(1, 13)]
+    for steps, lines in ((at_ends, 1), (within, 2)):
+        assert plot_curves(rows, tmp_path / "c.png", steps, 4)
+        assert len([f for f in figures if not isinstance(f, str)][-1].axes[0].lines) == lines
+    assert plot_curves([{**rows[0], "epoch": 1, "step": 3}], tmp_path / "p.png",
+                       [{"step": k, "loss": 1.0, "lr": 0.1} for k in (1, 2, 3)], 10)
+    for ax in [f for f in figures if not isinstance(f, str)][-1].axes:
+        low, high = ax.get_xlim()
+        assert low == 0 and 1 <= high < 1.1, (low, high)
+        assert [t for t in ax.get_xticks() if low <= t <= high] == [0, 1]
+
+
+def test_the_lr_panel_of_a_resumed_run_keeps_its_warmup(tmp_path, monkeypatch):
+    # issue 40 item 8: after a resume the lr panel drew the schedule only from the resumed step (the steps before
+    # from steps.jsonl's few logged points): the warmup was gone. Unchanged, the schedule is drawn from step 1; a
+    # resume that changes the schedule (--epochs) draws the logged lr before its step
+    figures = captured_figures(monkeypatch)
+    out = tmp_path / "out"
+    args = ["--data", "random", "--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--image_size",
+            "16", "--epochs", "2", "--output_dir", out]
+    assert launch("cpu.yaml", [*args, "--max_steps", "5"]).returncode == 0
+    rows = {name: (out / name).read_text() for name in ("metrics.jsonl", "steps.jsonl")}
+    # the same command again with --resume auto: nothing to train; its rows kept (they were emptied, and
+    # model_config.json's metrics were null)
+    assert launch("cpu.yaml", [*args, "--max_steps", "5", "--resume", "auto"]).returncode == 0
+    assert {name: (out / name).read_text() for name in rows} == rows and rows["metrics.jsonl"]
+    assert json.loads((out / "model_config.json").read_text())["metrics"]["step"] == 5
+    resumed = launch("cpu.yaml", [*args, "--resume", "auto"])
+    assert "resumed from" in resumed.stderr and "step 5" in resumed.stderr, resumed.stderr[-2000:]
+    lr = [f for f in figures if not isinstance(f, str)][-1].axes[2].lines[0]
+    x, y = list(lr.get_xdata()), list(lr.get_ydata())
+    assert x[0] == 1 / 8 and len(x) == 16 and y[:8] == sorted(y[:8]) and y[0] < y[7] / 10, (x, y)  # the warmup
+    state = json.loads(next((out / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["schedule_since"] == 0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[-1]["test_acc"] is not None
+    longer = launch("cpu.yaml", [*args[:-4], "--epochs", "3", "--output_dir", out, "--resume", "auto"])
+    assert "resumed from" in longer.stderr, longer.stderr[-2000:]
+    state = json.loads(sorted((out / "checkpoints").glob("step_*/trainer_state.json"))[-1].read_text())
+    assert state["schedule_since"] == 16

@@ -94,6 +94,8 @@ def test_evaluate_takes_the_best_epoch_and_the_runs_data_folder(finished):
     for how in (["--checkpoint", out, "--best"], ["--checkpoint", out / "model_best.safetensors"]):
         proc = run_cli(["evaluate", *how])  # (no --data_dir: the run's)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        # (item 10: the batch is the run's own, which fit in memory with gradients, not 256 whatever the image size)
+        assert "evaluated 53 samples, 16 per process and batch (the run's training batch)" in proc.stderr
         acc = float(re.search(r"test accuracy ([\d.]+)% on 53 samples", proc.stdout)[1])
         assert acc == pytest.approx(100 * best, abs=0.01), (proc.stdout, rows)
     assert "[best epoch]" in proc.stdout or "model_best" in proc.stdout

@@ -22,6 +22,12 @@ from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CON
 from ..user import allow_import
 
 
+# evaluate's batch where the run's is unknown. Memory: 2 ranks at 256 measured 1.35 GiB per rank (resnet18, cifar
+# stem, 32 px) and 2.6 GiB (imagenet stem, 224 px) on this 24 GiB machine (issue 40 item 10); the run's own training
+# batch, the default, fit with gradients.
+EVAL_BATCH = 256
+
+
 def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str | None = None, best: bool = False
                   ) -> tuple[torch.nn.Module, dict]:
     """model.safetensors (the EMA's with `ema`, model_best.safetensors with `best`) + model_config.json -> (eval-mode
@@ -113,7 +119,8 @@ def main_evaluate(argv: list[str]) -> int:
     p.add_argument("--data_dir", "--data_url", default=None, help="default: the run's (its config.yaml), else "
                    f"{defaults.data_dir}")
     p.add_argument("--test_samples", type=int, default=None, help="only the first N test samples")
-    p.add_argument("--batch_size", type=int, default=256, help="per process")
+    p.add_argument("--batch_size", type=int, default=None, help="per process; default: the run's training batch "
+                   f"(its config.yaml: it fit in memory with gradients), else {EVAL_BATCH}")
     p.add_argument("--pipeline", default=defaults.pipeline, choices=("auto", "device", "cpu", "cache"))
     p.add_argument("--num_workers", type=int, default=defaults.num_workers,
                    help="DataLoader workers (cpu pipeline); default: the cores per process")
@@ -138,7 +145,7 @@ def main_evaluate(argv: list[str]) -> int:
                           "accel_train reads them: shorter side resized, centre crop, the recorded mean/std)")
     data_dir = args.data_dir or (run.get("data_dir") if run.get("data") == data_name else None) or defaults.data_dir
     cfg = TrainConfig(data=data_name, data_dir=data_dir, test_samples=args.test_samples, seed=args.seed,
-                      batch_size=args.batch_size, pipeline=args.pipeline, num_workers=args.num_workers,
+                      batch_size=args.batch_size or run.get("batch_size") or EVAL_BATCH, pipeline=args.pipeline, num_workers=args.num_workers,
                       image_size=info.image_size if data_name != "cifar10" else None)
     accelerator = Accelerator(cpu=not has_accelerator())
     budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks
@@ -162,6 +169,8 @@ def main_evaluate(argv: list[str]) -> int:
         lines.append(f"{name:{width}s} {n:8d} {accuracy}")
     if accelerator.is_main_process:
         print("\n".join(lines), flush=True)
-    log.info(f"evaluated {labels.numel()} samples; {data.describe()}", main_process_only=True)
+    log.info(f"evaluated {labels.numel()} samples, {cfg.batch_size} per process and batch"
+             + ("" if args.batch_size else " (the run's training batch)" if run.get("batch_size") else "")
+             + f"; {data.describe()}", main_process_only=True)
     accelerator.end_training()
     return 0

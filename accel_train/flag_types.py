@@ -4,6 +4,7 @@ TrainConfig, so that a --config YAML and train()'s config get them too."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -44,3 +45,16 @@ def base_type(tp):
     """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
+
+
+def json_kwargs(cfg, name: str) -> dict:
+    """A JSON-object flag (--model_kwargs, --sched_kwargs) as a dict; {} when not given."""
+    if not getattr(cfg, name):
+        return {}
+    try:
+        value = json.loads(getattr(cfg, name))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--{name} is not valid JSON ({e.msg}); write it like '{{\"drop_rate\": 0.1}}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--{name} must be a JSON object, like '{{\"drop_rate\": 0.1}}'")
+    return value

@@ -38,8 +38,8 @@ def check_changes(old: dict, cfg) -> None:
                           f"{old.get('optimizer', 'sgd')} or start a fresh run")
     for key, off in (("weight_decay", 0), ("layer_decay", None)):
         if key in old and (old[key] == off) != (now[key] == off):
-            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's {_said(old[key])} ({key} on or "
-                              "off changes the optimizer's parameter groups); resume with "
+            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's {_said(old[key])} ({key} "
+                              "on or off changes the optimizer's parameter groups); resume with "
                               f"{'no' if old[key] == off else 'a'} --{key} or start a fresh run")
 
 

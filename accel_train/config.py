@@ -104,11 +104,12 @@ class TrainConfig:
                                  f"largest power of two that gives an epoch {MIN_STEPS} steps", "optimisation")
     lr: float | None = opt(None, "peak learning rate; default: --lr_base x global batch / 256", "optimisation")
     lr_base: float | None = opt(None, "learning rate per 256 images of global batch; default: --opt's (sgd 0.2, "
-                                "i.e. 0.1 at batch 128; adamw 2.5e-4; README: Optimizers)", "optimisation")
+                                "i.e. 0.1 at batch 128; adamw 2.5e-4; docs/fine-tuning.md)", "optimisation")
     optimizer: str = opt("sgd", "any timm create_optimizer_v2 name: sgd (nesterov momentum), adamw, lamb, lion, adan, "
                          "...", "optimisation", aliases=("--opt",))
-    layer_decay: float | None = opt(None, "layer-wise lr decay: each block's lr is this times the next one's, from the "
-                                    "classifier down (timm's layer_decay, e.g. 0.75 to fine-tune a ViT)", "optimisation")
+    layer_decay: float | None = opt(None, "layer-wise lr decay: each block's lr is this times the next one's, from "
+                                    "the classifier down (timm's layer_decay, e.g. 0.75 to fine-tune a ViT)",
+                                    "optimisation")
     sched: str = opt("cosine", "lr schedule after the warmup, timm's create_scheduler_v2 (plateau is not offered: "
                      "the lr here is a function of the step)", "optimisation",
                      choices=("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant"))

@@ -134,8 +134,9 @@ def log_step(run: Run, metrics, watch, survivor, loss: torch.Tensor, lr: float) 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None, lock=None):
     """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step; (loss, logits, the
-    gradient's norm before clipping or None, the targets: --mixup/--cutmix's soft ones, else `y`). `lock` (survivor.Survivor.lock) is taken before the optimizer step and
-    left held: the loop releases it once the step is complete."""
+    gradient's norm before clipping or None, the targets: --mixup/--cutmix's soft ones, else `y`). `lock`
+    (survivor.Survivor.lock) is taken before the optimizer step and left held: the loop releases it once the step is
+    complete."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     reseed(run)
     if run.mixup is not None:

@@ -1,4 +1,4 @@
-"""The optimizer, the lr schedule and the training loss, from the flags, through timm (README: Optimizers).
+"""The optimizer, the lr schedule and the training loss, from the flags, through timm (docs/fine-tuning.md).
 
 - `--opt`: any `timm.optim.create_optimizer_v2` name; its lr and weight decay default by family
   (defaults.OPTIMIZER_DEFAULTS, TrainConfig.optimizer_defaults); `--layer_decay` is timm's layer-wise decay
@@ -97,13 +97,12 @@ def check_mixing(cfg) -> None:
 def recipe_line(cfg, num_processes: int, mixed: bool) -> str:
     """The optimizer, schedule and loss the run trains with, and where their defaults came from."""
     lr_base, decay = cfg.optimizer_defaults()
-    given = [f"--{name}" for name, value in (("lr_base", cfg.lr_base), ("weight_decay", cfg.weight_decay))
-             if value is not None]
+    default = f"--opt {cfg.optimizer}'s default"
+    base = f"({lr_base:g} per 256 images" + (f", {default})" if cfg.lr_base is None else ")")
     return (f"optimizer {cfg.optimizer} (timm), lr {cfg.peak_lr(num_processes):.4g} "
-            + ("(--lr)" if cfg.lr is not None else f"({lr_base:g} per 256 images)")
-            + f", weight decay {decay:g}" + (f", layer decay {cfg.layer_decay:g}" if cfg.layer_decay else "")
-            + (f" ({', '.join(given)} given, the rest --opt {cfg.optimizer}'s defaults)" if given else
-               f" (--opt {cfg.optimizer}'s defaults)" if cfg.lr is None else "")
+            + ("(--lr)" if cfg.lr is not None else base)
+            + f", weight decay {decay:g}" + (f" ({default})" if cfg.weight_decay is None else "")
+            + (f", layer decay {cfg.layer_decay:g}" if cfg.layer_decay else "")
             + f"; {cfg.warmup_epochs:g} warmup epoch(s), then {cfg.sched}"
-            + (f"; mixup {cfg.mixup:g} / cutmix {cfg.cutmix:g} on soft targets (label smoothing {cfg.label_smoothing:g})"
-               if mixed else f"; label smoothing {cfg.label_smoothing:g}"))
+            + (f"; mixup {cfg.mixup:g} / cutmix {cfg.cutmix:g} on soft targets (label smoothing "
+               f"{cfg.label_smoothing:g})" if mixed else f"; label smoothing {cfg.label_smoothing:g}"))

@@ -102,9 +102,10 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
-    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, loss_of(cfg, mixup is not None),
-              ema, state, steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history,
-              architecture, mixup)
+    soft = loss_of(cfg, mixup is not None)
+    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, soft, ema, state,
+              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture,
+              mixup)
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers("accel_train", config=tracker_config(cfg),  # on the main process only

@@ -55,8 +55,11 @@ def schedule(cfg, optimizer, num_processes: int, steps_per_epoch: int):
                                            step_on_epochs=False, updates_per_epoch=steps_per_epoch,
                                            **json_kwargs(cfg, "sched_kwargs"))
     except (TypeError, ValueError, AssertionError) as e:
-        raise ConfigError(f"--sched {cfg.sched} with --sched_kwargs {cfg.sched_kwargs or '{}'}: "
-                          f"{' '.join(str(e).split())[:160]}; see timm's create_scheduler_v2 arguments") from None
+        if "nknown sched" in str(e) or "nvalid sched" in str(e):
+            scheduler = None  # (said below)
+        else:
+            raise ConfigError(f"--sched {cfg.sched} with --sched_kwargs {cfg.sched_kwargs or '{}'}: "
+                              f"{' '.join(str(e).split())[:160]}; see timm's create_scheduler_v2 arguments") from None
     if scheduler is None:  # (an older timm returns none for a name it lacks)
         raise ConfigError(f"--sched {cfg.sched}: this timm ({timm.__version__}) has no such schedule; upgrade timm "
                           "or pick cosine")

@@ -18,7 +18,7 @@ from accel_train.config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.loop import reseed
 from accel_train.metrics import EpochMeter
-from accel_train.optim import build_optimizer, criterion, mixing, schedule
+from accel_train.optim import build_optimizer, criterion, known_optimizers, mixing, schedule
 from accel_train.outputs import lr_of_step
 from accel_train.resume import keep_run_math
 
@@ -45,7 +45,9 @@ def test_each_optimizer_is_timms_with_its_familys_defaults(name, lr_base, decay,
 
 
 def test_a_wrong_optimizer_name_is_one_line_with_the_nearest():
-    with pytest.raises(ConfigError, match=r"--opt adamww: not a timm optimizer; did you mean adamw"):
+    says = r"--opt adamww: not a timm optimizer; did you mean adamw" if known_optimizers() else \
+        r"--opt adamww: timm could not build it"  # (a timm before its optimizer registry, 1.0.12: no names to offer)
+    with pytest.raises(ConfigError, match=says):
         build_optimizer(cfg(optimizer="adamww"), timm.create_model("test_resnet"), 1)
 
 
@@ -69,7 +71,12 @@ def test_the_reported_lr_is_the_lr_each_schedule_sets(sched):
     c = cfg(sched=sched, sched_kwargs=json.dumps(kwargs) if kwargs else None, layer_decay=0.5, warmup_epochs=0.5)
     model = timm.create_model("test_vit", num_classes=10, img_size=32, patch_size=8)
     opt = build_optimizer(c, model, 1)
-    scheduler = schedule(c, opt, 1, steps_per_epoch=4)
+    try:
+        scheduler = schedule(c, opt, 1, steps_per_epoch=4)
+    except ConfigError as e:  # (the minimum timm, 1.0.10, predates wsd, rsqrt and constant)
+        if "has no such schedule" in str(e):
+            pytest.skip(str(e))
+        raise
     head = next(g for g in opt.param_groups if g["lr_scale"] == 1.0)
     seen = []
     for step in range(16):

@@ -24,17 +24,17 @@ from .changes import log_changes, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
 from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
-from .defaults import dropped_note
 from . import pretrained
+from .defaults import dropped_note
 from .errors import ConfigError, counted
 from .files import CONFIG_FILE
-from .gradcheck import check_run_precision, first_batch
 from .freeze import freeze
+from .gradcheck import check_run_precision, first_batch
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
-from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
+from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .preempt import checkpoint_interval_text
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
@@ -91,8 +91,9 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     decision = agree_on_start(cfg, accelerator, log)
     data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
     model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given(), decision, log)
-    mixup = mixing(cfg, data.info.num_classes)  # (the check's loss takes hard labels: the kernels are what it checks)
-    check_run_precision(cfg, accelerator, data, model, loss_of(cfg), log)  # the reduced precision computes right here
+    mixup = mixing(cfg, data.info.num_classes)  # timm's Mixup (--mixup/--cutmix), or None
+    # the reduced precision computes right here (on hard labels, whatever the run's loss: the kernels are what it checks)
+    check_run_precision(cfg, accelerator, data, model, loss_of(cfg), log)
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
         model, optimizer, data.train_loader, data.test_loader)
     # An epoch is a whole number of accumulation windows: a partial window at the end would take an
@@ -102,8 +103,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
-    soft = loss_of(cfg, mixup is not None)
-    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, soft, ema, state,
+    criterion = loss_of(cfg, soft=mixup is not None)
+    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
               steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture,
               mixup)
     announce(run, cfg, resolved, loaded, log)
@@ -146,9 +147,10 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
     budget = rank0s(device_budget(cfg, accelerator.device))  # rank 0's: one pipeline choice
     if pretrained.wanted(cfg) and not decision.meta:  # timm's weights: on disk (or allowed to download), first
         log(on_every_rank(accelerator, pretrained.check_on_disk, cfg))
-    if (cfg.init_from or pretrained.wanted(cfg)) and (cfg.mean is None or cfg.std is None):  # fine-tuning keeps the
+    # fine-tuning keeps the weights' normalisation: --init_from's record of it, or timm's pretrained_cfg
+    if (cfg.init_from or pretrained.wanted(cfg)) and (cfg.mean is None or cfg.std is None):
         mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model) if cfg.init_from \
-            else (*pretrained.normalisation(cfg.model)[:2], f"timm's pretrained_cfg of {cfg.model}")  # weights' own
+            else (*pretrained.normalisation(cfg.model)[:2], f"timm's pretrained_cfg of {cfg.model}")
         if mean is not None:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
             log(f"{'--init_from' if cfg.init_from else '--pretrained'}: mean/std {cfg.mean} / {cfg.std} from {source} "

@@ -44,6 +44,27 @@ def test_each_optimizer_is_timms_with_its_familys_defaults(name, lr_base, decay,
     assert given.optimizer_defaults() == (0.1, 0.3)
 
 
+def test_timm_spellings_parse():
+    from accel_train.cli import parse_train_args
+    c = parse_train_args(["--opt", "adamw", "--sched", "tanh", "--layer_decay", "0.75", "--mixup", "0.8"])
+    assert (c.optimizer, c.sched, c.layer_decay, c.mixup) == ("adamw", "tanh", 0.75, 0.8)
+    with pytest.raises(ConfigError, match="--sched: invalid choice: 'plateau'"):  # (it follows a metric, not the step)
+        parse_train_args(["--sched", "plateau"])
+    with pytest.raises(ConfigError, match="--layer_decay must be in"):
+        cfg(layer_decay=1.5)
+
+
+def test_drop_rates_reach_timm_and_a_second_spelling_is_refused():
+    from accel_train.setup import model_extras
+    fresh, resumed = SimpleNamespace(meta=None), SimpleNamespace(meta={"step": 3})
+    assert model_extras(cfg(drop_path=0.1), fresh) == {"drop_path_rate": 0.1}
+    assert model_extras(cfg(), fresh) == {}  # (0: not passed, so a model that takes none still builds)
+    assert model_extras(cfg(model="test_resnet", pretrained=True), fresh)["pretrained"] is True
+    assert "pretrained" not in model_extras(cfg(model="test_resnet", pretrained=True), resumed)  # (its weights win)
+    with pytest.raises(ConfigError, match="--drop_rate and --model_kwargs' drop_rate both set it"):
+        model_extras(cfg(drop_rate=0.1, model_kwargs='{"drop_rate": 0.2}'), fresh)
+
+
 def test_a_wrong_optimizer_name_is_one_line_with_the_nearest():
     says = r"--opt adamww: not a timm optimizer; did you mean adamw" if known_optimizers() else \
         r"--opt adamww: timm could not build it"  # (a timm before its optimizer registry, 1.0.12: no names to offer)

@@ -40,8 +40,8 @@ def build_optimizer(cfg, model: torch.nn.Module, num_processes: int) -> torch.op
         return create_optimizer_v2(model, name, lr=cfg.peak_lr(num_processes), weight_decay=decay,
                                    momentum=cfg.momentum, layer_decay=cfg.layer_decay)
     except (ImportError, ValueError, TypeError, AssertionError) as e:  # (bnb* without bitsandbytes; an older timm)
-        raise ConfigError(f"--opt {cfg.optimizer}: timm could not build it ({' '.join(str(e).split())[:160]}); "
-                          "pick another --opt") from None
+        why = " ".join(str(e).split())[:160] or f"timm {timm.__version__} has no such optimizer"
+        raise ConfigError(f"--opt {cfg.optimizer}: timm could not build it ({why}); pick another --opt") from None
 
 
 def schedule(cfg, optimizer, num_processes: int, steps_per_epoch: int):

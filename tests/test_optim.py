@@ -34,6 +34,8 @@ def cfg(**kw):
     ("lamb", 6.25e-4, 0.01, "Lamb"), ("lion", 2.5e-5, 0.5, "Lion"), ("adan", 2.5e-4, 0.05, "Adan"),
 ])
 def test_each_optimizer_is_timms_with_its_familys_defaults(name, lr_base, decay, kind):
+    if name == "adan" and not known_optimizers():
+        pytest.skip("timm gained adan with its optimizer registry (1.0.12)")
     c = cfg(optimizer=name)
     assert c.optimizer_defaults() == (lr_base, decay)
     opt = build_optimizer(c, timm.create_model("test_resnet", num_classes=10), 2)
@@ -108,8 +110,8 @@ def test_the_reported_lr_is_the_lr_each_schedule_sets(sched):
 
 
 def test_a_bad_schedule_argument_is_one_line():
-    c = cfg(sched="wsd", sched_kwargs='{"decay_epochs": 40}')
-    with pytest.raises(ConfigError, match=r"--sched wsd with --sched_kwargs .*decay"):
+    c = cfg(sched="cosine", sched_kwargs='{"decay_epoch": 4}')
+    with pytest.raises(ConfigError, match=r"--sched cosine with --sched_kwargs .*decay_epoch"):
         schedule(c, build_optimizer(c, torch.nn.Linear(3, 2), 1), 1, 4)
 
 

@@ -15,21 +15,32 @@ from contextlib import contextmanager
 from .errors import ConfigError
 
 APPLIED = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "momentum", "weight_decay", "label_smoothing",
-           "clip_grad", "ema", "ema_decay", "mixed_precision")
+           "clip_grad", "ema", "ema_decay", "mixed_precision", "optimizer", "layer_decay", "sched", "sched_kwargs",
+           "drop_path", "drop_rate", "mixup", "cutmix")
 
 
 def settings(cfg, precision: str) -> dict:
-    """The applied settings a checkpoint records (mixed_precision: the one the run used, `auto` resolved)."""
-    return {**{key: getattr(cfg, key) for key in APPLIED}, "mixed_precision": precision}
+    """The applied settings a checkpoint records (mixed_precision: the one the run used, `auto` resolved; lr_base and
+    weight_decay: --opt's defaults where not given)."""
+    lr_base, decay = cfg.optimizer_defaults()
+    return {**{key: getattr(cfg, key) for key in APPLIED}, "mixed_precision": precision, "lr_base": lr_base,
+            "weight_decay": decay}
 
 
 def check_changes(old: dict, cfg) -> None:
-    """Refuse what cannot be applied: weight decay switched on or off changes the optimizer's parameter groups
-    (none without decay, two with it: norm and bias parameters are not decayed)."""
-    if "weight_decay" in old and (old["weight_decay"] == 0) != (cfg.weight_decay == 0):
-        raise ConfigError(f"--weight_decay {cfg.weight_decay:g} cannot follow the checkpoint's {old['weight_decay']:g} "
-                          "(weight decay on or off changes the optimizer's parameter groups); resume with a "
-                          f"{'zero' if old['weight_decay'] == 0 else 'non-zero'} --weight_decay or start a fresh run")
+    """Refuse what cannot be applied: another --opt (the checkpoint's optimizer state is its optimizer's), weight decay
+    or --layer_decay switched on or off (the optimizer's parameter groups change: norm and bias parameters are not
+    decayed; layer decay groups by layer)."""
+    now = settings(cfg, "")
+    if old.get("optimizer", "sgd") != cfg.optimizer:
+        raise ConfigError(f"--opt {cfg.optimizer} cannot follow the checkpoint's {old.get('optimizer', 'sgd')} (its "
+                          f"optimizer state is {old.get('optimizer', 'sgd')}'s); resume with --opt "
+                          f"{old.get('optimizer', 'sgd')} or start a fresh run")
+    for key, off in (("weight_decay", 0), ("layer_decay", None)):
+        if key in old and (old[key] == off) != (now[key] == off):
+            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's {_said(old[key])} ({key} "
+                              "on or off changes the optimizer's parameter groups); resume with "
+                              f"{'no' if old[key] == off else 'a'} --{key} or start a fresh run")
 
 
 def log_changes(meta: dict, cfg, precision: str, log) -> None:

@@ -136,14 +136,10 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
 # --seed?", --aa "--data?") and the ACCEL_TRAIN_IGNORE_ARGS hint made another run than the one asked for (--opt
 # adamw trained SGD). Each is refused with what this trainer does instead, never let through, never "did you mean".
 TIMM_FLAGS = {
-    "--opt": "no --opt yet: the optimizer is SGD with nesterov momentum (--momentum, --weight_decay)",
-    "--sched": "no --sched yet: the schedule is warmup + cosine (--warmup_epochs, --min_lr)",
     "--aa": "no AutoAugment/RandAugment yet: --augment, --hflip",
-    "--mixup": "no mixup yet", "--cutmix": "no cutmix yet", "--reprob": "no random erasing yet",
-    "--color-jitter": "no colour jitter yet", "--layer-decay": "no layer-wise lr decay yet",
-    "--drop-path": "here: --model_kwargs '{\"drop_path_rate\": X}'",
-    "--drop": "here: --model_kwargs '{\"drop_rate\": X}'",
-    "--pretrained": "no --pretrained yet: --init_from FILE.safetensors loads weights from a file",
+    "--reprob": "no random erasing yet",
+    "--color-jitter": "no colour jitter yet", "--layer-decay": "here: --layer_decay",
+    "--drop-path": "here: --drop_path", "--drop": "here: --drop_rate", "--pretrained-path": "here: --pretrained_path",
     "--smoothing": "here: --label_smoothing", "--model-ema": "here: --ema", "--model-ema-decay": "here: --ema_decay",
     "--amp": "here: --mixed_precision bf16 (or fp16)", "--initial-checkpoint": "here: --init_from",
     "--output": "here: --output_dir", "--workers": "here: --num_workers", "-j": "here: --num_workers",

@@ -8,14 +8,14 @@ parser from these fields, so a default is written exactly once, here.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 
 import yaml
 
-from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, infer_data, resolve_batch
+from .defaults import (BATCH_SIZE, MIN_STEPS, OPTIMIZER_DEFAULTS, auto_stem_said, infer_data, optimizer_family,
+                       resolve_batch)
 from .errors import ConfigError
-from .flag_types import check_types_and_choices
+from .flag_types import at_least, check_types_and_choices, json_kwargs, rgb
 
 
 # Automatic defaults (docs/own_data_and_models.md). The cifar stem keeps the full resolution into the first
@@ -83,6 +83,16 @@ class TrainConfig:
     init_from: str | None = opt(None, "start from the weights of a model.safetensors or .pth state dict on disk (an "
                                 "earlier export or timm weights); a classifier with another class count is "
                                 "re-created", "model")
+    pretrained: bool = opt(False, "start from timm's pretrained weights for --model (a tag picks them, e.g. "
+                           "resnet18.a1_in1k), from the Hugging Face cache (none downloaded under HF_HUB_OFFLINE=1) "
+                           "or --pretrained_path; mean/std from their config", "model")
+    pretrained_path: str | None = opt(None, "a file of timm weights for --model, loaded as timm loads its own "
+                                      "(pretrained_cfg_overlay; implies --pretrained)", "model")
+    freeze: str | None = opt(None, "'backbone': train the classifier only (a linear probe); a module name (layer3, "
+                             "blocks.5): freeze the parameters up to and with it; frozen BatchNorm statistics stay "
+                             "fixed", "model")
+    drop_path: float = opt(0.0, "stochastic depth rate (timm's drop_path_rate)", "model")
+    drop_rate: float = opt(0.0, "dropout rate before the classifier (timm's drop_rate)", "model")
     compile: bool = opt(False, "torch.compile the model", "model")
     compile_mode: str = opt("default", "torch.compile mode", "model",
                             choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
@@ -94,12 +104,27 @@ class TrainConfig:
     batch_size: int | None = opt(None, f"batch size per process; default {BATCH_SIZE}, less for a small data set: the "
                                  f"largest power of two that gives an epoch {MIN_STEPS} steps", "optimisation")
     lr: float | None = opt(None, "peak learning rate; default: --lr_base x global batch / 256", "optimisation")
-    lr_base: float = opt(0.2, "learning rate per 256 images of global batch (0.1 at batch 128)",
-                         "optimisation")
+    lr_base: float | None = opt(None, "learning rate per 256 images of global batch; default: --opt's (sgd 0.2, "
+                                "i.e. 0.1 at batch 128; adamw 2.5e-4; docs/fine-tuning.md)", "optimisation")
+    optimizer: str = opt("sgd", "any timm create_optimizer_v2 name: sgd (nesterov momentum), adamw, lamb, lion, adan, "
+                         "...", "optimisation", aliases=("--opt",))
+    layer_decay: float | None = opt(None, "layer-wise lr decay: each block's lr is this times the next one's, from "
+                                    "the classifier down (timm's layer_decay, e.g. 0.75 to fine-tune a ViT)",
+                                    "optimisation")
+    sched: str = opt("cosine", "lr schedule after the warmup, timm's create_scheduler_v2 (plateau is not offered: "
+                     "the lr here is a function of the step)", "optimisation",
+                     choices=("cosine", "tanh", "step", "multistep", "poly", "wsd", "rsqrt", "constant"))
+    sched_kwargs: str | None = opt(None, "extra create_scheduler_v2 arguments as JSON, in epochs, e.g. "
+                                   "'{\"decay_epochs\": 10, \"decay_rate\": 0.5}' for --sched step", "optimisation")
     min_lr: float = opt(0.0, "learning rate at the end of the cosine decay", "optimisation")
-    momentum: float = opt(0.9, "SGD (nesterov) momentum", "optimisation")
-    weight_decay: float = opt(5e-4, "weight decay (not applied to norm and bias parameters)", "optimisation")
-    label_smoothing: float = opt(0.1, "label smoothing of the training loss", "optimisation")
+    momentum: float = opt(0.9, "momentum of an optimizer that has one (SGD's: nesterov)", "optimisation")
+    weight_decay: float | None = opt(None, "weight decay (not applied to norm and bias parameters); default: --opt's "
+                                     "(sgd 5e-4, adamw 0.05)", "optimisation")
+    label_smoothing: float = opt(0.1, "label smoothing of the training loss (with --mixup/--cutmix: of the mixed "
+                                 "targets, as timm's Mixup does)", "optimisation")
+    mixup: float = opt(0.0, "mixup alpha (timm's Mixup; 0: off); the loss is then on soft targets", "optimisation")
+    cutmix: float = opt(0.0, "cutmix alpha (timm's Mixup; 0: off; with --mixup each batch picks one, half each)",
+                        "optimisation")
     warmup_epochs: float = opt(1.0, "linear warmup length in epochs, then cosine decay", "optimisation")
     grad_accum: int = opt(1, "gradient accumulation steps per optimizer step", "optimisation")
     clip_grad: float | None = opt(None, "clip the gradient norm to this value", "optimisation")
@@ -172,19 +197,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_types_and_choices(self)
-        positive = ("epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s", "ddp_bucket_cap_mb")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_minutes is not None and not self.checkpoint_minutes >= 0:
-            raise ConfigError(f"--checkpoint_minutes must be >= 0, got {self.checkpoint_minutes}")
-        for name in ("batch_size", "max_steps", "train_samples", "test_samples"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {value}")
-        for name in ("checkpoint_every", "num_workers", "threads", "warmup_epochs", "weight_decay", "min_lr"):
-            if (getattr(self, name) or 0) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        at_least(self, 1, "epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s", "ddp_bucket_cap_mb",
+                 "batch_size", "max_steps", "train_samples", "test_samples")
+        at_least(self, 0, "checkpoint_minutes", "checkpoint_every", "num_workers", "threads", "warmup_epochs",
+                 "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup", "cutmix", "device_data_mb")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.label_smoothing < 1:
@@ -192,13 +208,14 @@ class TrainConfig:
         if not 0 < self.ema_decay < 1:
             raise ConfigError(f"--ema_decay must be in (0, 1), got {self.ema_decay}")
         self.model_kwargs_dict()
+        json_kwargs(self, "sched_kwargs")
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1 or self.drop_rate >= 1 or self.drop_path >= 1:
+            raise ConfigError("--layer_decay must be in (0, 1], --drop_rate and --drop_path in [0, 1)")
         if self.image_size is not None and not 8 <= self.image_size <= 4096:
             raise ConfigError(f"--image_size must be in 8..4096, got {self.image_size}")
         if self.data == "cifar10" and self.image_size not in (None, 32):
             raise ConfigError(f"CIFAR-10 images are 32x32: drop --image_size {self.image_size} or use "
                               "--data imagefolder")
-        if self.device_data_mb is not None and self.device_data_mb < 0:
-            raise ConfigError(f"--device_data_mb must be >= 0, got {self.device_data_mb}")
         self.normalisation()
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
@@ -210,16 +227,7 @@ class TrainConfig:
                               "--pipeline cpu or auto")
 
     def model_kwargs_dict(self) -> dict:
-        if not self.model_kwargs:
-            return {}
-        try:
-            value = json.loads(self.model_kwargs)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--model_kwargs is not valid JSON ({e.msg}); "
-                              "write it like '{\"drop_rate\": 0.1}'") from None
-        if not isinstance(value, dict):
-            raise ConfigError("--model_kwargs must be a JSON object, like '{\"drop_rate\": 0.1}'")
-        return value
+        return json_kwargs(self, "model_kwargs")
 
     def resolution(self, native: int | None = None) -> int:
         """--image_size, or the default for the data: 32 for cifar10/random; for an image folder its images' own
@@ -257,26 +265,18 @@ class TrainConfig:
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) from --mean/--std, each three floats or None."""
-        out = []
-        for name in ("mean", "std"):
-            text = getattr(self, name)
-            if text is None:
-                out.append(None)
-                continue
-            try:  # 'R,G,B' from a flag, or a list in a --config YAML
-                values = tuple(float(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(",")))
-            except (TypeError, ValueError):
-                values = ()
-            low = 0 if name == "mean" else 1e-6
-            if len(values) != 3 or not all(low <= v <= 1 for v in values):
-                raise ConfigError(f"--{name} must be three numbers in [{low:g}, 1] like 0.5,0.5,0.5; got {text!r}")
-            out.append(values)
-        return out[0], out[1]
+        return rgb(self, "mean", 0), rgb(self, "std", 1e-6)
 
     def peak_lr(self, num_processes: int) -> float:
         if self.lr is not None:
             return self.lr
-        return self.lr_base * self.batch_size * num_processes * self.grad_accum / 256
+        return self.optimizer_defaults()[0] * self.batch_size * num_processes * self.grad_accum / 256
+
+    def optimizer_defaults(self) -> tuple[float, float]:
+        """(lr_base, weight_decay): the flags', else --opt's family's (defaults.OPTIMIZER_DEFAULTS)."""
+        lr_base, decay = OPTIMIZER_DEFAULTS[optimizer_family(self.optimizer)]
+        return (lr_base if self.lr_base is None else self.lr_base,
+                decay if self.weight_decay is None else self.weight_decay)
 
     def trackers(self) -> list[str]:
         return [t.strip() for t in self.log_with.split(",")] if self.log_with else []

@@ -93,3 +93,41 @@ def infer_data(data_dir: str, default_dir: bool) -> str:
     raise ConfigError(f"--data_dir {data_dir} holds neither cifar-10-batches-py/ (cifar10) nor train/<class>/ "
                       "(imagefolder): point it at the folder that holds one of them, or pass --data to say which "
                       "(--data random reads no folder)")
+
+
+# --opt's defaults when --lr_base / --weight_decay are not given: (lr per 256 images of global batch, weight decay), by
+# the optimizer's family. The learning rate scales linearly with the global batch for every family (Goyal et al. 2017).
+OPTIMIZER_DEFAULTS = {
+    # this trainer's CIFAR ResNet recipe (README: The default recipe): 0.1 at batch 128, 5e-4
+    "sgd": (0.2, 5e-4),
+    # DeiT (Touvron et al. 2021, timm's deit recipe): AdamW at 5e-4 x batch/512, weight decay 0.05; also the default of
+    # the other adaptive optimizers with decoupled weight decay (adan, nadamw, adopt, laprop, ...): no recipe of their
+    # own was verified here, and each paper compares against AdamW at AdamW's settings
+    "adamw": (2.5e-4, 0.05),
+    # DeiT's lr; Adam's weight decay is an L2 term in the gradient (coupled), off as in torch.optim.Adam
+    "adam": (2.5e-4, 0.0),  # (also RMSprop and Adagrad: coupled weight decay)
+    # ResNet strikes back A1 (Wightman et al. 2021, timm): LAMB at 5e-3 for batch 2048, weight decay 0.01
+    "lamb": (6.25e-4, 0.01),
+    # Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): 3-10x smaller lr and 3-10x larger weight
+    # decay than AdamW; their ViT recipe takes 10x: AdamW's row / 10 and x 10
+    "lion": (2.5e-5, 0.5),
+}
+OPTIMIZER_FAMILY = {  # timm names (their cautious c-, bnb-, fused- and 8bit variants too) -> a row above; others: adamw
+    **dict.fromkeys(("sgd", "sgdw", "sgdp", "sgdc", "momentum", "nesterov", "nesterovw", "lars", "larc", "nlars",
+                     "nlarc"), "sgd"),
+    **dict.fromkeys(("adam", "nadam", "radam", "adamax", "nadamlegacy", "radamlegacy", "adabelief", "radabelief",
+                     "rmsprop", "rmsproptf", "adagrad"), "adam"),
+    **dict.fromkeys(("lamb", "lambc", "lambw", "lambcw", "lambcd"), "lamb"),
+    **dict.fromkeys(("lion", "lionc"), "lion"),
+}
+
+
+def optimizer_family(name: str) -> str:
+    """The OPTIMIZER_DEFAULTS row of a timm optimizer name (lookahead_ prefix, c-/bnb/fused variants, 8bit suffix)."""
+    base = name.lower().split("_")[-1].removesuffix("8bit")
+    for prefix in ("bnb", "fused", ""):
+        stem = base.removeprefix(prefix)
+        for candidate in (stem, stem[1:] if stem.startswith("c") else stem):
+            if candidate in OPTIMIZER_FAMILY:
+                return OPTIMIZER_FAMILY[candidate]
+    return "adamw"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+import numpy as np
 import torch
 from accelerate.logging import get_logger
 from accelerate.utils import tqdm
@@ -57,8 +58,8 @@ def train(cfg: TrainConfig, given=None) -> dict:
             for batch in epoch_batches(run, epoch):
                 x, y = run.data.inputs(batch, train=True, epoch=epoch)
                 meter.data_time += time.perf_counter() - tick
-                lr = run.optimizer.param_groups[0]["lr"]
-                loss, logits, grad_norm = train_step(run, x, y, cfg.clip_grad, survivor.lock)
+                lr = lr_of_step(run.scheduler, state.step + 1)  # (the classifier's, under --layer_decay)
+                loss, logits, grad_norm, y = train_step(run, x, y, cfg.clip_grad, survivor.lock)
                 meter.update(loss, logits, y)
                 watch.update(loss, state.step + 1, lr)
                 window_loss += loss.detach().float()
@@ -133,10 +134,13 @@ def log_step(run: Run, metrics, watch, survivor, loss: torch.Tensor, lr: float) 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | None = None, lock=None):
     """Forward, backward and (on the last micro-batch of an accumulation) the optimizer step; (loss, logits, the
-    gradient's norm before clipping or None). `lock` (survivor.Survivor.lock) is taken before the optimizer step and
-    left held: the loop releases it once the step is complete."""
+    gradient's norm before clipping or None, the targets: --mixup/--cutmix's soft ones, else `y`). `lock`
+    (survivor.Survivor.lock) is taken before the optimizer step and left held: the loop releases it once the step is
+    complete."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     reseed(run)
+    if run.mixup is not None:
+        x, y = run.mixup(x, y)  # (numpy's draws: reseeded)
     grad_norm = None  # with --clip_grad: the total norm before clipping (the divergence watch reads it)
     with accelerator.accumulate(model):
         with accelerator.autocast():
@@ -149,7 +153,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | No
             lock.acquire()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss, logits, grad_norm
+    return loss, logits, grad_norm, y
 
 
 def draw_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
@@ -159,13 +163,16 @@ def draw_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
 
 
 def reseed(run: Run) -> None:
-    """Every random draw of a micro-batch (dropout, drop path) is a function of (seed, step, rank): resume is
+    """Every random draw of a micro-batch (dropout, drop path; mixup's and cutmix's, which timm draws from numpy's
+    global generator) is a function of (seed, step, rank): resume is
     exact without Accelerate's random-state files (which hold no NPU state and do not load across numpy majors).
     torch.manual_seed seeds the CPU generator, every CUDA device and the privateuse1 device (torch_npu's npu) on
     the host, without a device sync."""
     state, accelerator = run.state, run.accelerator
     micro = state.batch_in_epoch % accelerator.gradient_accumulation_steps
-    torch.manual_seed(draw_seed(run.run_math["seed"], state.step, micro, accelerator.process_index))
+    seed = draw_seed(run.run_math["seed"], state.step, micro, accelerator.process_index)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2 ** 32)
 
 
 def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None, only_evaluation=False

@@ -24,6 +24,9 @@ class EpochMeter:
         self.start = time.perf_counter()
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """`labels`: class indices, or --mixup/--cutmix's soft targets, whose largest share is the label counted (the
+        class that covers most of the mixed image; docs/fine-tuning.md)."""
+        labels = labels.argmax(1) if labels.dim() == 2 else labels
         n = labels.shape[0]
         self.loss_sum += loss.detach().double() * n
         self.correct += (logits.detach().argmax(1) == labels).sum()

@@ -49,6 +49,11 @@ def create_model(name: str, stem: str = "cifar", num_classes: int = 10, image_si
     size = {"img_size": image_size} if resized else {}
     try:
         model = timm.create_model(name, num_classes=num_classes, **kwargs, **size)
+    except (RuntimeError, OSError) as e:
+        if not kwargs.get("pretrained"):
+            raise
+        raise ConfigError(f"--pretrained: timm could not load {name}'s weights ({' '.join(str(e).split())[:200]})") \
+            from None
     except (TypeError, ValueError, KeyError, AssertionError) as e:
         if resized:
             why = "takes no img_size" if isinstance(e, TypeError) and "img_size" in str(e) else \

@@ -110,8 +110,9 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
 
 def lr_of_step(scheduler, step: int) -> float:
     """The lr optimizer step `step` (1-based) trained with, from the schedule itself (a function of the step):
-    the lr set after step - 1 steps."""
-    return scheduler._get_lr(step - 1)[0]
+    the lr set after step - 1 steps (with timm's lr noise where --sched_kwargs asks for it; the first parameter
+    group's before its --layer_decay lr_scale: the classifier's)."""
+    return scheduler._add_noise(scheduler._get_lr(step - 1), step - 1)[0]
 
 
 def lr_curve(scheduler, total_steps: int, logged: list[dict] = (), since: int = 0, points: int = 2000) -> list[dict]:

@@ -18,12 +18,15 @@ CHECK_VERSION = 3   # in the cache key: a verdict of another version of the chec
 
 
 def cache_key(cfg, num_classes: int, shape, precision: str, facts, model) -> dict:
-    """What the verdict depends on: the model (its modules and shapes, and the code that runs them: user.code_digest),
-    the input, the precision, the memory format, the device (its name is generic on many CPUs: its flags too, and
-    oneDNN's ISA cap, which picks other kernels), torch, and this check."""
+    """What the verdict depends on: the model (its modules and shapes, and the code that runs them: user.code_digest;
+    which parameters train), the input, the precision, the memory format, the device (its name is generic on many
+    CPUs: its flags too, and oneDNN's ISA cap, which picks other kernels), torch, and this check."""
     return dict(check=CHECK_VERSION, model=cfg.model, code=code_digest(cfg.model, model),
                 structure=structure_digest(model), stem=cfg.stem,
-                model_kwargs=cfg.model_kwargs_dict(), classes=num_classes, input=list(shape), precision=precision,
+                model_kwargs=cfg.model_kwargs_dict(), drop=[cfg.drop_path, cfg.drop_rate], classes=num_classes,
+                # the frozen parameters: a linear probe's verdict checked the classifier only, never the backbone
+                frozen=hashlib.sha256(" ".join(n for n, p in model.named_parameters() if not p.requires_grad)
+                                      .encode()).hexdigest()[:16], input=list(shape), precision=precision,
                 channels_last=bool(cfg.channels_last),
                 device=[facts.kind, facts.name, facts.capability, sorted(facts.cpu_flags), facts.arch],
                 isa=[os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")],

@@ -41,7 +41,7 @@ PROBE = ".accel_train-probe-"
 # of an --overwrite run (--overwrite with --resume auto) resumes that run's checkpoints only, never the replaced run's
 # flags that may differ between machines (paths of each machine's own disk, logging)
 PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
-               "custom_data", "enable_gpu", "overwrite", "resume", "init_from"}
+               "custom_data", "enable_gpu", "overwrite", "resume", "init_from", "pretrained_path"}
 
 
 @dataclass
@@ -83,6 +83,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # the resume mode must agree (the path itself may be each machine's own), and so must init_from's presence
     flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
     flags["init_from"] = "a weights file" if cfg.init_from else None
+    flags["pretrained_path"] = "a weights file" if cfg.pretrained_path else None
     # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
@@ -263,8 +264,9 @@ def keep_run_math(old: dict, cfg: TrainConfig) -> None:
             setattr(cfg, key, _flag_value(key, then))
         elif now != then:
             raise ConfigError(f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
-                              f"{_flag_value(key, then)!r}: resuming would change the run; resume with --{key} "
-                              f"{_flag_value(key, then)} or start a fresh run in another --output_dir")
+                              f"{_flag_value(key, then)!r}: resuming would change the run; resume "
+                              + (f"with --{key} {_flag_value(key, then)}" if then is not None else f"without --{key}")
+                              + " or start a fresh run in another --output_dir")
 
 
 def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:

@@ -21,7 +21,7 @@ from .files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, che
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
 # size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
 # the checkpoint's.
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip")
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip", "freeze")
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
 LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends

@@ -16,12 +16,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object, set_seed
-from timm.loss import LabelSmoothingCrossEntropy
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
-from . import __version__
+from . import __version__, pretrained
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
 from .changes import log_changes, schedule_changed, settings
 from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
@@ -31,11 +28,13 @@ from .data.info import listed
 from .defaults import dropped_note
 from .errors import ConfigError, counted
 from .files import CONFIG_FILE
+from .freeze import freeze
 from .gradcheck import check_run_precision, first_batch
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
+from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .preempt import checkpoint_interval_text
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .resume import Decision, batches_done, check_data, decide, reconcile
@@ -64,6 +63,7 @@ class Run:
     run_math: dict               # what the run computes, recorded in every checkpoint (a resume checks it)
     history: dict | None         # metrics rows of the checkpoint resumed from
     architecture: str | None     # what model_config.json records: None for a model no import path rebuilds
+    mixup: object = None         # timm's Mixup (--mixup/--cutmix): (x, labels) -> (mixed x, soft targets), or None
 
     @property
     def precision(self) -> str:
@@ -90,9 +90,10 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     decision = agree_on_start(cfg, accelerator, log)
     data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
-    model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given())
-    criterion = LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing else torch.nn.CrossEntropyLoss()
-    check_run_precision(cfg, accelerator, data, model, criterion, log)  # the reduced precision computes right here
+    model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given(), decision, log)
+    mixup = mixing(cfg, data.info.num_classes)  # timm's Mixup (--mixup/--cutmix), or None
+    # the reduced precision computes right here (on hard labels, whatever the run's loss: the kernels are what it checks)
+    check_run_precision(cfg, accelerator, data, model, loss_of(cfg), log)
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
         model, optimizer, data.train_loader, data.test_loader)
     # An epoch is a whole number of accumulation windows: a partial window at the end would take an
@@ -102,8 +103,10 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
+    criterion = loss_of(cfg, soft=mixup is not None)
     run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,
-              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture)
+              steps_per_epoch, total_steps, decision, run_math(cfg, accelerator, decision, data), history, architecture,
+              mixup)
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         accelerator.init_trackers(cfg.tracker_project, config=tracker_config(cfg),  # on the main process only
@@ -142,11 +145,16 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     batch_given = cfg.batch_size is not None  # (resolve() fills in an automatic one from the data)
     budget = rank0s(device_budget(cfg, accelerator.device))  # rank 0's: one pipeline choice
-    if cfg.init_from and (cfg.mean is None or cfg.std is None):  # fine-tuning keeps the weights' normalisation
-        mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
+    if pretrained.wanted(cfg) and not decision.meta:  # timm's weights: on disk (or allowed to download), first
+        log(on_every_rank(accelerator, pretrained.check_on_disk, cfg))
+    # fine-tuning keeps the weights' normalisation: --init_from's record of it, or timm's pretrained_cfg
+    if (cfg.init_from or pretrained.wanted(cfg)) and (cfg.mean is None or cfg.std is None):
+        mean, std, source = on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model) if cfg.init_from \
+            else (*pretrained.normalisation(cfg.model)[:2], f"timm's pretrained_cfg of {cfg.model}")
         if mean is not None:
             cfg.mean, cfg.std = cfg.mean or ",".join(map(str, mean)), cfg.std or ",".join(map(str, std))
-            log(f"--init_from: mean/std {cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
+            log(f"{'--init_from' if cfg.init_from else '--pretrained'}: mean/std {cfg.mean} / {cfg.std} from {source} "
+                "(pass --mean/--std to override)")
     if given.train_set is not None:  # a script's own Datasets (api.train)
         data = on_every_rank(accelerator, given_data, cfg, given, accelerator.device, accelerator.num_processes)
     else:
@@ -154,14 +162,17 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
                              processes=accelerator.num_processes)
         if (stats := rank0s((data.info.mean, data.info.std))) != (data.info.mean, data.info.std):
             data.set_normalisation(*stats)  # (a rank whose machine was writing the decoded cache took a sample's)
-    if cfg.stem == "auto" and cfg.init_from and init_stem(cfg.init_from):  # fine-tuning keeps the weights' stem
-        cfg.stem = init_stem(cfg.init_from)
-        log(f"--init_from: stem {cfg.stem}, as the weights were trained (pass --stem to override)")
+    if cfg.stem == "auto" and (stem := init_stem(cfg.init_from) if cfg.init_from else
+                               "imagenet" if pretrained.wanted(cfg) else None):  # fine-tuning keeps the weights' stem
+        cfg.stem = stem
+        log(f"{'--init_from' if cfg.init_from else '--pretrained'}: stem {cfg.stem}, as the weights were trained (pass "
+            "--stem to override)")
     resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model), data.train_size,
                            accelerator.num_processes)  # image size, stem, mean/std, pipeline, batch
     same_everywhere(accelerator, "the data (training / test samples, classes)",
                     (data.train_size, data.test_size, data.info.classes))
     with said_once(accelerator):
+        check_mixing(cfg)
         if decision.meta:
             check_data(decision.meta, data.train_size)
         if data.train_size < cfg.batch_size * accelerator.num_processes:
@@ -176,15 +187,18 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
     return data, resolved
 
 
-def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
-    """The model (timm's, or yours: --model module.path:callable or given to train(); --init_from's weights loaded,
-    in the run's memory format), checked on one batch on every rank, and its SGD optimizer."""
+def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given, decision: Decision, log):
+    """The model (timm's, or yours: --model module.path:callable or given to train(); --pretrained's or --init_from's
+    weights loaded (not on resume: the checkpoint's win), --freeze applied, in the run's memory format), checked on one
+    batch on every rank, and its optimizer (--opt) over the parameters that train."""
     model = on_every_rank(accelerator, create_model, cfg.model, cfg.stem, data.info.num_classes, cfg.image_size,
-                          factory=given.model, **cfg.model_kwargs_dict())
+                          factory=given.model, **model_extras(cfg, decision))
     if fixed_input_size(cfg.model) not in (None, cfg.image_size) and "img_size" not in cfg.model_kwargs_dict():
         logger.info(f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: img_size={cfg.image_size} passed to "
                     "timm.create_model")
     loaded = on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from else None
+    if cfg.freeze:
+        log(on_every_rank(accelerator, freeze, model, cfg.freeze))
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     x, _ = first_batch(data, min(2, cfg.batch_size), accelerator.device)  # logits (N, classes) before the first step
@@ -198,9 +212,19 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given):
             logger.info(f"{counted(len(unused), 'trained parameter')} ({names}) {verb} no gradient on a batch: DDP "
                         "looks for unused parameters every step (find_unused_parameters, a little slower; freeze or "
                         "remove them to train without it)")
-    optimizer = create_optimizer_v2(model, "sgd", lr=cfg.peak_lr(accelerator.num_processes),
-                                    weight_decay=cfg.weight_decay, momentum=cfg.momentum)  # nesterov
+    optimizer = on_every_rank(accelerator, build_optimizer, cfg, model, accelerator.num_processes)
     return model, optimizer, loaded, recorded_architecture(cfg, accelerator, data, given, model, x)
+
+
+def model_extras(cfg: TrainConfig, decision: Decision) -> dict:
+    """timm.create_model's arguments beyond the name: --model_kwargs, --drop_path / --drop_rate (where given: a
+    model that takes none still builds without them), --pretrained's (a fresh start only)."""
+    kwargs = cfg.model_kwargs_dict()
+    for flag, key in (("drop_path", "drop_path_rate"), ("drop_rate", "drop_rate")):
+        if getattr(cfg, flag) and key in kwargs:
+            raise ConfigError(f"--{flag} and --model_kwargs' {key} both set it: pass one")
+        kwargs.update({key: getattr(cfg, flag)} if getattr(cfg, flag) else {})
+    return {**kwargs, **(pretrained.create_kwargs(cfg) if not decision.meta else {})}
 
 
 def recorded_architecture(cfg: TrainConfig, accelerator, data: Data, given: Given, model, x) -> str | None:
@@ -217,17 +241,6 @@ def recorded_architecture(cfg: TrainConfig, accelerator, data: Data, given: Give
                        f"its import path {cfg.model} with model_kwargs {cfg.model_kwargs_dict()} ({problem}); "
                        "evaluate and predict need --model naming code that builds it")
     return None if problem else cfg.model
-
-
-def schedule(cfg: TrainConfig, optimizer, num_processes: int, steps_per_epoch: int):
-    """The lr is a function of the global optimizer step and the current flags, set with step_update(step):
-    no scheduler object is stepped per process, so num_processes never changes the schedule."""
-    peak = cfg.peak_lr(num_processes)  # warmup_prefix: the cosine starts at the peak where the warmup ends
-    cosine = cfg.epochs - cfg.warmup_epochs if cfg.epochs > cfg.warmup_epochs else cfg.epochs  # (all warmup: unused)
-    scheduler, _ = create_scheduler_v2(optimizer, "cosine", num_epochs=cosine, warmup_epochs=cfg.warmup_epochs,
-                                       warmup_prefix=True, min_lr=cfg.min_lr, warmup_lr=peak / 100,
-                                       step_on_epochs=False, updates_per_epoch=steps_per_epoch)
-    return scheduler
 
 
 def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, log):
@@ -256,7 +269,7 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
                 grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
                 image_size=cfg.image_size, mean=listed(data.info.mean), std=listed(data.info.std), augment=cfg.augment,
-                hflip=cfg.hflip, settings=settings(cfg, accelerator.mixed_precision))
+                hflip=cfg.hflip, freeze=cfg.freeze, settings=settings(cfg, accelerator.mixed_precision))
 
 
 def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log) -> None:
@@ -271,7 +284,9 @@ def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log)
         f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
         + ("one copy in the shared output dir" if decision.shared else "a whole copy on each machine's disk")
         + f", {checkpoint_interval_text(cfg.checkpoint_minutes)}")
+    log(recipe_line(cfg, accelerator.num_processes, run.mixup is not None))
     log(run.data.describe())
     log(resolved)
     if loaded:
         log(loaded)
+

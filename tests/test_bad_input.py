@@ -62,6 +62,11 @@ CASES = {  # name: (extra args or a data corruption, message fragment)
     "global_batch_too_large": (["--train_samples", "8", "--batch_size", "16"],
                                "cannot fill one batch of 16 on each of 1 processes"),
     "resume_missing": (["--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
+    # issue 38's flags
+    "unknown_optimizer": (["--opt", "adamww"], "--opt adamww: "),  # (its nearest names: tests/test_optim.py)
+    "freeze_unknown_module": (["--freeze", "layer9"], "--freeze layer9: ResNet has no module 'layer9'"),
+    "pretrained_path_missing": (["--pretrained_path", "/nonexistent.safetensors"], "no such file"),
+    "mixup_odd_batch": (["--mixup", "0.8", "--batch_size", "15"], "--batch_size 15 must be even"),
 }
 
 

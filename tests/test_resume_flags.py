@@ -20,11 +20,15 @@ REFUSED = {  # the run's math: one line naming the flag, exit 2
     "data": "cifar10", "custom_data": "false", "image_size": "16", "augment": "false", "hflip": "false",
     "mean": "0.5,0.5,0.5", "std": "0.5,0.5,0.5", "model": "resnet10t", "stem": "cifar",
     "model_kwargs": '{"drop_rate": 0.1}', "seed": "7", "batch_size": "16", "grad_accum": "2", "train_samples": "224",
+    # the optimizer's state is its optimizer's; layer decay on (or off) and --freeze change its parameter groups
+    "optimizer": "adamw", "layer_decay": "0.5", "freeze": "layer1",
 }
 APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume's schedule test)
     "epochs": "3", "lr": "0.05", "lr_base": "0.4", "min_lr": "0.001", "warmup_epochs": "0.5", "momentum": "0.5",
     "weight_decay": "0.01", "label_smoothing": "0.2", "clip_grad": "5", "ema": "true", "ema_decay": "0.99",
     "mixed_precision": None,  # (whichever the checkpoint did not use)
+    "sched": "tanh", "sched_kwargs": '{"cycle_decay": 0.5}', "drop_path": "0.1", "drop_rate": "0.1", "mixup": "0.2",
+    "cutmix": "0.5",
 }
 FREE = {  # leave the weights' math alone: paths, logging, checkpointing, performance, evaluation only; init_from:
     # the checkpoint's weights win; max_steps: where this run stops
@@ -32,6 +36,7 @@ FREE = {  # leave the weights' math alone: paths, logging, checkpointing, perfor
     "compile_mode", "max_steps", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
     "timeout_s", "threads", "log_with", "tracker_project", "run_name", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
     "force_precision", "enable_gpu", "init_method", "rank", "world_size", "checkpoint_minutes", "trust_model_code",
+    "pretrained", "pretrained_path",  # (as init_from)
 }
 
 
@@ -62,7 +67,7 @@ def test_a_resume_refuses_each_change_of_the_runs_math(stopped, tmp_path):
     for name, value in REFUSED.items():
         proc = run_cli([*small(out, "--resume", "auto"), f"--{name}", value])
         errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
-        flag = "data" if name == "custom_data" else name  # the seed's alias is --data cifar10
+        flag = {"custom_data": "data", "optimizer": "opt"}.get(name, name)  # (the seed's alias is --data cifar10)
         assert proc.returncode == 2 and len(errors) == 1 and f"--{flag}" in errors[0], (name, proc.stderr[-2000:])
     # weight decay switched off (or on) changes the optimizer's parameter groups: refused, not a corrupt-checkpoint error
     proc = run_cli([*small(out, "--resume", "auto"), "--weight_decay", "0"])
@@ -86,10 +91,10 @@ def test_a_resume_applies_and_logs_each_optimisation_setting(stopped, tmp_path):
     groups = torch.load(out / "checkpoints" / "step_00000004" / "optimizer.bin", weights_only=True)["param_groups"]
     assert {g["momentum"] for g in groups} == {0.5}
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.01]  # (norm and bias parameters: no decay)
-    # the step trained with the lr of the new schedule (--lr, --min_lr, --warmup_epochs)
+    # the step trained with the lr of the new schedule (--lr, --min_lr, --warmup_epochs, --sched, --sched_kwargs)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
-    sched, _ = create_scheduler_v2(opt, "cosine", num_epochs=1.5, warmup_epochs=0.5, warmup_prefix=True, min_lr=0.001,
-                                   warmup_lr=0.05 / 100, step_on_epochs=False, updates_per_epoch=8)
+    sched, _ = create_scheduler_v2(opt, "tanh", num_epochs=1.5, warmup_epochs=0.5, warmup_prefix=True, min_lr=0.001,
+                                   warmup_lr=0.05 / 100, step_on_epochs=False, updates_per_epoch=8, cycle_decay=0.5)
     sched.step_update(3)
     step4 = [json.loads(r) for r in (out / "steps.jsonl").read_text().splitlines()][-1]
     assert step4["step"] == 4 and step4["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9)

@@ -236,8 +236,8 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--opt", "adamw"], "no --opt yet: the optimizer is SGD"),
-    (["--sched", "cosine"], "no --sched yet"),
+    (["--drop-path", "0.1"], "here: --drop_path"),
+    (["--layer-decay", "0.75"], "here: --layer_decay"),
     (["--aa", "rand-m9-mstd0.5"], "no AutoAugment/RandAugment yet"),
     (["--smoothing", "0.1"], "here: --label_smoothing"),
     (["--model-ema"], "here: --ema"),

@@ -124,8 +124,13 @@ class TrainConfig:
     overwrite: bool = opt(False, "let a fresh run delete another run's checkpoints in --output_dir: set aside at "
                           "start, deleted once it has saved one of its own (without it, such a start is refused)",
                           "checkpointing")
-    timeout_s: int = opt(300, "collective timeout in seconds: a lost peer fails the job after this long",
-                         "checkpointing")
+    timeout_s: int = opt(300, "collective timeout in seconds: a rank whose training thread hangs fails the job "
+                         "after this long (a frozen or unreachable one: --heartbeat_timeout_s)", "checkpointing")
+    heartbeat_s: float = opt(2.0, "seconds between the heartbeats each rank sends its peers from a thread of its own",
+                             "checkpointing")
+    heartbeat_timeout_s: float = opt(15.0, "a peer silent this long (a stopped process, a paused machine, a cut "
+                                     "network; never a long step) is lost: the survivors save the last step and "
+                                     "exit 3; 0: off (only --timeout_s)", "checkpointing")
 
     # logging
     log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
@@ -176,6 +181,12 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if not self.heartbeat_s > 0 or not self.heartbeat_timeout_s >= 0:
+            raise ConfigError(f"--heartbeat_s must be > 0 and --heartbeat_timeout_s >= 0, got {self.heartbeat_s:g} "
+                              f"and {self.heartbeat_timeout_s:g}")
+        if 0 < self.heartbeat_timeout_s < 3 * self.heartbeat_s:
+            raise ConfigError(f"--heartbeat_timeout_s {self.heartbeat_timeout_s:g} must be 0 (off) or at least 3x "
+                              f"--heartbeat_s {self.heartbeat_s:g} (a lost datagram is no lost peer)")
         if self.checkpoint_minutes is not None and not self.checkpoint_minutes >= 0:
             raise ConfigError(f"--checkpoint_minutes must be >= 0, got {self.checkpoint_minutes}")
         for name in ("batch_size", "max_steps", "train_samples", "test_samples"):

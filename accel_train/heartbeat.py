@@ -38,7 +38,7 @@ def local_address(env=os.environ) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(master), int(env.get("MASTER_PORT") or 29500)))
             return probe.getsockname()[0]
-    except OSError:
+    except OSError:  # (no route, an IPv6-only name: a loopback address, which peers on other machines leave out)
         return "127.0.0.1"
 
 

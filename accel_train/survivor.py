@@ -108,7 +108,8 @@ class Survivor:
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
         if beats:
             self.ranks = ranks
-            self.heartbeat.start({r: (ip, port, pid) for r, (_, pid, _, ip, port) in enumerate(ranks)}, self._silent)
+            self.heartbeat.start({r: (ip, port, pid) for r, (host, pid, _, ip, port) in enumerate(ranks)  # (a peer
+                                  if host == me[0] or not ip.startswith("127.")}, self._silent)  # elsewhere: routable)
         # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
         # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
         # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train import preempt, survivor
+from accel_train import heartbeat, preempt, survivor
 from conftest import CONFIGS, ROOT, TINY, TINY_GN, clean_env, run, run_cli, steps_logged, trainer_pids, wait_for
 
 # 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each (test_resnet), 2 epochs;
@@ -199,25 +199,25 @@ def test_state_to_host_is_a_contiguous_copy():
 def test_a_stopped_or_dead_peer_is_not_alive():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert survivor.alive(child.pid)
+        assert heartbeat.alive(child.pid)
         os.kill(child.pid, signal.SIGSTOP)
-        wait_for(lambda: not survivor.alive(child.pid), timeout=10)
+        wait_for(lambda: not heartbeat.alive(child.pid), timeout=10)
         os.kill(child.pid, signal.SIGKILL)
         time.sleep(0.2)
-        assert not survivor.alive(child.pid)  # a zombie until reaped
+        assert not heartbeat.alive(child.pid)  # a zombie until reaped
     finally:
         child.kill()
         child.wait()
-    assert not survivor.alive(child.pid)
+    assert not heartbeat.alive(child.pid)
 
 
 def test_a_peer_that_is_exiting_is_not_alive():
     # a SIGKILLed rank 0 closes its sockets (do_exit) before it is a zombie: rank 1 saw the reset while rank 0's stat
     # still read "R", took it for the lower rank that saves, and no rank saved (a 2-rank run, rank 0 killed)
     stat = "4242 (python -m x) R 1 4242 4242 0 -1 {} 5 0 0 0"
-    assert survivor.answers(stat.format(0x400000)) and survivor.answers(stat.format(0x400040))
-    assert not survivor.answers(stat.format(0x400044))  # PF_EXITING
-    assert not survivor.answers(stat.format(0x400000).replace(" R ", " Z "))
+    assert heartbeat.answers(stat.format(0x400000)) and heartbeat.answers(stat.format(0x400040))
+    assert not heartbeat.answers(stat.format(0x400044))  # PF_EXITING
+    assert not heartbeat.answers(stat.format(0x400000).replace(" R ", " Z "))
 
 
 def test_the_time_interval_keeps_writes_at_one_percent():
@@ -507,7 +507,7 @@ def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(mon
         acc = types.SimpleNamespace(num_processes=2, local_process_index=0, device=torch.device(device),
                                     _models=[module], gradient_accumulation_steps=1)
         run = types.SimpleNamespace(accelerator=acc, state=survivor.TrainState(), model=module)
-        saver = survivor.Survivor(run, None, None, None, None)
+        saver = survivor.Survivor(run, types.SimpleNamespace(heartbeat_timeout_s=0), None, None, None)
         try:
             assert (bool(saver.buffers), saver.hook is not None, bool(module._forward_pre_hooks)) == (keeps,) * 3
             saver.lock.acquire()

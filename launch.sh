@@ -617,6 +617,6 @@ while true; do
   fi
   attempt=$((attempt + 1))
   echo "launch.sh: the job failed (exit status $status); relaunching to resume from the newest checkpoint" >&2
-  sleep "${ACCEL_RESTART_DELAY:-1}"  # (the recovery's start-up: README, What a failure costs)
+  sleep "${ACCEL_RESTART_DELAY:-1}"  # (the recovery's start-up: docs/failures.md, What a failure costs)
   if ((attempt == 1)); then cmd+=(--resume auto); fi
 done

@@ -41,9 +41,9 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 from .checkpoint import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
 from .errors import is_lost_peer, note_bad_input, peer_gone
-from .heartbeat import Heartbeat, alive
 from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
                     step_dir)
+from .heartbeat import Heartbeat, alive
 from .preempt import SIGNALS
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
@@ -101,7 +101,7 @@ class Survivor:
         acc = run.accelerator
         beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0  # (heartbeat.py: a frozen peer in seconds)
         self.heartbeat = Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s) if beats else None
-        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(beats and self.heartbeat.address or ()))
+        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(self.heartbeat.address if beats else ()))
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
         self.lower = [pid for host, pid, local, *_ in ranks if host == me[0] and local < me[2]]
         self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]

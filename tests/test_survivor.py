@@ -93,7 +93,10 @@ def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path,
     assert step >= logged and step < 32, (step, logged)  # every completed step, mid-epoch
     assert where.endswith(f"step_{step:08d}") and float(seconds) < 10
     assert f"resumed from {where}: epoch 1, step {step}, {2 * step} batches into the epoch" in text  # window start
-    assert state["survivor"]["rank"] == 0 and "Connection" in state["survivor"]["failure"], state["survivor"]
+    # the collective's reset, or (rank 0 between collectives when torchrun's SIGTERM came) its signal watch
+    failure = state["survivor"]["failure"]
+    assert state["survivor"]["rank"] == 0, state["survivor"]
+    assert "Connection" in failure or f"local rank process {run['pids'][1]} is gone" in failure, failure
     assert_equal_to_ref(launched_ref, run["out"])
 
 

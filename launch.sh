@@ -22,7 +22,9 @@
 # RANK_SIZE / machines of them); the other copies exit 0 at once.
 # NPUs: HCCL_CONNECT_TIMEOUT and HCCL_EXEC_TIMEOUT are set below the trainer's --timeout_s unless set.
 # A failed collective raises in the trainer instead of ending the rank, unless you set these yourself:
-# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs), TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs), TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs);
+# the backend's watchdog monitor on, after --timeout_s: TORCH_{NCCL,HCCL}_ENABLE_MONITORING=1,
+# TORCH_{NCCL,HCCL}_HEARTBEAT_TIMEOUT_SEC=<--timeout_s>.
 # Devices: nvidia-smi (torch.cuda.device_count() without it, where it fails: a warning, or where it lists MIG
 # instances), npu-smi; CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one
 # CPU process).
@@ -315,13 +317,17 @@ set_unless_given() {  # VALUE NAME...: every NAME=VALUE, unless one of the NAMEs
 env_vars=(PYTHONUNBUFFERED=1 "PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}")
 case "$device" in
   cpu) env_vars+=(ACCELERATE_USE_CPU=1) ;;
-  gpu) [[ -n "${NCCL_ASYNC_ERROR_HANDLING:-}" ]] || set_unless_given 2 TORCH_NCCL_ASYNC_ERROR_HANDLING ;;
+  gpu) [[ -n "${NCCL_ASYNC_ERROR_HANDLING:-}" ]] || set_unless_given 2 TORCH_NCCL_ASYNC_ERROR_HANDLING
+       set_unless_given 1 TORCH_NCCL_ENABLE_MONITORING  # (accelerator.py MONITOR_ENV: the watchdog's monitor)
+       set_unless_given "$(trainer_timeout_s)" TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC ;;
   npu) read -r hccl_connect hccl_exec <<< "$(hccl_timeouts "$(trainer_timeout_s)")"
        if [[ -z "${HCCL_EXEC_TIMEOUT:-}" ]] && ((hccl_exec == HCCL_EXEC_TIMEOUT_MAX)); then
          echo "launch.sh: HCCL_EXEC_TIMEOUT=$hccl_exec: capped at CANN's upper bound (Atlas training series), below three quarters of --timeout_s" >&2
        fi
        env_vars+=("HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-$hccl_connect}" "HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-$hccl_exec}")
-       set_unless_given 0 TORCH_HCCL_ASYNC_ERROR_HANDLING HCCL_ASYNC_ERROR_HANDLING ;;
+       set_unless_given 0 TORCH_HCCL_ASYNC_ERROR_HANDLING HCCL_ASYNC_ERROR_HANDLING
+       set_unless_given 1 TORCH_HCCL_ENABLE_MONITORING
+       set_unless_given "$(trainer_timeout_s)" TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC ;;
 esac
 if ((ascend_per_card)); then  # they describe the one card this copy was started for, not the job's ranks
   unset ASCEND_DEVICE_ID RANK_ID RANK_SIZE
@@ -507,17 +513,44 @@ crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 # is relaunched, and no status read, before every process this attempt started on this machine (found by the
 # ACCEL_TRAIN_STATUS_DIR in its environment) has ended. Past RANK_STOP_S they are SIGKILLed (issue 33 item 3).
 RANK_STOP_S="${ACCEL_RANK_STOP_S:-120}"
+attempt_pids() {  # every process of the attempt whose status folder is $1 (one grep: a grep per process took ~1 s
+  local env pid  # of a loaded 2-core machine per look, before every relaunch)
+  grep -lsazxF "ACCEL_TRAIN_STATUS_DIR=$1" /proc/[0-9]*/environ | while read -r env; do
+    pid="${env#/proc/}"; pid="${pid%/environ}"
+    if ((pid != $$)); then echo "$pid"; fi
+  done
+}
+# A process that cannot answer (stopped, state T: SIGSTOP, a frozen rank) once the job stops is SIGKILLed at once:
+# torchrun's agent SIGTERMs the other ranks when one has ended and SIGKILLs them only after its 30-s grace
+# (pytorch#119856), and a stopped process never acts on a SIGTERM. While the attempt runs: checked from the first
+# status a rank wrote (a survivor's 3; issue 37 item 2).
+kill_stopped() {  # $1...: the attempt's processes
+  local pid stat state stopped=()
+  for pid in "$@"; do
+    stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || continue
+    state="${stat##*) }"; state="${state%% *}"
+    if [[ "$state" == [Tt] ]]; then stopped+=("$pid"); fi
+  done
+  ((${#stopped[@]})) || return 0
+  echo "launch.sh: process(es) ${stopped[*]} of this attempt are stopped (state T) and cannot answer the job's stop: killed at once (SIGKILL)" >&2
+  kill -9 "${stopped[@]}" 2>/dev/null || true
+}
+watch_stopped() {  # in the background for the whole attempt
+  local f
+  while sleep 0.5; do
+    for f in "$1"/*; do
+      if [[ -f "$f" ]]; then mapfile -t pids < <(attempt_pids "$1"); kill_stopped "${pids[@]}"; break; fi
+    done
+  done
+}
 ranks_ended() {
   local pid env left waited=0 said=0 termed=0
   while true; do
-    left=()
     # every process of this attempt (its environment names this attempt's folder: never a reused pid), found
     # whatever it has reached: a rank still importing, blocked in the rendezvous, or training
-    for env in /proc/[0-9]*/environ; do
-      pid="${env#/proc/}"; pid="${pid%/environ}"
-      if ((pid != $$)) && grep -qsaF "ACCEL_TRAIN_STATUS_DIR=$1" "$env"; then left+=("$pid"); fi
-    done
+    mapfile -t left < <(attempt_pids "$1")
     ((${#left[@]})) || return 0
+    kill_stopped "${left[@]}"
     if ((said == 0)); then
       echo "launch.sh: the launcher ended but process(es) ${left[*]} of this attempt still run: waiting for them to stop (the ranks checkpoint the step they reached)" >&2
       said=1
@@ -546,7 +579,11 @@ while true; do
   stopped_before_start || true
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
+  watch_stopped "$status_dir" &
+  watcher=$!
   run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" ACCEL_TRAIN_RUN_ID="$run_id" "${cmd[@]}" || status=$?
+  kill "$watcher" 2>/dev/null || true
+  wait "$watcher" 2>/dev/null || true
   ranks_ended "$status_dir"
   reported="$(trainer_status "$status_dir")"
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
@@ -580,6 +617,6 @@ while true; do
   fi
   attempt=$((attempt + 1))
   echo "launch.sh: the job failed (exit status $status); relaunching to resume from the newest checkpoint" >&2
-  sleep "${ACCEL_RESTART_DELAY:-3}"
+  sleep "${ACCEL_RESTART_DELAY:-1}"  # (the recovery's start-up: docs/failures.md, What a failure costs)
   if ((attempt == 1)); then cmd+=(--resume auto); fi
 done

@@ -44,6 +44,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
     cpu = not has_accelerator()
     failure_env(device_kind(cpu))  # read when the process group is made: in Accelerator() (accelerate's PartialState)
+    monitor_env(device_kind(cpu), cfg.timeout_s)
     trackers = cfg.trackers()
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
@@ -160,6 +161,23 @@ def failure_env(kind: str, env=os.environ) -> dict[str, str]:
     if given:
         return {}
     chosen = dict.fromkeys(to_set, value)
+    env.update(chosen)
+    return chosen
+
+
+# The backend's own watchdog monitor (a thread that ends the rank when the backend's watchdog thread is stuck, e.g. in
+# a communicator abort that hangs) on, after --timeout_s: no backend wait outlasts the collective timeout, as no peer
+# outlasts --heartbeat_timeout_s (heartbeat.py). PyTorch's stock ProcessGroupNCCL: on by default, 480 s
+# (ProcessGroupNCCL.hpp TORCH_NCCL_ENABLE_MONITORING, TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC; nccl2 has no monitor);
+# torch_npu: off by default, 600 s (ProcessGroupHCCL.cpp, the constructor: getCvarBool(TORCH_HCCL_ENABLE_MONITORING, false),
+# getCvarInt(TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC, 60 * 10)). Each name the user set is kept. launch.sh sets the same.
+MONITOR_ENV = {"cuda": ("TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"),
+               "npu": ("TORCH_HCCL_ENABLE_MONITORING", "TORCH_HCCL_HEARTBEAT_TIMEOUT_SEC")}
+
+
+def monitor_env(kind: str, timeout_s: int, env=os.environ) -> dict[str, str]:
+    """Before the process group exists: the backend's watchdog monitor on, after --timeout_s; returns what it set."""
+    chosen = {n: v for n, v in zip(MONITOR_ENV.get(kind, ()), ("1", str(timeout_s))) if not env.get(n, "").strip()}
     env.update(chosen)
     return chosen
 

@@ -149,8 +149,13 @@ class TrainConfig:
     overwrite: bool = opt(False, "let a fresh run delete another run's checkpoints in --output_dir: set aside at "
                           "start, deleted once it has saved one of its own (without it, such a start is refused)",
                           "checkpointing")
-    timeout_s: int = opt(300, "collective timeout in seconds: a lost peer fails the job after this long",
-                         "checkpointing")
+    timeout_s: int = opt(300, "collective timeout in seconds: a rank whose training thread hangs fails the job "
+                         "after this long (a frozen or unreachable one: --heartbeat_timeout_s)", "checkpointing")
+    heartbeat_s: float = opt(2.0, "seconds between the heartbeats each rank sends its peers from a thread of its own",
+                             "checkpointing")
+    heartbeat_timeout_s: float = opt(15.0, "a peer silent this long (a stopped process, a paused machine, a cut "
+                                     "network; never a long step) is lost: the survivors save the last step and "
+                                     "exit 3; 0: off (only --timeout_s)", "checkpointing")
 
     # logging
     log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
@@ -200,7 +205,11 @@ class TrainConfig:
         at_least(self, 1, "epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s", "ddp_bucket_cap_mb",
                  "batch_size", "max_steps", "train_samples", "test_samples")
         at_least(self, 0, "checkpoint_minutes", "checkpoint_every", "num_workers", "threads", "warmup_epochs",
-                 "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup", "cutmix", "device_data_mb")
+                 "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup", "cutmix", "device_data_mb",
+                 "heartbeat_timeout_s")
+        if not self.heartbeat_s > 0 or 0 < self.heartbeat_timeout_s < 3 * self.heartbeat_s:
+            raise ConfigError(f"--heartbeat_s must be > 0 and --heartbeat_timeout_s 0 (off) or at least 3x it (a lost "
+                              f"datagram is no lost peer), got {self.heartbeat_s:g} and {self.heartbeat_timeout_s:g}")
         if self.lr is not None and not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.label_smoothing < 1:

@@ -43,6 +43,7 @@ from .device_copy import state_to_host  # the one place where training state is 
 from .errors import is_lost_peer, note_bad_input, peer_gone
 from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
                     step_dir)
+from .heartbeat import Heartbeat, alive
 from .preempt import SIGNALS
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
@@ -62,9 +63,6 @@ def readable_step(device: torch.device) -> str | None:
         return None
     return (f"nothing saved: on {device.type} the state after the failed collective belongs to no step (the device "
             "runs behind the host; docs/failures.md)")
-
-
-PF_EXITING = 0x4  # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
 
 
 WATCHED: list[int] = []  # this process's signal watch pipe (read, write) while a watch runs
@@ -89,26 +87,6 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def alive(pid: int) -> bool:
-    """A local peer that can still answer: its process exists and is neither exiting, a zombie nor stopped (SIGSTOP).
-    A killed process closes its sockets in its exit (do_exit: exit_files) before it is a zombie, so a peer sees the
-    connection reset while the killed one's state still reads running: its PF_EXITING flag is set by then."""
-    try:
-        return answers(Path(f"/proc/{pid}/stat").read_text())
-    except (OSError, IndexError, ValueError):
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-
-
-def answers(stat: str) -> bool:
-    """From a /proc/PID/stat line: the process is neither exiting, a zombie nor stopped."""
-    fields = stat.rsplit(")", 1)[1].split()  # (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...)
-    return fields[0] not in ("Z", "X", "x", "T", "t") and not int(fields[6]) & PF_EXITING
-
-
 class Survivor:
     """Knows the last completed step of this rank and writes it when a peer is lost. Every rank makes one (one
     gather at start: the pids of each machine's ranks); `guard()` wraps the training."""
@@ -121,11 +99,17 @@ class Survivor:
         self.row = None                  # (step, loss on the device, lr) of a row whose reduce may not complete
         self.result, self.owner = None, None  # what the save said; who saved ("main" or "watch"), and so speaks
         acc = run.accelerator
-        me = (socket.gethostname(), os.getpid(), acc.local_process_index)
+        beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0  # (heartbeat.py: a frozen peer in seconds)
+        self.heartbeat = Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s) if beats else None
+        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(self.heartbeat.address if beats else ()))
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
-        self.lower = [pid for host, pid, local in ranks if host == me[0] and local < me[2]]
-        self.local = [pid for host, pid, _ in ranks if host == me[0] and pid != me[1]]
+        self.lower = [pid for host, pid, local, *_ in ranks if host == me[0] and local < me[2]]
+        self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
+        if beats:
+            self.ranks = ranks
+            self.heartbeat.start({r: (ip, port, pid) for r, (host, pid, _, ip, port) in enumerate(ranks)  # (a peer
+                                  if host == me[0] or not ip.startswith("127.")}, self._silent)  # elsewhere: routable)
         # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
         # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
         # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
@@ -174,6 +158,8 @@ class Survivor:
 
     def close(self) -> None:
         self.closed = True  # the training is over (or stopped): an armed watch stands down
+        if getattr(self, "heartbeat", None) is not None:
+            self.heartbeat.close()  # (a goodbye: no alarm at this rank's silence from here on)
         if getattr(self, "hook", None) is not None:  # a module given to train() is handed back without it (its lock
             self.hook.remove()  # would make copy.deepcopy and torch.save of the module fail)
             self.hook = None
@@ -280,12 +266,23 @@ class Survivor:
                 why = (f"local rank process {gone[0]} is gone" if gone else
                        f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
                        if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
-                said = self.save(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}")
-                if self.owner != "watch":
-                    return  # the main thread saved: it says so and exits
-                peer_gone(f"lost contact with a peer ({why}); {said}; relaunch with --resume auto (launch.sh "
-                          "--max_restarts N does it) once every node is back", said, self.cfg.output_dir, gone[:1])
+                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}", "a peer",
+                                  why, gone[:1])
             time.sleep(0.1)
+
+    def _silent(self, rank: int, seconds: float) -> None:
+        """The heartbeat's thread: rank `rank` has been silent for `seconds` (frozen, its machine paused, cut off)."""
+        host, pid, _, ip = self.ranks[rank][:4]
+        why = f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or cut off"
+        self._gone(f"heartbeat: {why}", f"peer {ip}", why, [pid])
+
+    def _gone(self, failure: str, peer: str, why: str, pids: list) -> None:
+        """A watch thread found a peer gone: the survivor save, one line, exit 3 (unless the main thread saved first:
+        it says so and exits)."""
+        said = self.save(failure)
+        if self.owner == "watch":
+            peer_gone(f"lost contact with {peer} ({why}); {said}; relaunch with --resume auto (launch.sh "
+                      "--max_restarts N does it) once every node is back", said, self.cfg.output_dir, pids)
 
 
 def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path, failure: str,

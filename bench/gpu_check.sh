@@ -2,7 +2,8 @@
 # GPU check, for a lent GPU machine (its own preinstalled torch, accelerate, timm, safetensors; no network; install
 # nothing). From the repo root:  bash bench/gpu_check.sh [--dry-run] [CHECK...]   (all checks: at most BUDGET_S, 9 min)
 #   precision       the precision accel_train chooses for this GPU (bf16 from compute capability 8.0, else fp16)
-#   launch          launch.sh itself: its --dry-run (the GPUs it counts, the NCCL variables it exports), --smoke-test
+#   launch          launch.sh itself: its --dry-run (the GPUs it counts, the NCCL variables it exports: error handling,
+#                   the watchdog's monitor after --timeout_s), --smoke-test
 #                   (every rank in one NCCL group), a 2-epoch random-data run with its own precision probe
 #   fp16            fp16 with GradScaler forced by flag (the V100/T4 path, on any GPU), 1 epoch, start-up check included
 #   bench_eager     the bench on CUDA: resnet18, cifar stem, bf16, channels_last, ratio ours/bare
@@ -68,8 +69,14 @@ check_precision() {  # first word: the choice; the rest: why (accel_train.hardwa
     "$line" > "$out/precision.json"
 }
 check_launch() {  # launch.sh picks the config, process count, precision and NCCL variables itself
-  local status=0
-  run bash launch.sh --dry-run --data random || return
+  local status=0 printed v
+  printed="$(run bash launch.sh --dry-run --data random --timeout_s 120)" || return
+  echo "$printed"
+  # NCCL's settings (docs/failures.md, accel_train/accelerator.py FAILURE_ENV and MONITOR_ENV: the watchdog's monitor
+  # after --timeout_s; issue 37), exported on a real GPU host; the 2-epoch run below starts its group under them
+  for v in TORCH_NCCL_ASYNC_ERROR_HANDLING=2 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=120; do
+    ((dry)) || [[ "$printed" == *" $v "* ]] || { echo "launch: launch.sh --dry-run does not export $v"; keep 1; }
+  done
   run bash launch.sh --smoke-test 2>&1 | quiet || keep $?
   run bash launch.sh --data random --epochs 2 --batch_size 512 --channels_last --output_dir "$out/launch" 2>&1 | quiet \
     || keep $?

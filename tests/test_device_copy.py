@@ -17,7 +17,8 @@ from accel_train.errors import is_lost_peer
 from test_launch import dry_run, hw, parse  # noqa: F401  (hw is a fixture)
 
 NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_HCCL_ASYNC_ERROR_HANDLING",
-         "HCCL_ASYNC_ERROR_HANDLING", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "TORCHELASTIC_RUN_ID")
+         "HCCL_ASYNC_ERROR_HANDLING", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "TORCHELASTIC_RUN_ID",
+         *(n for names in accelerator.MONITOR_ENV.values() for n in names))
 
 
 @pytest.fixture
@@ -96,6 +97,22 @@ def test_launch_sh_exports_what_the_trainer_sets(hw):
             assert not set(names) & set(env), (kind, name, env)
     env, _, _ = parse(dry_run(unset))  # a CPU machine: gloo, nothing to set
     assert not {n for names, _, _ in accelerator.FAILURE_ENV.values() for n in names} & set(env)
+
+
+def test_the_backends_watchdog_monitor_is_on_after_timeout_s_unless_the_user_set_it(hw):
+    """Issue 37 item 4: TORCH_NCCL_* / TORCH_HCCL_* ENABLE_MONITORING and HEARTBEAT_TIMEOUT_SEC, from the trainer and
+    from launch.sh alike (accelerator.MONITOR_ENV); gloo has no such monitor."""
+    for kind, devices in (("cuda", {"gpus": 2}), ("npu", {"npus": 8})):
+        enable, timeout = accelerator.MONITOR_ENV[kind]
+        assert accelerator.monitor_env(kind, 120, env := {}) == env == {enable: "1", timeout: "120"}
+        assert accelerator.monitor_env(kind, 120, env := {timeout: "900"}) == {enable: "1"} and env[timeout] == "900"
+        unset = dict.fromkeys(NAMES, "")
+        launched, _, _ = parse(dry_run(unset, ["--timeout_s", "120"], bindir=hw(**devices)))
+        assert {n: launched.get(n) for n in (enable, timeout)} == {enable: "1", timeout: "120"}, kind
+        launched, _, _ = parse(dry_run({**unset, timeout: "900"}, bindir=hw(**devices)))  # theirs passes on
+        assert launched.get(enable) == "1" and timeout not in launched, launched
+    assert accelerator.monitor_env("cpu", 120, env := {}) == env == {}
+    assert not set(accelerator.MONITOR_ENV["cuda"] + accelerator.MONITOR_ENV["npu"]) & set(parse(dry_run(unset))[0])
 
 
 def test_nccls_own_failure_texts_are_lost_peers():

@@ -20,32 +20,63 @@ pytestmark = pytest.mark.slow
 # with a SIGTERM to launch.sh)
 
 
-def test_a_frozen_node_costs_no_completed_step(two_hosts, tmp_path):
-    # node 1 frozen (SIGSTOP: a hung host) mid-epoch, an output dir both share: node 0's collective times out after
-    # --timeout_s and its survivor writes the last step it completed, in one line, exit 3 (issue 23)
+SAVED = r"step (\d+) saved by the survivor in (\S+) in ([\d.]+) s"
+
+
+def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_within_a_minute(two_hosts, tmp_path):
+    # the default --timeout_s (300 s), an output dir both share, launch.sh --max_restarts on each machine (issue 37):
+    # 1. machine 1 frozen (every process SIGSTOPped: a paused VM, a hung host) mid-epoch: machine 0 hears no heartbeat
+    #    for 15 s, its survivor writes the last step it completed, in one line, exit 3, and relaunches; machine 1 runs
+    #    again (the VM resumes), finds its peer gone and relaunches too;
+    # 2. then the link between them cut (ip link set ... down): each side's survivor saves, both relaunch once the
+    #    link is back. Each fault: the survivor's save within ~30 s, the relaunch's first step within 60 s.
     out = tmp_path / "shared_out"
     procs, logs = two_hosts.launch_plain([*TINY, "--train_samples", "512", "--test_samples", "20", "--epochs", "1",
                                           "--batch_size", "4", "--log_every", "1", "--output_dir", out,
-                                          "--timeout_s", "20"], tmp_path)
+                                          "--max_restarts", "2"], tmp_path)
+    texts = lambda: [path.read_text() for path in logs]  # noqa: E731
+    took = {}
     try:
         wait_for(lambda: steps_logged(out) >= 4, timeout=240, interval=0.01)
-        pids = subprocess.run(["ip", "netns", "pids", two_hosts.ns[1]], capture_output=True, text=True).stdout.split()
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", two_hosts.ns[1]], capture_output=True,
+                                               text=True).stdout.split()]
         for pid in pids:
-            os.kill(int(pid), signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
         frozen, logged = time.monotonic(), steps_logged(out)
-        code0 = procs[0].wait(timeout=150)
-        elapsed = time.monotonic() - frozen
+        step, where, _ = wait_for(lambda: re.search(SAVED, texts()[0]), timeout=60, interval=0.02).groups()
+        took["frozen machine: saved"] = time.monotonic() - frozen
+        state, step = json.loads((Path(where) / "trainer_state.json").read_text()), int(step)  # (before rotation)
+        for pid in pids:  # the VM resumes
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: texts()[0].count("resumed from") == 1 and steps_logged(out) > step, timeout=120,
+                 interval=0.02)
+        took["frozen machine: first new step"] = time.monotonic() - frozen
+
+        wait_for(lambda: steps_logged(out) >= step + 6, timeout=120, interval=0.01)
+        two_hosts.sh("ip", "-n", two_hosts.ns[0], "link", "set", two_hosts.ifname[0], "down")
+        cut = time.monotonic()
+        wait_for(lambda: all(len(re.findall(SAVED + "|was already saved|by another survivor|nothing new to save", t))
+                             >= 2 - node for node, t in enumerate(texts())), timeout=60, interval=0.02)
+        took["cut link: saved"] = time.monotonic() - cut
+        two_hosts.sh("ip", "-n", two_hosts.ns[0], "link", "set", two_hosts.ifname[0], "up")
+        cut_step = steps_logged(out)
+        wait_for(lambda: texts()[0].count("resumed from") == 2 and steps_logged(out) > cut_step, timeout=120,
+                 interval=0.02)
+        took["cut link: first new step"] = time.monotonic() - cut
     finally:
-        wait_all(procs, timeout=5)
-    text = logs[0].read_text()
-    assert code0 == 3, text[-3000:]
-    causes = [line for line in text.splitlines() if line.startswith("accel-train: error: lost contact with peer")]
-    assert len(causes) == 1, text[-3000:]
-    step, where, seconds = re.search(r"step (\d+) saved by the survivor in (\S+) in ([\d.]+) s", causes[0]).groups()
-    assert int(step) >= logged - 1 and elapsed < 20 + 15 + float(seconds), (step, logged, elapsed)  # timeout + write
-    state = json.loads((Path(where) / "trainer_state.json").read_text())
-    assert state["step"] == int(step) and state["survivor"]["rank"] == 0 and "Timed out" in state["survivor"]["failure"]
-    assert load_file(Path(where) / "model.safetensors") and (Path(where) / "optimizer.bin").is_file()
+        codes = wait_all(procs, timeout=300)
+    text = texts()
+    print(", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
+    assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
+    assert all(13 <= took[k] < 30 for k in took if k.endswith("saved")), took
+    assert all(took[k] < 60 for k in took if k.endswith("step")), took
+    causes = [line for line in text[0].splitlines() if line.startswith("accel-train: error: lost contact with peer")]
+    assert "rank 1 on " in causes[0] and "sent no heartbeat" in causes[0], causes
+    assert step >= logged - 1 and state["step"] == step, (step, logged)
+    assert state["survivor"]["rank"] == 0 and state["survivor"]["failure"].startswith("heartbeat: rank 1")
+    assert any("sent no heartbeat" in line for line in text[1].splitlines() if "lost contact" in line), text[1][-3000:]
+    assert text[0].count("relaunching to resume") == 2 and text[1].count("relaunching to resume") == 2
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
 
 
 # test only: the trainer holds inside the save of checkpoint ACCEL_TEST_HOLD_SAVE (step_N), once Accelerate's

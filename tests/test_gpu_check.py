@@ -33,7 +33,7 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
     assert list(summary) == CHECKS
     lines = proc.stdout.splitlines()
     # launch.sh on the GPU: what it counts and exports (--dry-run), its smoke test, a run with its own precision probe
-    for own in ("--dry-run --data random", "--smoke-test"):
+    for own in ("--dry-run --data random --timeout_s 120", "--smoke-test"):  # (its NCCL variables checked: issue 37)
         assert f"bash launch.sh {own} " in lines
     assert any(line.startswith("bash launch.sh --data random --epochs 2 ") for line in lines)
     fp16 = next(line for line in lines if "--output_dir " + str(tmp_path / "gpu_check" / "fp16") in line)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train import preempt, survivor
+from accel_train import heartbeat, preempt, survivor
 from conftest import CONFIGS, ROOT, TINY, TINY_GN, clean_env, run, run_cli, steps_logged, trainer_pids, wait_for
 
 # 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each (test_resnet), 2 epochs;
@@ -32,13 +32,27 @@ def max_diff(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.mark.slow
-def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path):
-    # the uninterrupted run, launched the same way
-    ref, out, tag = tmp_path / "ref", tmp_path / "out", uuid.uuid4().hex
+@pytest.fixture(scope="module")
+def launched_ref(tmp_path_factory):
+    """The uninterrupted run of RUN, launched as the faulted runs are (launch.sh, 2 ranks)."""
+    ref = tmp_path_factory.mktemp("launched") / "ref"
     proc = run(["bash", ROOT / "launch.sh", *RUN, "--output_dir", ref], 300, clean_env(NPROC_PER_NODE="2"), ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    log = tmp_path / "run.log"
+    return ref
+
+
+def assert_equal_to_ref(ref, out):
+    """The same weights, EMA and BatchNorm statistics as the uninterrupted run; no step's row lost or repeated."""
+    assert max_diff(ref / "model.safetensors", out / "model.safetensors") <= 1e-6
+    assert max_diff(ref / "model_ema.safetensors", out / "model_ema.safetensors") <= 1e-6
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
+
+
+def fault_a_rank(tmp_path, rank: int, sig: int) -> dict:
+    """RUN through launch.sh --max_restarts 1, `sig` to rank `rank` after 6 steps; what it did: the log's text, the
+    steps logged before, the survivor's step and its trainer_state.json, the seconds from the signal to the save and
+    to the relaunch's first new step, the ranks' pids."""
+    out, tag, log = tmp_path / "out", uuid.uuid4().hex, tmp_path / "run.log"
     env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
     with open(log, "w") as f:  # --checkpoint_every 0 (the default): the epoch end is the only checkpoint
         proc = subprocess.Popen(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out, "--max_restarts", "1"],
@@ -47,12 +61,14 @@ def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path)
         wait_for(lambda: steps_logged(out) >= 6, timeout=240, interval=0.01)
         pids = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
         logged = steps_logged(out)
-        os.kill(pids[1], signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(pids[rank], sig)
+        sent = time.monotonic()
         step = int(wait_for(lambda: SAVED.search(log.read_text()), timeout=60, interval=0.02).group(1))
-        took = time.monotonic() - killed
+        saved = time.monotonic() - sent
         # (read before the relaunch's own checkpoints rotate it away)
         state = json.loads((out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        wait_for(lambda: "resumed from" in log.read_text() and steps_logged(out) > step, timeout=120, interval=0.02)
+        recovered = time.monotonic() - sent
         code = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -60,20 +76,77 @@ def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path)
             proc.wait()
     text = log.read_text()
     assert code == 0, text[-4000:]
-    assert took < 30, took  # inside torchrun's grace (it SIGKILLs the other workers 30 s after its SIGTERM)
+    print(f"{signal.Signals(sig).name} to rank {rank}: saved {saved:.1f} s, first new step {recovered:.1f} s after it")
+    assert text.count("relaunching to resume") == 1
+    return dict(text=text, logged=logged, step=step, state=state, saved=saved, recovered=recovered, pids=pids, out=out)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_costs_no_completed_step_with_grad_accum_and_ema(tmp_path, launched_ref):
+    run = fault_a_rank(tmp_path, 1, signal.SIGKILL)
+    text, logged, state = run["text"], run["logged"], run["state"]
+    assert run["saved"] < 30, run["saved"]  # inside torchrun's grace (it SIGKILLs the others 30 s after its SIGTERM)
     lines = [line for line in text.splitlines() if line.startswith("accel-train: error: lost contact")]
     assert len(lines) == 1, text[-4000:]  # rank 0, the machine's lowest surviving rank, says it
     step, where, seconds = SAVED.search(lines[0]).groups()
     step = int(step)
     assert step >= logged and step < 32, (step, logged)  # every completed step, mid-epoch
     assert where.endswith(f"step_{step:08d}") and float(seconds) < 10
-    assert text.count("relaunching to resume") == 1
     assert f"resumed from {where}: epoch 1, step {step}, {2 * step} batches into the epoch" in text  # window start
-    assert state["survivor"]["rank"] == 0 and "Connection" in state["survivor"]["failure"], state["survivor"]
-    # the same weights, EMA and BatchNorm statistics as the uninterrupted run; no step's row lost or repeated
-    assert max_diff(ref / "model.safetensors", out / "model.safetensors") <= 1e-6
-    assert max_diff(ref / "model_ema.safetensors", out / "model_ema.safetensors") <= 1e-6
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
+    # the collective's reset, or (rank 0 between collectives when torchrun's SIGTERM came) its signal watch
+    failure = state["survivor"]["failure"]
+    assert state["survivor"]["rank"] == 0, state["survivor"]
+    assert "Connection" in failure or f"local rank process {run['pids'][1]} is gone" in failure, failure
+    assert_equal_to_ref(launched_ref, run["out"])
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_found_by_its_heartbeat_and_the_job_runs_again_within_a_minute(tmp_path, launched_ref):
+    # rank 1 stopped (SIGSTOP: a stuck driver, a swapping host) with the default --timeout_s (300 s): rank 0 hears no
+    # heartbeat for --heartbeat_timeout_s (15 s), saves the last completed step, exits 3; launch.sh SIGKILLs the
+    # stopped rank at once (not after torchrun's 30-s grace) and relaunches; the relaunch's first step within 60 s.
+    # (Rank 0 survives, as in the kill above: a survivor other than rank 0 saves its own EMA's BatchNorm statistics)
+    run = fault_a_rank(tmp_path, 1, signal.SIGSTOP)
+    text = run["text"]
+    assert 13 <= run["saved"] < 30 and run["recovered"] < 60, (run["saved"], run["recovered"], text[-4000:])
+    line = next(line for line in text.splitlines() if line.startswith("accel-train: error: lost contact"))
+    assert "rank 1 on " in line and "sent no heartbeat for 1" in line, line
+    assert run["state"]["survivor"]["rank"] == 0 and run["step"] >= run["logged"] - 1
+    assert f"process(es) {run['pids'][1]} of this attempt are stopped (state T)" in text, text[-4000:]
+    assert_equal_to_ref(launched_ref, run["out"])
+
+
+# test only: rank ACCEL_TEST_SLOW_RANK sleeps ACCEL_TEST_SLOW_S seconds before its backward number ACCEL_TEST_SLOW_AT
+# (a long step, a first compile): its peer waits in that step's all-reduce meanwhile
+SLOW_STEP_HOOK = """\
+import os
+if os.environ.get("RANK") == os.environ.get("ACCEL_TEST_SLOW_RANK"):
+    import time
+    import accelerate
+    _backward, _calls = accelerate.Accelerator.backward, []
+
+    def _slow(self, *args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == int(os.environ["ACCEL_TEST_SLOW_AT"]):
+            time.sleep(float(os.environ["ACCEL_TEST_SLOW_S"]))
+        return _backward(self, *args, **kwargs)
+    accelerate.Accelerator.backward = _slow
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_60_s_slow_in_one_step_is_no_lost_peer(tmp_path, launched_ref):
+    # its heartbeat goes on from its own thread: no alarm, the run ends equal to the uninterrupted one
+    out, hooks = tmp_path / "out", tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_STEP_HOOK)
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_SLOW_RANK="1", ACCEL_TEST_SLOW_AT="21", ACCEL_TEST_SLOW_S="60",
+                    PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    start = time.monotonic()
+    proc = run(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out], 400, env, ROOT)
+    assert proc.returncode == 0 and "lost contact" not in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start > 60  # (the hook slept)
+    assert_equal_to_ref(launched_ref, out)
 
 
 @pytest.mark.slow
@@ -129,25 +202,25 @@ def test_state_to_host_is_a_contiguous_copy():
 def test_a_stopped_or_dead_peer_is_not_alive():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        assert survivor.alive(child.pid)
+        assert heartbeat.alive(child.pid)
         os.kill(child.pid, signal.SIGSTOP)
-        wait_for(lambda: not survivor.alive(child.pid), timeout=10)
+        wait_for(lambda: not heartbeat.alive(child.pid), timeout=10)
         os.kill(child.pid, signal.SIGKILL)
         time.sleep(0.2)
-        assert not survivor.alive(child.pid)  # a zombie until reaped
+        assert not heartbeat.alive(child.pid)  # a zombie until reaped
     finally:
         child.kill()
         child.wait()
-    assert not survivor.alive(child.pid)
+    assert not heartbeat.alive(child.pid)
 
 
 def test_a_peer_that_is_exiting_is_not_alive():
     # a SIGKILLed rank 0 closes its sockets (do_exit) before it is a zombie: rank 1 saw the reset while rank 0's stat
     # still read "R", took it for the lower rank that saves, and no rank saved (a 2-rank run, rank 0 killed)
     stat = "4242 (python -m x) R 1 4242 4242 0 -1 {} 5 0 0 0"
-    assert survivor.answers(stat.format(0x400000)) and survivor.answers(stat.format(0x400040))
-    assert not survivor.answers(stat.format(0x400044))  # PF_EXITING
-    assert not survivor.answers(stat.format(0x400000).replace(" R ", " Z "))
+    assert heartbeat.answers(stat.format(0x400000)) and heartbeat.answers(stat.format(0x400040))
+    assert not heartbeat.answers(stat.format(0x400044))  # PF_EXITING
+    assert not heartbeat.answers(stat.format(0x400000).replace(" R ", " Z "))
 
 
 def test_the_time_interval_keeps_writes_at_one_percent():
@@ -437,7 +510,7 @@ def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(mon
         acc = types.SimpleNamespace(num_processes=2, local_process_index=0, device=torch.device(device),
                                     _models=[module], gradient_accumulation_steps=1)
         run = types.SimpleNamespace(accelerator=acc, state=survivor.TrainState(), model=module)
-        saver = survivor.Survivor(run, None, None, None, None)
+        saver = survivor.Survivor(run, types.SimpleNamespace(heartbeat_timeout_s=0), None, None, None)
         try:
             assert (bool(saver.buffers), saver.hook is not None, bool(module._forward_pre_hooks)) == (keeps,) * 3
             saver.lock.acquire()

@@ -138,9 +138,9 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
 TIMM_FLAGS = {
     "--opt": "no --opt yet: the optimizer is SGD with nesterov momentum (--momentum, --weight_decay)",
     "--sched": "no --sched yet: the schedule is warmup + cosine (--warmup_epochs, --min_lr)",
-    "--aa": "no AutoAugment/RandAugment yet: --augment, --hflip",
-    "--mixup": "no mixup yet", "--cutmix": "no cutmix yet", "--reprob": "no random erasing yet",
-    "--color-jitter": "no colour jitter yet", "--layer-decay": "no layer-wise lr decay yet",
+    "--mixup": "no mixup yet", "--cutmix": "no cutmix yet",
+    "--color-jitter": "here: --color_jitter", "--train-interpolation": "here: --train_interpolation",
+    "--crop-pct": "here: --crop_pct", "--layer-decay": "no layer-wise lr decay yet",
     "--drop-path": "here: --model_kwargs '{\"drop_path_rate\": X}'",
     "--drop": "here: --model_kwargs '{\"drop_rate\": X}'",
     "--pretrained": "no --pretrained yet: --init_from FILE.safetensors loads weights from a file",

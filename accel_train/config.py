@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from .defaults import BATCH_SIZE, MIN_STEPS, auto_stem_said, infer_data, resolve_batch
+from . import recipes
 from .errors import ConfigError
 from .flag_types import check_types_and_choices
 
@@ -60,6 +61,22 @@ class TrainConfig:
                         "on training images", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
                       "other data that is not mirror-invariant", "data")
+    train_crop: str = opt("auto", "'random_resized': timm's RandomResizedCrop from the whole image (--scale, --ratio); "
+                          "'pad': random crop with zero padding of image_size/8 (CIFAR's); auto: random_resized for "
+                          "imagefolder, pad for cifar10 and random (README: Recipes)", "data",
+                          choices=("auto", "random_resized", "pad"))
+    scale: str = opt("0.08,1", "RandomResizedCrop: range of the crop's area, a fraction of the image's", "data")
+    ratio: str = opt("3/4,4/3", "RandomResizedCrop: range of the crop's aspect ratio (log-uniform)", "data")
+    train_interpolation: str = opt("bilinear", "RandomResizedCrop's resampling: bilinear (roi_align, batched, "
+                                   "area-averaged) or bicubic (per crop, antialiased)", "data",
+                                   choices=("bilinear", "bicubic"))
+    crop_pct: float | None = opt(None, "image folders' evaluation: shorter side resized to image_size / crop_pct, "
+                                 "centre crop; default: the weights' pretrained_cfg crop_pct, else timm's 0.875", "data")
+    color_jitter: float = opt(0.0, "timm's colour jitter (brightness, contrast, saturation) per sample; 0: off. "
+                              "Per-sample transforms run in DataLoader workers (--pipeline cpu or cache)", "data")
+    aa: str | None = opt(None, "timm's auto-augment string: rand-m9-mstd0.5 (RandAugment), v0/original "
+                         "(AutoAugment), augmix-...; trivial: torchvision's TrivialAugmentWide", "data")
+    reprob: float = opt(0.0, "timm's random erasing probability (per-pixel noise)", "data")
     mean: str | None = opt(None, "per-channel mean 'R,G,B' in [0, 1] for normalisation; default: with --init_from "
                            "the weights' own (their model_config.json, or timm's pretrained_cfg), else CIFAR-10's "
                            "for cifar10/random, computed from the training images for imagefolder", "data")
@@ -193,6 +210,7 @@ class TrainConfig:
         if self.device_data_mb is not None and self.device_data_mb < 0:
             raise ConfigError(f"--device_data_mb must be >= 0, got {self.device_data_mb}")
         self.normalisation()
+        recipes.check(self)
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
         if self.num_workers and self.pipeline == "device":
@@ -234,13 +252,16 @@ class TrainConfig:
         """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
         DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen) gave, so the log,
         config.yaml, model_config.json and the checkpoints all say the values the run used. Returns the log line."""
-        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline") if getattr(self, name) in AUTO]
+        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline", "train_crop") if getattr(self, name)
+                in AUTO] + (["crop_pct"] if self.crop_pct is None and self.data == "imagefolder" else [])
         why = {"stem": auto_stem_said(self.model)} if self.stem == "auto" and not cifar_fits \
             and info.image_size <= CIFAR_STEM_MAX else {}
         self.image_size = info.image_size
         self.stem = self.stem_for(info.image_size, cifar_fits)
         self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
         self.pipeline = pipeline
+        self.train_crop = recipes.train_crop(self)
+        self.crop_pct = info.crop_pct if self.data == "imagefolder" else None
         if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
             self.num_workers = 0
         said = [why.get(name, f"--{name} {getattr(self, name)}") for name in auto]

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from ..config import TrainConfig
 from ..defaults import auto_batch
 from .info import DataError, DataInfo
-from .load import loader_kwargs, worker_count
+from .workers import loader_kwargs, worker_count
 from .pipeline import Data
 
 

@@ -32,6 +32,7 @@ class DataInfo:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     image_size: int
+    crop_pct: float = 1.0  # evaluation: shorter side resized to image_size / crop_pct, then the centre square
 
     @property
     def num_classes(self) -> int:
@@ -46,12 +47,12 @@ class DataInfo:
         """The data half of model_config.json (timm's data-config names where there is one)."""
         return {"data": self.name, "num_classes": self.num_classes, "input_size": [3, self.image_size, self.image_size],
                 "mean": list(self.mean), "std": list(self.std), "classes": list(self.classes),
-                "interpolation": "bilinear", "crop_pct": 1.0, "resize": "shorter side, then centre crop"}
+                "interpolation": "bilinear", "crop_pct": self.crop_pct, "resize": "shorter side, then centre crop"}
 
     @classmethod
     def from_model_config(cls, meta: dict) -> "DataInfo":
         return cls(meta.get("data", "cifar10"), tuple(meta["classes"]), tuple(meta["mean"]), tuple(meta["std"]),
-                   int(meta["input_size"][-1]))
+                   int(meta["input_size"][-1]), float(meta.get("crop_pct", 1.0)))
 
 
 # CIFAR-10: channel statistics computed on the 50,000 training images; random data borrows them.

@@ -71,7 +71,8 @@ class TrainConfig:
                                    "area-averaged) or bicubic (per crop, antialiased)", "data",
                                    choices=("bilinear", "bicubic"))
     crop_pct: float | None = opt(None, "image folders' evaluation: shorter side resized to image_size / crop_pct, "
-                                 "centre crop; default: the weights' pretrained_cfg crop_pct, else timm's 0.875", "data")
+                                 "centre crop; default: the weights' pretrained_cfg crop_pct, else timm's 0.875",
+                                 "data")
     color_jitter: float = opt(0.0, "timm's colour jitter (brightness, contrast, saturation) per sample; 0: off. "
                               "Per-sample transforms run in DataLoader workers (--pipeline cpu or cache)", "data")
     aa: str | None = opt(None, "timm's auto-augment string: rand-m9-mstd0.5 (RandAugment), v0/original "

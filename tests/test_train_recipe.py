@@ -33,7 +33,8 @@ def test_crops_are_drawn_as_timm_draws_them():
         w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
         img = Image.new("RGB", (int(600 * aspect), 600))
         random.seed(0)
-        theirs = torch.tensor([Timm.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(n)], dtype=torch.float64)
+        theirs = torch.tensor([Timm.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(n)],
+                              dtype=torch.float64)
         their_area = theirs[:, 2] * theirs[:, 3] / (img.width * img.height)
         assert abs((w * h).mean() - their_area.mean()) < 0.01, aspect
         assert abs((w * h).std() - their_area.std()) < 0.01, aspect
@@ -131,6 +132,9 @@ def test_timm_per_sample_transforms_run_in_the_workers_alike_and_leave_the_devic
         TrainConfig(pipeline="device", reprob=0.5, **random_data)
     with pytest.raises(ConfigError, match="--aa 'bogus' is not an augmentation string timm parses"):
         TrainConfig(aa="bogus", **random_data)
+    from accel_train.data import given_data
+    with pytest.raises(ConfigError, match="--reprob 0.5: your Datasets are loaded as they are"):
+        given_data(TrainConfig(pipeline="cpu", reprob=0.5, **random_data), None, "cpu")
     for bad, says in ((dict(scale="0.5"), "--scale must be two numbers"), (dict(ratio="2,1"), "--ratio must be"),
                       (dict(crop_pct=0.9), "--crop_pct resizes image folders"), (dict(reprob=2), "--reprob")):
         with pytest.raises(ConfigError, match=says):

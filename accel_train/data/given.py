@@ -14,9 +14,11 @@ from torch.utils.data import DataLoader
 
 from ..config import TrainConfig
 from ..defaults import auto_batch
+from ..errors import ConfigError
+from ..recipes import per_sample
 from .info import DataError, DataInfo
-from .workers import loader_kwargs, worker_count
 from .pipeline import Data
+from .workers import loader_kwargs, worker_count
 
 
 SAMPLE = 8  # items checked at start, evenly spaced (0 and the last among them); the rest as each batch is built
@@ -152,6 +154,10 @@ def check_labels(dataset, name: str, classes) -> None:
 def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded (--mean/--std, else 0 and 1: predict
     scales images to [0, 1]), not applied: the Dataset's tensors go to the model as they are."""
+    asked = per_sample(cfg) + (["--train_crop random_resized"] if cfg.train_crop == "random_resized" else [])
+    if asked:
+        raise ConfigError(f"{', '.join(asked)}: your Datasets are loaded as they are, the trainer augments none; "
+                          "augment in your Dataset (e.g. timm.data.create_transform(..., is_training=True))")
     image, test_image = check_item(given.train_set, "train_set"), check_item(given.test_set, "test_set")
     mean, std = cfg.normalisation()
     info = DataInfo(type(given.train_set).__name__, class_names(given.train_set, given.classes),

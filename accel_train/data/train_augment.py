@@ -45,9 +45,9 @@ def seeded(seed: int):
 class SampleTransforms:
     """timm's own per-sample training transforms, as timm's transforms_imagenet_train builds them (its 'secondary'
     stage: AutoAugment/RandAugment/AugMix from the --aa string, else ColorJitter; color jitter off with --aa, as timm
-    does; --aa trivial: torchvision's TrivialAugmentWide), and its RandomErasing (per-pixel normal noise, timm train.py's --remode pixel). RandomErasing works on the
-    normalised image: here the uint8 image is normalised, erased, and returned to uint8 (the noise clipped to 0..255).
-    Built in each process on first use (the transforms are not pickled)."""
+    does; --aa trivial: torchvision's TrivialAugmentWide), and its RandomErasing (per-pixel normal noise, timm
+    train.py's --remode pixel). RandomErasing works on the normalised image: here the uint8 image is normalised,
+    erased, and returned to uint8 (the noise clipped to 0..255). Built in each process on first use (not pickled)."""
 
     def __init__(self, size: int, color_jitter: float, aa: str | None, reprob: float, mean, std,
                  interpolation: str = "bilinear"):

@@ -20,6 +20,8 @@ REFUSED = {  # the run's math: one line naming the flag, exit 2
     "data": "cifar10", "custom_data": "false", "image_size": "16", "augment": "false", "hflip": "false",
     "mean": "0.5,0.5,0.5", "std": "0.5,0.5,0.5", "model": "resnet10t", "stem": "cifar",
     "model_kwargs": '{"drop_rate": 0.1}', "seed": "7", "batch_size": "16", "grad_accum": "2", "train_samples": "224",
+    "train_crop": "random_resized", "scale": "0.2,1", "ratio": "1/2,2", "train_interpolation": "bicubic",
+    "color_jitter": "0.4", "aa": "rand-m9-mstd0.5", "reprob": "0.25",
 }
 APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume's schedule test)
     "epochs": "3", "lr": "0.05", "lr_base": "0.4", "min_lr": "0.001", "warmup_epochs": "0.5", "momentum": "0.5",
@@ -32,6 +34,7 @@ FREE = {  # leave the weights' math alone: paths, logging, checkpointing, perfor
     "compile_mode", "max_steps", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
     "timeout_s", "log_with", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
     "force_precision", "enable_gpu", "init_method", "rank", "world_size", "checkpoint_minutes", "trust_model_code",
+    "crop_pct",  # (an image folder's evaluation only)
 }
 
 

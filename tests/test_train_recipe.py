@@ -1,7 +1,8 @@
 """Issue 38 items 1-2: RandomResizedCrop for image folders (timm's parameters, the same math in every pipeline, a
 function of (seed, epoch, sample index)), evaluation at --crop_pct, timm's per-sample transforms (--color_jitter,
 --aa, --reprob) in the workers, the pipeline choice they force, and resume's refusal of a change. The pure functions
-in process; one pair of real launches (2 ranks, cpu pipeline vs 1 rank, cache pipeline) for all the flags at once."""
+in process; one test of real launches for all the flags at once (2 ranks, cpu pipeline vs 1 rank, cache pipeline;
+2 ranks vs 1 rank on the device pipeline)."""
 
 import json
 import math
@@ -153,7 +154,7 @@ def test_a_resume_refuses_another_recipe():
 
 
 @pytest.mark.slow
-def test_two_ranks_cpu_pipeline_equal_one_rank_cache_pipeline_with_every_recipe_flag(tmp_path):
+def test_two_ranks_equal_one_rank_with_every_recipe_flag_in_every_pipeline(tmp_path):
     root = write_image_folder(tmp_path / "d", train=16, val=4)
     env = {"XDG_CACHE_HOME": str(tmp_path / "home")}
     base = [*TINY_GN, "--data_dir", root, "--image_size", "24", "--epochs", "2", "--log_every", "1", "--scale",
@@ -171,8 +172,15 @@ def test_two_ranks_cpu_pipeline_equal_one_rank_cache_pipeline_with_every_recipe_
     config = (tmp_path / "one/config.yaml").read_text()
     assert "pipeline: cache" in config and "train_crop: random_resized" in config and "crop_pct: 0.9" in config
     assert json.loads((tmp_path / "one/model_config.json").read_text())["crop_pct"] == 0.9
-    # and the recipe matters: the same run without the per-sample transforms has other losses
-    launch("cpu.yaml", [*base, "--batch_size", "16", "--max_steps", "2", "--output_dir", tmp_path / "plain"], env=env)
-    plain = [json.loads(x) for x in (tmp_path / "plain/steps.jsonl").read_text().splitlines()]
-    assert abs(plain[1]["loss"] - steps["one"][1]["loss"]) > 1e-4
+    # and the recipe matters: the same run without the per-sample transforms has other losses. Without them the device
+    # pipeline crops, batched, on the device: 2 ranks there equal 1 rank too
+    launch("cpu.yaml", [*base, "--batch_size", "16", "--max_steps", "3", "--output_dir", tmp_path / "plain"], env=env)
+    launch("2proc_cpu.yaml", [*base, "--batch_size", "8", "--max_steps", "3", "--pipeline", "device", "--output_dir",
+                              tmp_path / "plain2"], env=env)
+    plain, plain2 = ([json.loads(x) for x in (tmp_path / k / "steps.jsonl").read_text().splitlines()]
+                     for k in ("plain", "plain2"))
+    assert abs(plain[1]["loss"] - steps["one"][1]["loss"]) > 1e-4 and len(plain) == len(plain2) == 3
+    assert "pipeline: device" in (tmp_path / "plain/config.yaml").read_text()
+    for a, b in zip(plain, plain2):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     assert math.isfinite(steps["one"][-1]["loss"])

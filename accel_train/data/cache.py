@@ -1,6 +1,8 @@
 """The decoded cache (`--pipeline cache`, or `auto` where the local disk has room): an image folder's split decoded
-once per machine at the training size into one .npy file (N x 3 x S x S uint8) that every rank of the machine and
-its DataLoader workers memory-map. An epoch is then a read of the mapped rows, no JPEG decoding.
+once per machine into one .npy file (N x 3 x S x S uint8) that every rank of the machine and its DataLoader workers
+memory-map, as its images.Decode says: the evaluation split at the training size (its --crop_pct crop), a training
+split for RandomResizedCrop as whole images at 1.5x the training size (crops.py; their aspect ratios beside it). An
+epoch is then a read of the mapped rows, no JPEG decoding.
 
 The file lives in ~/.cache/accel_train/decoded/ ($XDG_CACHE_HOME), named after the folder and size and a key of the
 file list, each file's size and modification time, and the image size: a changed folder gets a new file (the old

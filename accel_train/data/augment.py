@@ -1,4 +1,5 @@
-"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation.
+"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation. (Image
+folders' RandomResizedCrop: crops.py; the run's whole plan, timm's per-sample transforms too: train_augment.py.)
 
 Augmentation is random crop with zero padding of image_size/8 pixels (4 at 32), then horizontal flip
 (`--hflip false` turns it off), then normalisation. In both pipelines its randomness is a hash of (seed,

@@ -84,9 +84,10 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
     if per_sample(cfg):  # (--pipeline device with them: refused by recipes.check)
         why = f"{', '.join(per_sample(cfg))}: timm's per-sample transforms, which DataLoader workers run"
-        reason = no_room(to_cache) if to_cache is not None else None
-        return ("cache", why) if to_cache is not None and reason is None else ("cpu", why + (f"; {reason}" * bool(
-            reason)))
+        if to_cache is None:
+            return "cpu", why
+        reason = no_room(to_cache)
+        return ("cache", why) if reason is None else ("cpu", f"{why}; not the decoded cache: {reason}")
     budget = device_budget(cfg, device) if budget is None else budget
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
     allowed = f"the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb" + (

@@ -222,12 +222,13 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
     if pipeline == "device":
         train_x, train_y = (train.images.to(device), train.labels.to(device)) if train is not None else (None, None)
         test_x, test_y = test.images.to(device), test.labels.to(device)
+        train_aspects = train.aspects if train is not None else None
 
         def inputs(batch, train, epoch=0):
             idx, boxes = (batch[0], batch[1:]) if isinstance(batch, (tuple, list)) else (batch, None)
             images = (train_x if train else test_x)[idx]
             if train and augment is not None and augment.resized:  # (the crops made by IndexDataset on the CPU)
-                images = augment.crop_batch(images, idx, epoch, boxes=boxes)
+                images = augment.crop_batch(images, idx, epoch, train_aspects, boxes=boxes or None)
             elif train and augment is not None:
                 images = crop_flip(images, *crop_flip_params(idx, epoch, cfg.seed, info.pad, cfg.hflip), pad=info.pad)
             x = normalize(images).contiguous(memory_format=memory_format)

@@ -74,6 +74,12 @@ def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
     assert ours.shape == theirs.shape == (3, 64, 64) and (ours - theirs).abs().mean() < 2
     whole = decode_image(tmp_path / "a.png", Decode(store_size(64), whole=True))
     assert whole.shape == (3, 96, 96)  # the whole image, squashed: RandomResizedCrop's store
+    # the default: timm's 0.875, or the weights' own where timm's pretrained weights are used (--pretrained)
+    from types import SimpleNamespace
+    from accel_train.recipes import default_crop_pct
+    assert default_crop_pct(TrainConfig(data="imagefolder")) == 0.875
+    assert default_crop_pct(SimpleNamespace(crop_pct=None, pretrained=True, model="resnet18.a1_in1k")) == 0.95
+    assert default_crop_pct(SimpleNamespace(crop_pct=0.8, pretrained=True, model="resnet18")) == 0.8
 
 
 @pytest.fixture

@@ -136,9 +136,8 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
 # --seed?", --aa "--data?") and the ACCEL_TRAIN_IGNORE_ARGS hint made another run than the one asked for (--opt
 # adamw trained SGD). Each is refused with what this trainer does instead, never let through, never "did you mean".
 TIMM_FLAGS = {
-    "--aa": "no AutoAugment/RandAugment yet: --augment, --hflip",
-    "--reprob": "no random erasing yet",
-    "--color-jitter": "no colour jitter yet", "--layer-decay": "here: --layer_decay",
+    "--color-jitter": "here: --color_jitter", "--train-interpolation": "here: --train_interpolation",
+    "--crop-pct": "here: --crop_pct", "--layer-decay": "here: --layer_decay",
     "--drop-path": "here: --drop_path", "--drop": "here: --drop_rate", "--pretrained-path": "here: --pretrained_path",
     "--smoothing": "here: --label_smoothing", "--model-ema": "here: --ema", "--model-ema-decay": "here: --ema_decay",
     "--amp": "here: --mixed_precision bf16 (or fp16)", "--initial-checkpoint": "here: --init_from",

@@ -12,16 +12,14 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from .defaults import (BATCH_SIZE, MIN_STEPS, OPTIMIZER_DEFAULTS, auto_stem_said, infer_data, optimizer_family,
-                       resolve_batch)
+from . import recipes
+from .defaults import (BATCH_SIZE, CIFAR_STEM_MAX, MIN_STEPS, OPTIMIZER_DEFAULTS, infer_data, optimizer_family,
+                       resolve_auto)
 from .errors import ConfigError
 from .flag_types import at_least, check_types_and_choices, json_kwargs, rgb
 
 
-# Automatic defaults (docs/own_data_and_models.md). The cifar stem keeps the full resolution into the first
-# block: at 224 px that is ~49x the compute of timm's own stem (7x7/2 conv + maxpool, 4x smaller each side), so it
-# is the default only for small images.
-CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
+# Automatic defaults (docs/own_data_and_models.md): CIFAR_STEM_MAX in defaults.py.
 MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resnet input size)
 SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
 MAX_WORKERS = 8        # most DataLoader workers per process that --num_workers auto starts
@@ -60,6 +58,23 @@ class TrainConfig:
                         "on training images", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
                       "other data that is not mirror-invariant", "data")
+    train_crop: str = opt("auto", "'random_resized': timm's RandomResizedCrop from the whole image (--scale, --ratio); "
+                          "'pad': random crop with zero padding of image_size/8 (CIFAR's); auto: random_resized for "
+                          "imagefolder, pad for cifar10 and random (docs/training.md: Recipes)", "data",
+                          choices=("auto", "random_resized", "pad"))
+    scale: str = opt("0.08,1", "RandomResizedCrop: range of the crop's area, a fraction of the image's", "data")
+    ratio: str = opt("3/4,4/3", "RandomResizedCrop: range of the crop's aspect ratio (log-uniform)", "data")
+    train_interpolation: str = opt("bilinear", "RandomResizedCrop's resampling: bilinear (roi_align, batched, "
+                                   "area-averaged) or bicubic (per crop, antialiased)", "data",
+                                   choices=("bilinear", "bicubic"))
+    crop_pct: float | None = opt(None, "image folders' evaluation: shorter side resized to image_size / crop_pct, "
+                                 "centre crop; default: the weights' pretrained_cfg crop_pct, else timm's 0.875",
+                                 "data")
+    color_jitter: float = opt(0.0, "timm's colour jitter (brightness, contrast, saturation) per sample; 0: off. "
+                              "Per-sample transforms run in DataLoader workers (--pipeline cpu or cache)", "data")
+    aa: str | None = opt(None, "timm's auto-augment string: rand-m9-mstd0.5 (RandAugment), v0/original "
+                         "(AutoAugment), augmix-...; trivial: torchvision's TrivialAugmentWide", "data")
+    reprob: float = opt(0.0, "timm's random erasing probability (per-pixel noise)", "data")
     mean: str | None = opt(None, "per-channel mean 'R,G,B' in [0, 1] for normalisation; default: with --init_from "
                            "the weights' own (their model_config.json, or timm's pretrained_cfg), else CIFAR-10's "
                            "for cifar10/random, computed from the training images for imagefolder", "data")
@@ -226,6 +241,7 @@ class TrainConfig:
             raise ConfigError(f"CIFAR-10 images are 32x32: drop --image_size {self.image_size} or use "
                               "--data imagefolder")
         self.normalisation()
+        recipes.check(self)
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise ConfigError(f"--clip_grad must be > 0, got {self.clip_grad}")
         if self.num_workers and self.pipeline == "device":
@@ -255,22 +271,8 @@ class TrainConfig:
 
     def resolve(self, info, pipeline: str, cifar_fits: bool = True, train_size: int | None = None,
                 num_processes: int = 1) -> str:
-        """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
-        DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen) gave, so the log,
-        config.yaml, model_config.json and the checkpoints all say the values the run used. Returns the log line."""
-        auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline") if getattr(self, name) in AUTO]
-        why = {"stem": auto_stem_said(self.model)} if self.stem == "auto" and not cifar_fits \
-            and info.image_size <= CIFAR_STEM_MAX else {}
-        self.image_size = info.image_size
-        self.stem = self.stem_for(info.image_size, cifar_fits)
-        if info.mean is not None:  # (None: your own Dataset's, not seen: config.yaml keeps null)
-            self.mean, self.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
-        self.pipeline = pipeline
-        if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
-            self.num_workers = 0
-        said = [why.get(name, f"--{name} {getattr(self, name)}") for name in auto if getattr(self, name) is not None]
-        said.append(resolve_batch(self, train_size, num_processes))  # (None: given, or no data size to follow)
-        return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")
+        """The one place where automatic values become the run's (defaults.resolve_auto): the log line."""
+        return resolve_auto(self, info, pipeline, cifar_fits, train_size, num_processes)
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         """(mean, std) from --mean/--std, each three floats or None."""

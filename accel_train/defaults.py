@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import recipes
 from .errors import ConfigError
+
+# The cifar stem keeps the full resolution into the first block: at 224 px that is ~49x the compute of timm's own
+# stem (7x7/2 conv + maxpool, 4x smaller each side), so it is the default only for small images.
+CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
 
 BATCH_SIZE = 128  # the recipe's per-process batch, kept wherever the data has MIN_STEPS global batches of it
 MIN_STEPS = 10    # the default batch gives an epoch at least this many steps: under 1/MIN_STEPS of the samples dropped
@@ -131,3 +136,26 @@ def optimizer_family(name: str) -> str:
             if candidate in OPTIMIZER_FAMILY:
                 return OPTIMIZER_FAMILY[candidate]
     return "adamw"
+
+
+def resolve_auto(cfg, info, pipeline: str, cifar_fits: bool = True, train_size: int | None = None,
+                 num_processes: int = 1) -> str:
+    """The one place where automatic values become the run's: 'auto'/None replaced by what the data (its
+    DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen) gave, so the log,
+    config.yaml, model_config.json and the checkpoints all say the values the run used. Returns the log line."""
+    auto = [name for name in ("image_size", "stem", "mean", "std", "pipeline", "train_crop") if getattr(cfg, name)
+            in (None, "auto")] + (["crop_pct"] if cfg.crop_pct is None and cfg.data == "imagefolder" else [])
+    why = {"stem": auto_stem_said(cfg.model)} if cfg.stem == "auto" and not cifar_fits \
+        and info.image_size <= CIFAR_STEM_MAX else {}
+    cfg.image_size = info.image_size
+    cfg.stem = cfg.stem_for(info.image_size, cifar_fits)
+    if info.mean is not None:  # (None: your own Dataset's, not seen: config.yaml keeps null)
+        cfg.mean, cfg.std = (",".join(repr(float(v)) for v in values) for values in (info.mean, info.std))
+    cfg.pipeline = pipeline
+    cfg.train_crop = recipes.train_crop(cfg)
+    cfg.crop_pct = info.crop_pct if cfg.data == "imagefolder" else None
+    if pipeline == "device":  # workers had nothing to do; config.yaml must load again (see validate)
+        cfg.num_workers = 0
+    said = [why.get(name, f"--{name} {getattr(cfg, name)}") for name in auto if getattr(cfg, name) is not None]
+    said.append(resolve_batch(cfg, train_size, num_processes))  # (None: given, or no data size to follow)
+    return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")

@@ -17,11 +17,13 @@ from pathlib import Path
 from .config import TrainConfig
 from .errors import ConfigError
 from .files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, checkpoint_dirs
+from .recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
 # size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
 # the checkpoint's.
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip", "freeze")
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip", "freeze",
+            *RECIPE_FLAGS)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
 LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends

@@ -37,6 +37,7 @@ from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size,
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .preempt import checkpoint_interval_text
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
+from .recipes import RECIPE_FLAGS
 from .resume import Decision, batches_done, check_data, decide, reconcile
 from .runs import check_output_dir_free, hold_output_dir, start_branch
 from .user import Given, check_forward, rebuild_problem, unused_parameters
@@ -269,7 +270,8 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
                 grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
                 image_size=cfg.image_size, mean=listed(data.info.mean), std=listed(data.info.std), augment=cfg.augment,
-                hflip=cfg.hflip, freeze=cfg.freeze, settings=settings(cfg, accelerator.mixed_precision))
+                hflip=cfg.hflip, freeze=cfg.freeze, settings=settings(cfg, accelerator.mixed_precision),
+                **{key: getattr(cfg, key) for key in RECIPE_FLAGS})
 
 
 def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log) -> None:

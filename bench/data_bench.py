@@ -1,7 +1,8 @@
 """Data only: images per second (and per core) from an image folder on disk to a normalised training batch on the
 device, for accel_train's cpu pipeline (0 workers, the default workers, the decoded cache) and timm's own
 `create_loader` (its workers and prefetcher, training transforms without colour jitter: crop, flip, normalise), on
-the same folder. No model runs.
+the same folder: RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and a flip in every case, ours from the whole image
+stored at 1.5x (crops.py), timm's from the decoded file. No model runs.
 
     python bench/data_bench.py --make /tmp/photos 2400            # write a folder: 2400 + 10% val JPEGs, ~450x350
     python bench/data_bench.py --data_dir /tmp/photos [--image_size 224 --batch_size 64 --batches 12 --rounds 3]

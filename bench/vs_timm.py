@@ -29,11 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ("circle", "square", "triangle", "cross")
 
 
-def draw(kind: str, size: int, rng) -> np.ndarray:
-    """One image: a shape of a random colour, size and place on a noisy background of another colour."""
-    yy, xx = np.mgrid[:size, :size].astype(np.float32)
-    r = rng.uniform(0.18, 0.35) * size
-    cy, cx = rng.uniform(r, size - r, 2)
+def draw(kind: str, size: int, rng, photos: bool = False) -> np.ndarray:
+    """One image: a shape of a random colour, size and place on a noisy background of another colour. `photos`: a
+    canvas of its own size and shape (each side 1-2x `size`) and a shape of 6-30% of its shorter side, anywhere: the
+    object's scale and position vary as in photos."""
+    h, w = (int(size * rng.uniform(1, 2)), int(size * rng.uniform(1, 2))) if photos else (size, size)
+    yy, xx = np.mgrid[:h, :w].astype(np.float32)
+    r = rng.uniform(0.06, 0.3) * min(h, w) if photos else rng.uniform(0.18, 0.35) * size
+    cy, cx = rng.uniform(r, h - r), rng.uniform(r, w - r)
     dy, dx = yy - cy, xx - cx
     if kind == "circle":
         mask = dy ** 2 + dx ** 2 <= r ** 2
@@ -46,11 +49,12 @@ def draw(kind: str, size: int, rng) -> np.ndarray:
     bg, fg = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
     while np.abs(bg - fg).sum() < 150:
         fg = rng.uniform(0, 255, 3)
-    img = np.where(mask[..., None], fg, bg) + rng.normal(0, 12, (size, size, 3))
+    img = np.where(mask[..., None], fg, bg) + rng.normal(0, 12, (h, w, 3))
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int, seed: int = 0) -> Path:
+def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int, seed: int = 0,
+                photos: bool = False) -> Path:
     from PIL import Image
     rng = np.random.default_rng(seed)
     for split, n in (("train", train_per_class), ("validation", val_per_class)):
@@ -58,7 +62,7 @@ def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int,
             folder = root / split / kind
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(draw(kind, size, rng)).save(folder / f"{i:05d}.png")
+                Image.fromarray(draw(kind, size, rng, photos)).save(folder / f"{i:05d}.png")
     return root
 
 
@@ -112,6 +116,8 @@ def main() -> None:
     p.add_argument("--train_per_class", type=int, default=500)
     p.add_argument("--val_per_class", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--photos", action="store_true", help="photo-like: canvases of varying size and shape, the shape "
+                   "6-30%% of the shorter side, anywhere (draw)")
     p.add_argument("--ours", nargs=argparse.REMAINDER, default=[], help="extra accel_train flags (at the end)")
     args = p.parse_args()
 
@@ -119,9 +125,10 @@ def main() -> None:
                                                                        "LOCAL_RANK", "TORCHELASTIC"))}
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory(prefix="accel_train_vs_timm_") as tmp:
-        data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class)
+        data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class,
+                           photos=args.photos)
         print(f"# data: {len(CLASSES)} classes x ({args.train_per_class} train + {args.val_per_class} val) PNG, "
-              f"{args.size}px; resnet18 (timm's imagenet stem in both), {args.epochs} epochs, batch {args.batch_size}, "
+              f"{'photo-like, each side 1-2x ' if args.photos else ''}{args.size}px; resnet18 (timm's imagenet stem in both), {args.epochs} epochs, batch {args.batch_size}, "
               f"lr {args.lr}, one CPU process, {os.cpu_count()} cores", flush=True)
         results = {"timm": [], "ours": []}
         for r in range(args.repeats):

@@ -110,7 +110,7 @@ def test_a_run_whose_dataloader_workers_outlive_it_still_exits(tmp_path):
     script.write_text(
         "import sys\n"
         "from torch.utils.data import DataLoader\n"
-        "from accel_train.data.load import _leave_signals_to_the_trainer\n"
+        "from accel_train.data.workers import _leave_signals_to_the_trainer\n"
         "from accel_train.exits import exit_rank\n"
         "if __name__ == '__main__':\n"
         "    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,\n"
@@ -157,7 +157,7 @@ def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
         "import os, time\n"
         "from torch.utils.data import DataLoader\n"
         "from accel_train.config import TrainConfig\n"
-        "from accel_train.data.load import loader_kwargs\n"
+        "from accel_train.data.workers import loader_kwargs\n"
         "from accel_train.preempt import StopRequest\n"
         "if __name__ == '__main__':\n"
         "    os.register_at_fork(after_in_child=lambda: time.sleep(1))\n"

@@ -12,6 +12,7 @@ from PIL import Image
 
 from accel_train.config import TrainConfig
 from accel_train.data import build_data, decode_image
+from accel_train import cores
 from accel_train.data import cache
 from accel_train.data.images import scan_split, subset
 from conftest import clean_env, launch, run_cli
@@ -49,7 +50,7 @@ def test_auto_keeps_using_its_complete_cache_on_a_disk_with_room_for_one(tmp_pat
     # started once on a disk with room to spare, or on one without room for a first cache)
     root = write_image_folder(tmp_path / "d", train=40, val=2)
     kw = dict(data="imagefolder", data_dir=str(root), image_size=64, batch_size=4, num_workers=0,
-              device_data_mb=0.001, mean="0.5,0.5,0.5", std="0.25,0.25,0.25")
+              device_data_mb=0.001, mean="0.5,0.5,0.5", std="0.25,0.25,0.25", train_crop="pad")  # (64 px stored)
     nbytes = 126 * 3 * 64 * 64  # (40 + 2) x 3 classes
     room = int(cache.ROOM[1] + 1.5 * nbytes)  # room for 1.1x + 1 GiB, not for 2.1x + 1 GiB
     home, unmount = small_disk(tmp_path, monkeypatch, room - room % 4096)
@@ -93,7 +94,8 @@ def test_a_file_replaced_with_the_same_size_and_mtime_is_decoded_again(tmp_path,
         again = build_data(TrainConfig(**kw), "cpu")
         assert "train: decoded cache" in again.describe() and "written once" in again.describe(), again.describe()
         assert (again.train_loader.dataset.images([index]) == level).all()
-        assert torch.equal(again.train_loader.dataset.images([index])[0], decode_image(target, 16))
+        assert torch.equal(again.train_loader.dataset.images([index])[0],
+                           decode_image(target, again.train_loader.dataset.split.decode))
 
 
 def test_runs_with_different_sample_limits_keep_each_others_caches(tmp_path, monkeypatch):
@@ -318,7 +320,7 @@ def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_co
         return images
     monkeypatch.setattr(cache, "decode_all", signalled_during_the_first)
     args = [*SMALL, "--data_dir", root, "--epochs", "1", "--output_dir", tmp_path / "out", "--pipeline", "cache",
-            "--num_workers", "0"]
+            "--num_workers", "0", "--train_crop", "pad"]  # (the training split decoded at 16 px: cache_path below)
     proc = run_cli(args)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "stopped by SIGTERM while decoding the cache" in proc.stderr and "(16 of 60 images)" in proc.stderr
@@ -339,7 +341,6 @@ def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp
     # suspected, verified: worker_count used the CPU affinity only, so a container limited by a CFS quota (docker
     # --cpus, Kubernetes limits: cgroup cpu.max) of 2 cores out of 64 still started 8 workers per loader; and a Pillow
     # upgrade (another decode) kept reading the old caches
-    from accel_train import cores
     proc = tmp_path / "cgroup"
     v2 = tmp_path / "v2"
     (v2 / "kubepods/pod1").mkdir(parents=True)

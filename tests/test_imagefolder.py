@@ -206,7 +206,8 @@ def test_decoded_cache_is_reused_and_rewritten_when_the_folder_changes(tmp_path,
     Image.open(first_file).point(lambda v: 255 - v).save(first_file)
     changed = build_data(TrainConfig(**kw), "cpu")
     assert changed.train_loader.dataset.split.cache != path and not path.exists()
-    assert torch.equal(changed.train_loader.dataset.images([0])[0], decode_image(first_file, 16))
+    assert torch.equal(changed.train_loader.dataset.images([0])[0],  # (the split's decode: the whole image, crops.py)
+                       decode_image(first_file, changed.train_loader.dataset.split.decode))
     # a file removed: a new cache too, of one image less; a writer of this machine killed mid-write left its
     # temporary file (pid 2**22 + 1: above Linux's pid_max, never running): removed; a running writer's stays
     first_file.unlink()
@@ -304,7 +305,8 @@ def test_a_full_or_read_only_disk_decodes_per_sample_with_one_line(tmp_path, mon
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     root = write_image_folder(tmp_path / "d", train=40, val=2)
-    kw = dict(data="imagefolder", data_dir=str(root), image_size=64, batch_size=4, num_workers=0)
+    kw = dict(data="imagefolder", data_dir=str(root), image_size=64, batch_size=4, num_workers=0,
+              train_crop="pad")  # (the training split at 64 px: the sizes below)
     full, ro = tmp_path / "full", tmp_path / "ro"
     for mnt, opts in ((full, "size=64k"), (ro, "size=64k,ro")):  # the training split is 120 x 12 KiB decoded
         mnt.mkdir()
@@ -465,7 +467,8 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     out, home = tmp_path / "out", tmp_path / "home"
     # --data_url=D: how ModelArts passes the OBS input folder
     proc = launch("2proc_cpu.yaml", [*SMALL, f"--data_url={data}", "--batch_size", "4", "--epochs", "3", "--pipeline",
-                                     "cache", "--log_all_ranks", "--output_dir", out],
+                                     "cache", "--log_all_ranks", "--output_dir", out,
+                                     "--train_crop", "pad"],  # (the training images stored at 16 px: the shapes below)
                   env=clean_env(XDG_CACHE_HOME=str(home)))
     r = rows(out)
     assert r[-1]["test_samples"] == 15 and r[-1]["step"] == 9 and r[-1]["test_acc"] >= 0.8, r
@@ -561,7 +564,8 @@ def test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the_
     assert os.stat(target).st_size != st.st_size and os.stat(target).st_mtime_ns == st.st_mtime_ns
     again = build_data(TrainConfig(**kw), "cpu")
     assert again.train_loader.dataset.split.cache != first.train_loader.dataset.split.cache
-    assert torch.equal(again.train_loader.dataset.images([0])[0], decode_image(target, 16))
+    assert torch.equal(again.train_loader.dataset.images([0])[0],
+                       decode_image(target, again.train_loader.dataset.split.decode))
 
 
 def test_a_valid_folder_is_the_evaluation_split(tmp_path):

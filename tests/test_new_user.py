@@ -63,7 +63,7 @@ def test_resolve_replaces_every_automatic_value_once():
     assert (cfg.image_size, cfg.stem, cfg.pipeline) == (160, "imagenet", "cpu")
     assert cfg.normalisation() == ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
     assert line == "resolved defaults: --image_size 160, --stem imagenet, --mean 0.5,0.4,0.3, --std 0.2,0.25,0.3, " \
-                   "--pipeline cpu"
+                   "--pipeline cpu, --train_crop random_resized, --crop_pct 1.0"  # (the info's crop_pct)
     again = TrainConfig(**cfg.to_dict())  # what config.yaml reproduces passes validation
     assert again.to_dict() == cfg.to_dict()
 

@@ -22,6 +22,8 @@ REFUSED = {  # the run's math: one line naming the flag, exit 2
     "model_kwargs": '{"drop_rate": 0.1}', "seed": "7", "batch_size": "16", "grad_accum": "2", "train_samples": "224",
     # the optimizer's state is its optimizer's; layer decay on (or off) and --freeze change its parameter groups
     "optimizer": "adamw", "layer_decay": "0.5", "freeze": "layer1",
+    "train_crop": "random_resized", "scale": "0.2,1", "ratio": "1/2,2", "train_interpolation": "bicubic",
+    "color_jitter": "0.4", "aa": "rand-m9-mstd0.5", "reprob": "0.25",
 }
 APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume's schedule test)
     "epochs": "3", "lr": "0.05", "lr_base": "0.4", "min_lr": "0.001", "warmup_epochs": "0.5", "momentum": "0.5",
@@ -37,6 +39,7 @@ FREE = {  # leave the weights' math alone: paths, logging, checkpointing, perfor
     "timeout_s", "heartbeat_s", "heartbeat_timeout_s", "threads", "log_with", "tracker_project", "run_name", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
     "force_precision", "enable_gpu", "init_method", "rank", "world_size", "checkpoint_minutes", "trust_model_code",
     "pretrained", "pretrained_path",  # (as init_from)
+    "crop_pct",  # (an image folder's evaluation only)
 }
 
 

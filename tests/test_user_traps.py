@@ -238,7 +238,7 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["--drop-path", "0.1"], "here: --drop_path"),
     (["--layer-decay", "0.75"], "here: --layer_decay"),
-    (["--aa", "rand-m9-mstd0.5"], "no AutoAugment/RandAugment yet"),
+    (["--color-jitter", "0.4"], "here: --color_jitter"),
     (["--smoothing", "0.1"], "here: --label_smoothing"),
     (["--model-ema"], "here: --ema"),
     (["-b", "64"], "here: --batch_size"),

@@ -26,7 +26,7 @@ def load_image(path, info) -> torch.Tensor:
 
     from ..data import DataError, decode_image
     try:
-        x = decode_image(path, info.image_size)
+        x = decode_image(path, info.image_size, info.crop_pct)
     except DataError as e:
         raise ConfigError(f"cannot read image: {e}") from None
     return TF.normalize(x.float() / 255, list(info.mean), list(info.std))

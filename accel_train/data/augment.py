@@ -1,4 +1,5 @@
-"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation.
+"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation. (Image
+folders' RandomResizedCrop: crops.py; the run's whole plan, timm's per-sample transforms too: train_augment.py.)
 
 Augmentation is random crop with zero padding of image_size/8 pixels (4 at 32), then horizontal flip
 (`--hflip false` turns it off), then normalisation. In both pipelines its randomness is a hash of (seed,
@@ -16,11 +17,14 @@ from .info import CIFAR10
 
 def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     """A 32-bit hash per (seed, epoch, sample index), computed on idx's device (int64, no overflow)."""
-    m = 0xFFFFFFFF
-    x = (idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31) & m
+    return mix32((idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31) & 0xFFFFFFFF)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (int64 holding 32-bit values, no overflow): sample_hash's, and crops.uniforms'."""
     for _ in range(2):
         x = x ^ (x >> 16)
-        x = (x * 0x45D9F3B) & m
+        x = (x * 0x45D9F3B) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 

@@ -1,6 +1,8 @@
 """The decoded cache (`--pipeline cache`, or `auto` where the local disk has room): an image folder's split decoded
-once per machine at the training size into one .npy file (N x 3 x S x S uint8) that every rank of the machine and
-its DataLoader workers memory-map. An epoch is then a read of the mapped rows, no JPEG decoding.
+once per machine into one .npy file (N x 3 x S x S uint8) that every rank of the machine and its DataLoader workers
+memory-map, as its images.Decode says: the evaluation split at the training size (its --crop_pct crop), a training
+split for RandomResizedCrop as whole images at 1.5x the training size (crops.py; their aspect ratios beside it). An
+epoch is then a read of the mapped rows, no JPEG decoding.
 
 The file lives in ~/.cache/accel_train/decoded/ ($XDG_CACHE_HOME), named after the folder and size and a key of the
 file list, each file's size and modification time, and the image size: a changed folder gets a new file (the old
@@ -26,17 +28,20 @@ import numpy as np
 from ..errors import Preempted
 from ..files import cache_dir
 from ..preempt import pending_stop
-from .images import channel_stats, check_images, decode_all
+from .images import Decode, as_decode, channel_stats, check_images, decode_all
 
-VERSION = 1             # of the decode (decode_image) and the file's layout: a new one re-caches
+VERSION = 2             # of the decode (decode_image) and the file's layout: a new one re-caches (2: the Decode's
+                        # crop_pct or whole image, in the key and the name)
 CHUNK = 512             # most images decoded (a thread pool) per write
 PIECE_S = 0.5           # seconds of decoding per write, so that a stop signal is answered within about a second
 ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
 STATS = ".stats.json"   # beside a cache: its images' mean/std (cache_stats)
+ASPECTS = ".aspects"    # beside a cache of whole images: their aspect ratios (cache_aspects)
 
 
-def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path | None:
-    """Where the decoded `files` at `size` px are cached on this machine (None: no home for caches). `samples`: the
+def cache_path(files: list[Path], size: int | Decode, samples: int | None = None) -> Path | None:
+    """Where the decoded `files` at `size` px (a Decode: its crop or the whole image) are cached on this machine (None:
+    no home for caches). `samples`: the
     --train_samples/--test_samples that chose `files` from a larger folder, part of the name (not only of the key): a
     subset's cache and the whole folder's are not stale versions of each other (write_cache's removal by name).
     The key holds Pillow's version (an upgrade may decode differently), and each file's inode and change time besides
@@ -46,14 +51,15 @@ def cache_path(files: list[Path], size: int, samples: int | None = None) -> Path
     if root is None or not files:
         return None
     from PIL import __version__ as pillow
-    key = hashlib.sha256(f"{VERSION} {pillow} {size} {len(files)}\n".encode())
+    spec = as_decode(size)
+    key = hashlib.sha256(f"{VERSION} {pillow} {spec.name()} {len(files)}\n".encode())
     for f in files:
         st = os.stat(f)
         stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
         key.update(f"{os.path.abspath(f)}\0{stamp}\n".encode())
     folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
     part = "" if samples is None else f"_{samples}of"  # (not "-": the whole folder's name would be its prefix)
-    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{size}px{part}"
+    name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{spec.name()}{part}"
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 
 
@@ -97,13 +103,14 @@ def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
     return max(enumerate(above), key=lambda m: (len(m[1][0]), m[0]))[1][1] if above else ""
 
 
-def open_cache(path: Path, n: int, size: int) -> np.ndarray | None:
+def open_cache(path: Path, n: int, size: int | Decode) -> np.ndarray | None:
     """The cache at `path`, memory-mapped read-only, if it is complete and of this shape; else None."""
     try:
         images = np.load(path, mmap_mode="r")
     except (OSError, ValueError):
         return None
-    return images if images.shape == (n, 3, size, size) and images.dtype == np.uint8 else None
+    side = as_decode(size).size
+    return images if images.shape == (n, 3, side, side) and images.dtype == np.uint8 else None
 
 
 def _same_folder_and_size(path: Path) -> str:
@@ -171,7 +178,7 @@ def _this_boot(tmp: Path) -> bool:
         return False
 
 
-def _header(n: int, size: int) -> bytes:
+def _header(n: int, size: int) -> bytes:  # (size: the side in px)
     out = io.BytesIO()
     np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (n, 3, size, size)})
     return out.getvalue()
@@ -199,19 +206,20 @@ def publish(tmp: Path, path: Path, n: int, size: int) -> None:
         os.replace(tmp, path)
 
 
-def write_cache(files: list[Path], size: int, path: Path) -> str:
+def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
     """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
     image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind.
     The decode answers a stop signal (the trainer's StopRequest) within about a second: Preempted, its rows kept for
     the next start to continue (remove_abandoned); a complete cache of the same key that another writer (another
     container sharing ~/.cache) publishes meanwhile is taken, the rest not decoded."""
-    n, mib = len(files), len(files) * 3 * size * size / 2**20
+    n, side = len(files), as_decode(size).size
+    mib = n * 3 * side * side / 2**20
     if open_cache(path, n, size) is not None:
         return f"decoded cache {path} ({mib:.0f} MiB), written by an earlier run: read, not decoded"
-    check_images(files)  # every unreadable file named before the long decode
+    aspects = check_images(files)  # every unreadable file named before the long decode
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    keep, header, row, rates, done = False, _header(n, size), 3 * size * size, [], 0
+    keep, header, row, rates, done = False, _header(n, side), 3 * side * side, [], 0
     try:
         adopted = remove_abandoned(path, tmp)
         with open(tmp, "r+b" if adopted else "wb") as f:
@@ -237,6 +245,8 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
             f.flush()
             os.fsync(f.fileno())
         publish(tmp, path, n, size)
+        if as_decode(size).whole:
+            save_aspects(path, aspects)
     except Preempted:  # (between pieces, or inside one: decode_all)
         keep = True
         raise Preempted(f"stopped by {pending_stop()} while decoding the cache {path} ({done} of {n} images); the "
@@ -246,7 +256,7 @@ def write_cache(files: list[Path], size: int, path: Path) -> str:
             tmp.unlink(missing_ok=True)
     prefix = _same_folder_and_size(path)  # a changed folder's older cache (and its statistics)
     for stale in path.parent.iterdir():
-        if stale.name.startswith(prefix) and stale.name.endswith((".npy", STATS)) \
+        if stale.name.startswith(prefix) and stale.name.endswith((".npy", STATS, ASPECTS)) \
                 and not stale.name.startswith(path.stem + "."):
             stale.unlink(missing_ok=True)
     again = f", continued from image {resumed + 1}" if resumed else ""
@@ -271,3 +281,33 @@ def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tupl
     except OSError:  # (a full or read-only disk: computed again next time)
         tmp.unlink(missing_ok=True)
     return stats
+
+
+def save_aspects(path: Path, aspects) -> None:
+    """The whole images' aspect ratios beside their cache (a later start reads them instead of every header)."""
+    side = path.with_name(path.stem + ASPECTS)
+    tmp = side.with_name(f".{side.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(aspects, dtype=np.float64))
+        os.replace(tmp, side)
+    except OSError:  # (a full or read-only disk: read from the headers again next time)
+        tmp.unlink(missing_ok=True)
+
+
+def cache_aspects(path: Path | None, files: list[Path]):
+    """The aspect ratios (width / height, upright) of `files`: kept beside their cache at `path`, else every header
+    read (check_images) and kept there."""
+    import torch
+    if path is not None:
+        try:
+            kept = np.load(path.with_name(path.stem + ASPECTS))
+            if kept.shape == (len(files),):
+                return torch.from_numpy(kept)
+        except (OSError, ValueError):
+            pass
+    aspects = check_images(files)
+    if path is not None:
+        save_aspects(path, aspects)
+    return aspects

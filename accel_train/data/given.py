@@ -13,11 +13,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..config import TrainConfig
-from ..defaults import auto_batch
-from .info import DataError, DataInfo
 from ..cores import worker_count
-from .load import loader_kwargs
+from ..defaults import auto_batch
+from ..errors import ConfigError
+from ..recipes import per_sample
+from .info import DataError, DataInfo
 from .pipeline import Data
+from .workers import loader_kwargs
 
 
 SAMPLE = 8  # items checked at start, evenly spaced (0 and the last among them); the rest as each batch is built
@@ -183,6 +185,10 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     """Your Datasets as the run's Data (pipeline 'cpu'). mean/std are recorded, not applied (the Dataset's tensors go
     to the model as they are): --mean/--std, else what the Dataset's transform shows (seen_normalisation), else
     unknown (None: evaluate and predict of raw files then ask for --mean/--std)."""
+    asked = per_sample(cfg) + (["--train_crop random_resized"] if cfg.train_crop == "random_resized" else [])
+    if asked:
+        raise ConfigError(f"{', '.join(asked)}: your Datasets are loaded as they are, the trainer augments none; "
+                          "augment in your Dataset (e.g. timm.data.create_transform(..., is_training=True))")
     image, test_image = check_item(given.train_set, "train_set"), check_item(given.test_set, "test_set")
     mean, std = cfg.normalisation()
     seen = seen_normalisation(given.train_set) or (None, None, "")

@@ -3,9 +3,11 @@ and decoding the files, the errors that name unreadable ones, and the training i
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -116,20 +118,46 @@ def to_rgb(img):
     return img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA") else img.convert("RGB")
 
 
-def decode_image(path, size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Decode:
+    """How a split's files become its stored uint8 squares of `size` px: the shorter side resized to size / crop_pct
+    (timm's eval transform: floor(size / crop_pct)) and the centre cropped, or (`whole`) the whole image squashed to
+    size x size, the RandomResizedCrop store (crops.py). A bare int where one is asked: Decode(int)."""
+    size: int
+    crop_pct: float = 1.0
+    whole: bool = False
+
+    def name(self) -> str:
+        """Its part of a decoded cache's file name (the crop_pct 1 decode keeps the older name)."""
+        return f"{self.size}px" + ("_whole" if self.whole else "" if self.crop_pct == 1 else f"_crop{self.crop_pct:g}")
+
+
+def as_decode(size) -> Decode:
+    return size if isinstance(size, Decode) else Decode(int(size))
+
+
+def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torch.Tensor:
     """An image file (any mode Pillow reads) -> 3 x size x size uint8: turned upright as its EXIF orientation says
-    (phone photos), RGB, shorter side resized to size (bilinear, antialiased), centre crop. Training, evaluate and
-    predict all see images through this."""
+    (phone photos), RGB, shorter side resized to floor(size / crop_pct) (bilinear, antialiased), centre crop; or
+    (`whole`) the whole image resized to size x size. Training, evaluate and predict all see images through this.
+    `size` may be a Decode (its crop_pct and whole then)."""
     from PIL import Image, ImageOps
+    if isinstance(size, Decode):
+        size, crop_pct, whole = size.size, size.crop_pct, size.whole
+    short = size if whole else max(size, math.floor(size / crop_pct))
     try:
         with Image.open(path) as img:
-            img.draft("RGB", (size, size))  # JPEG: decode at the smallest scale that is still >= size
+            img.draft("RGB", (short, short))  # JPEG: decode at the smallest scale that is still >= the size
             ImageOps.exif_transpose(img, in_place=True)  # (no copy of an image without an orientation)
             img = to_rgb(img)
             w, h = img.size
-            scale = size / min(w, h)
-            if (w, h) != (size, size):
-                img = img.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR)
+            if whole:
+                target = (size, size)
+            else:
+                scale = short / min(w, h)
+                target = (max(short, round(w * scale)), max(short, round(h * scale)))
+            if (w, h) != target:
+                img = img.resize(target, Image.BILINEAR)
             w, h = img.size
             left, top = (w - size) // 2, (h - size) // 2
             img = img.crop((left, top, left + size, top + size))
@@ -141,17 +169,19 @@ def decode_image(path, size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 
-def decode_all(files: list[Path], size: int) -> tuple[torch.Tensor, float]:
-    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s). A stop
-    signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once: Preempted."""
+def decode_all(files: list[Path], size) -> tuple[torch.Tensor, float]:
+    """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s); `size`:
+    an int or a Decode. A stop signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once:
+    Preempted."""
     start = time.perf_counter()
-    out = torch.empty((len(files), 3, size, size), dtype=torch.uint8)
+    spec = as_decode(size)
+    out = torch.empty((len(files), 3, spec.size, spec.size), dtype=torch.uint8)
 
     def one(i):
         if pending_stop() is not None:  # (the rest of the pool's files are passed over)
             return None
         try:
-            out[i] = decode_image(files[i], size)
+            out[i] = decode_image(files[i], spec)
         except UnreadableImage as e:
             return e
 
@@ -178,23 +208,28 @@ def native_size(files: list[Path], limit: int = SIZE_SAMPLE) -> int | None:
     return int(np.median(sides)) if sides else None
 
 
-def check_images(files: list[Path]) -> None:
+def check_images(files: list[Path]) -> torch.Tensor:
     """The cpu pipeline decodes later, in workers: read every file's header now (cheap, no decoding) so that
     a file that is not an image stops the run before it starts, named. (A file whose header is fine but
-    whose pixel data is truncated is only found, and named, when a worker decodes it.)"""
+    whose pixel data is truncated is only found, and named, when a worker decodes it.) Returns each image's aspect
+    ratio, width / height upright (EXIF orientations 5-8 turn it): float64, what RandomResizedCrop needs (crops.py)."""
     from PIL import Image
 
     def one(path):
         try:
             with Image.open(path) as img:
-                img.size
+                w, h = img.size
+                turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+            return h / w if turned else w / h
         except Exception as e:  # Pillow raises many kinds for a broken file
             return UnreadableImage(path, why_unreadable(path, e))
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        errors = [e for e in pool.map(one, files) if e is not None]
+        found = list(pool.map(one, files))
+    errors = [e for e in found if isinstance(e, UnreadableImage)]
     if errors:
         raise unreadable_images(errors)
+    return torch.tensor(found, dtype=torch.float64)
 
 
 def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -32,6 +32,7 @@ class DataInfo:
     mean: tuple[float, float, float] | None  # None: unknown (your own Dataset's, not seen in its transform)
     std: tuple[float, float, float] | None
     image_size: int
+    crop_pct: float = 1.0  # evaluation: shorter side resized to image_size / crop_pct, then the centre square
     dataset: str | None = None  # your own Dataset's class name (name "dataset")
     normalised_by: str = ""  # where an own Dataset's mean/std were seen
 
@@ -47,10 +48,10 @@ class DataInfo:
     def model_config(self) -> dict:
         """The data half of model_config.json (timm's data-config names where there is one), with a
         `pretrained_cfg` that timm resolves to the inputs training saw (timm.data.resolve_data_config(pretrained_cfg=
-        ...): input size, mean/std, bilinear, crop_pct 1.0 = the shorter side resized to the input size, centre
+        ...): input size, mean/std, bilinear, crop_pct = the shorter side resized to image_size / crop_pct, centre
         crop); none where the mean/std are unknown (your own Dataset's)."""
         data = {"input_size": [3, self.image_size, self.image_size], "interpolation": "bilinear",
-                "mean": listed(self.mean), "std": listed(self.std), "crop_pct": 1.0, "crop_mode": "center"}
+                "mean": listed(self.mean), "std": listed(self.std), "crop_pct": self.crop_pct, "crop_mode": "center"}
         timm_cfg = {"pretrained_cfg": {**data, "num_classes": self.num_classes}} if self.mean is not None else {}
         return {"data": self.name, **({"dataset": self.dataset} if self.dataset else {}),
                 "num_classes": self.num_classes, **data, "classes": list(self.classes),
@@ -66,7 +67,7 @@ class DataInfo:
                               "normalisation was not recorded; pass --mean R,G,B --std R,G,B (what its transform "
                               "applied to [0, 1] images)")
         return cls(meta.get("data", "cifar10"), tuple(meta["classes"]), tuple(mean), tuple(std),
-                   int(meta["input_size"][-1]), meta.get("dataset"))
+                   int(meta["input_size"][-1]), float(meta.get("crop_pct", 1.0)), meta.get("dataset"))
 
 
 def listed(values) -> list | None:

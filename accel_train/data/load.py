@@ -2,13 +2,13 @@
 
 `--pipeline auto` (the default) takes the device pipeline when the decoded uint8 data fits
 `--device_data_mb` (default a quarter of the device's free memory; none where torch cannot measure it), else, for an
-image folder, the decoded cache (cache.py) where the local disk has room, else the cpu pipeline. `loader_kwargs`: the
-DataLoader settings of every loader that has workers (how many, persistent, prefetch, pinned memory, their signals).
+image folder, the decoded cache (cache.py) where the local disk has room, else the cpu pipeline. A recipe with
+per-sample transforms (--aa, --color_jitter, --reprob: timm's, on PIL images in DataLoader workers) leaves the device
+pipeline out. Its DataLoader workers: workers.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,17 +17,16 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..cores import worker_count
-from ..exits import end_workers
-from .cache import cache_path, cache_stats, no_room, open_cache, write_cache
+from ..recipes import default_crop_pct, per_sample, train_crop
+from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
+from .crops import store_size
 from .cifar import read_cifar10
-from .images import channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split, subset
+from .images import (Decode, channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split,
+                     subset)
 from .info import CIFAR10, DataInfo
 from .synthetic import random_data
 
 STATS_SAMPLE = 2048  # training images decoded to estimate mean/std when the cpu pipeline decodes per sample
-PREFETCH = 2         # batches each DataLoader worker prepares ahead (torch's default), each in /dev/shm: 8 workers
-                     # x 2 x a uint8 batch of 256 at 224 px is 0.6 GB per rank
 
 
 @dataclass
@@ -36,6 +35,8 @@ class Split:
     images: torch.Tensor | None = None  # N x 3 x S x S uint8, decoded
     files: list[Path] | None = None     # decoded per sample by the cpu pipeline
     cache: Path | None = None           # the files decoded once on this machine (cache.py), where it was written
+    decode: Decode | None = None        # how the files become images (crop_pct, or the whole image: crops.py)
+    aspects: torch.Tensor | None = None  # whole images' width / height, for RandomResizedCrop
 
     def __len__(self):
         return len(self.labels)
@@ -81,6 +82,12 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
     of their caches not yet written on this machine (0: all there, taken whatever the free space)."""
     if cfg.pipeline in ("cpu", "cache"):
         return cfg.pipeline, f"as asked (--pipeline {cfg.pipeline})"
+    if per_sample(cfg):  # (--pipeline device with them: refused by recipes.check)
+        why = f"{', '.join(per_sample(cfg))}: timm's per-sample transforms, which DataLoader workers run"
+        if to_cache is None:
+            return "cpu", why
+        reason = no_room(to_cache)
+        return ("cache", why) if reason is None else ("cpu", f"{why}; not the decoded cache: {reason}")
     budget = device_budget(cfg, device) if budget is None else budget
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
     allowed = f"the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb" + (
@@ -98,44 +105,6 @@ def choose_pipeline(cfg: TrainConfig, nbytes: int, device, budget: int | None = 
         return "cache", why + (", the local disk has room for them decoded" if to_cache else
                                ", decoded in the local disk's cache already")
     return "cpu", why + (f", {reason}" if cacheable else "")
-
-
-def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
-    """The DataLoader settings of a loader that prepares samples on the CPU: `workers` (default worker_count)
-    persistent workers that leave stop signals to the trainer, PREFETCH batches each ahead, and on an accelerator
-    pinned batches, so that Accelerate's copy to the device (non_blocking=True, see accelerator.make_accelerator) does
-    not wait for it: a copy from pageable memory is a host sync."""
-    workers = worker_count(cfg)[0] if workers is None else workers
-    if workers and not _ends_workers_at_exit:  # (after multiprocessing's own exit handler, so it runs before it)
-        atexit.register(end_workers)
-        _ends_workers_at_exit.append(True)
-    return dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=PREFETCH if workers else None,
-                worker_init_fn=_leave_signals_to_the_trainer if workers else None,
-                pin_memory=torch.device(device).type != "cpu")
-
-
-# A process that exits with a loader's iterator alive (an uncaught exception in your script: its traceback holds the
-# frames) would hang in multiprocessing's exit handler, which sends its workers one SIGTERM, the one they leave to the
-# trainer, and joins them without a timeout: exits.end_workers ends them first.
-_ends_workers_at_exit: list = []
-
-
-def _leave_signals_to_the_trainer(worker_id: int) -> None:
-    """DataLoader workers leave Ctrl-C, SIGUSR1 and a first SIGTERM to the trainer, which stops at an agreed step
-    and checkpoints it: a terminal signals the whole foreground group and torchrun signals each rank's whole
-    session (os.killpg), so a worker that ended would fail the batch before that checkpoint. A second SIGTERM ends
-    the worker: it is how the DataLoader (and multiprocessing at exit) end a worker that did not stop by itself. A
-    forked worker inherits the trainer's wakeup fd (survivor.py's signal watch): its signals must not reach it."""
-    import signal
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _end_at_the_second_sigterm)
-
-
-def _end_at_the_second_sigterm(signum, frame) -> None:
-    import signal
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def with_flags(info: DataInfo, cfg: TrainConfig) -> DataInfo:
@@ -174,44 +143,51 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
         limits[split] = limits[split] if len(found[split][0]) < len(files) else None  # (chose fewer: a subset)
     size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
                                                         and "train" in found else None)
-    nbytes = {split: len(f) * 3 * size * size for split, (f, _) in found.items()}
-    homes = {split: home(f, size, limits[split]) for split, (f, _) in found.items()} if cfg.pipeline == "auto" else {}
+    crop_pct = info.crop_pct if info else default_crop_pct(cfg)
+    whole = "train" in found and cfg.augment and train_crop(cfg) == "random_resized"  # (crops.py)
+    specs = {"train": Decode(store_size(size), whole=True) if whole else Decode(size), "test": Decode(size, crop_pct)}
+    nbytes = {split: len(f) * 3 * specs[split].size ** 2 for split, (f, _) in found.items()}
+    homes = {split: home(f, specs[split], limits[split]) for split, (f, _) in found.items()} \
+        if cfg.pipeline == "auto" else {}
     pipeline, why = choose_pipeline(cfg, sum(nbytes.values()), device, budget, to_cache=sum(
         n for split, n in nbytes.items() if cfg.pipeline != "auto" or not homes[split][1]))
     splits, notes = {}, [why]
     sampled = info is None and None in cfg.normalisation()  # the training files' mean/std: decoded below
     for split, (files, labels) in found.items():
-        labels = torch.tensor(labels, dtype=torch.long)
-        later = sampled and split == "train"
+        labels, spec = torch.tensor(labels, dtype=torch.long), specs[split]
+        later, aspects = sampled and split == "train", None
         if pipeline == "device":
-            images, rate = decode_all(files, size)
+            images, rate = decode_all(files, spec)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
+            aspects = check_images(files) if spec.whole else None
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, size, split, notes, limits[split], later,
+            splits[split] = Split(labels, files=files, cache=cached(files, spec, split, notes, limits[split], later,
                                                                     homes.get(split, (None,))[0]))
+            aspects = cache_aspects(splits[split].cache, files) if spec.whole else None
         else:
-            checked(files, size, later)
+            aspects = checked(files, spec, later)
             splits[split] = Split(labels, files=files)
+        splits[split].decode, splits[split].aspects = spec, aspects if spec.whole else None
     if info is None:
         mean, std = cfg.normalisation()
         if mean is None or std is None:
             train = splits["train"]
-            mapped = open_cache(train.cache, len(train), size) if train.cache else None
+            mapped = open_cache(train.cache, len(train), train.decode) if train.cache else None
             if train.images is not None:
                 stats = channel_stats(train.images)
             elif mapped is not None:  # the device pipeline's numbers, not decoded again (setup: rank 0's for all)
                 stats = cache_stats(train.cache, mapped)
             else:  # an evenly spaced sample of the training files, the same on every rank
                 step = max(1, len(train.files) // STATS_SAMPLE)
-                stats = channel_stats(decode_all(train.files[::step], size)[0])
+                stats = channel_stats(decode_all(train.files[::step], train.decode)[0])
             mean, std = mean or stats[0], std or stats[1]
             notes.append(f"mean {mean} std {std} from the training images")
-        info = DataInfo("imagefolder", classes, mean, std, size)
+        info = DataInfo("imagefolder", classes, mean, std, size, crop_pct)
     return info, splits, pipeline, notes
 
 
-def home(files: list[Path], size: int, samples: int | None) -> tuple[Path | None, bool]:
+def home(files: list[Path], size: int | Decode, samples: int | None) -> tuple[Path | None, bool]:
     """(Where the split's decoded cache lives on this machine, whether a complete one is there already)."""
     try:
         path = cache_path(files, size, samples)
@@ -220,18 +196,19 @@ def home(files: list[Path], size: int, samples: int | None) -> tuple[Path | None
     return path, path is not None and open_cache(path, len(files), size) is not None
 
 
-def checked(files: list[Path], size: int, sampled: bool = False) -> None:
+def checked(files: list[Path], size: int | Decode, sampled: bool = False) -> torch.Tensor:
     """Files decoded per sample later: every header read now (check_images), and a split of up to STATS_SAMPLE files
     decoded (a few seconds), unless `sampled` (the mean/std's sample decodes all of it anyway), so that a file whose
     header reads but whose pixels end early is named now, alike on every rank, not by one rank's DataLoader worker
-    mid-run (that rank exits 2; the others lose a peer)."""
-    check_images(files)
+    mid-run (that rank exits 2; the others lose a peer). Returns the images' aspect ratios (check_images)."""
+    aspects = check_images(files)
     if len(files) <= STATS_SAMPLE and not sampled:
         for start in range(0, len(files), 256):
             decode_all(files[start:start + 256], size)
+    return aspects
 
 
-def cached(files: list[Path], size: int, split: str, notes: list[str], samples: int | None = None,
+def cached(files: list[Path], size: int | Decode, split: str, notes: list[str], samples: int | None = None,
            sampled: bool = False, path: Path | None = None) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be

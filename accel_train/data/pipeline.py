@@ -25,23 +25,31 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..config import TrainConfig
+from ..cores import worker_count
 from ..defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
-from .augment import Normalize, crop_flip, crop_flip_each, crop_flip_params
+from ..recipes import per_sample
+from .augment import Normalize, crop_flip, crop_flip_params
 from .cache import open_cache
 from .images import decode_image
 from .info import CIFAR10, DataInfo
-from ..cores import worker_count
-from .load import Split, load_data, loader_kwargs
+from .load import Split, load_data
+from .train_augment import TrainAugment, plan
+from .workers import loader_kwargs
 
 logger = logging.getLogger("accel_train")
 
 
 class IndexDataset(Dataset):
-    """Yields sample indices only: the device pipeline gathers the samples itself."""
+    """Yields sample indices: the device pipeline gathers the samples itself. With a RandomResizedCrop `augment`, a
+    batch is (indices, crop boxes, flips), the crops computed here on the CPU (crops.rrc_boxes: the cpu pipeline's
+    float64 math, no host sync on the device) for the device to resample. `aspects`: the images' width / height."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, augment: TrainAugment | None = None, aspects: torch.Tensor | None = None):
+        self.n, self.augment, self.aspects, self.epoch = n, augment, aspects, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self):
         return self.n
@@ -50,7 +58,10 @@ class IndexDataset(Dataset):
         return i
 
     def __getitems__(self, indices):
-        return torch.as_tensor(indices, dtype=torch.long)
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if self.augment is None or not self.augment.resized:
+            return idx
+        return (idx, *self.augment.boxes(idx, self.epoch, self.aspects))
 
 
 def _identity(batch):
@@ -69,10 +80,10 @@ class TransformDataset(Dataset):
     so a resumed run (and any number of workers or ranks) augments exactly alike. The epoch lives in shared memory:
     persistent workers hold their own copy of this dataset (pickled or forked when they start), so an epoch set on
     the main process's copy (set_loader_epoch, before the epoch's iterator sends them its indices) reaches them only
-    that way. `augment`: (seed, pad, hflip), or None for no augmentation.
+    that way. `augment`: the TrainAugment (crop, flip, timm's per-sample transforms), or None for none.
     """
 
-    def __init__(self, split: Split, size: int, augment: tuple | None = None,
+    def __init__(self, split: Split, size: int, augment: TrainAugment | None = None,
                  memory_format=torch.contiguous_format):
         self.split, self.size, self.augment, self.memory_format = split, size, augment, memory_format
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
@@ -96,21 +107,22 @@ class TransformDataset(Dataset):
         if s.images is not None:
             return s.images[torch.as_tensor(indices)]
         if self._mapped is None:
-            mapped = open_cache(s.cache, len(s), self.size) if s.cache else None
+            mapped = open_cache(s.cache, len(s), s.decode or self.size) if s.cache else None
             self._mapped = False if mapped is None else mapped  # (False: decode)
             if s.cache and self._mapped is False:  # (its writer said why on its own rank)
                 logger.warning(f"the decoded cache {s.cache} cannot be read here: decoding per sample")
         if self._mapped is not False:
             return torch.from_numpy(self._mapped[np.asarray(indices)])
-        return torch.stack([decode_image(s.files[i], self.size) for i in indices])
+        return torch.stack([decode_image(s.files[i], s.decode or self.size) for i in indices])
 
     def __getitems__(self, indices):
         images = self.images(indices)
         idx = torch.as_tensor(indices, dtype=torch.long)
-        out = _batch_zeros(images.shape, self.memory_format)
+        out = _batch_zeros((len(idx), 3, self.size, self.size), self.memory_format)
         if self.augment is not None:
-            seed, pad, hflip = self.augment
-            crop_flip_each(images, *crop_flip_params(idx, self.epoch, seed, pad, hflip), pad=pad, out=out)
+            self.augment.crop_batch(images, idx, self.epoch, self.split.aspects, out=out)
+            if self.augment.per_sample is not None:
+                self.augment.per_sample(out, idx, self.epoch, self.augment.seed)
         else:
             out.copy_(images)
         return out, self.split.labels[idx]
@@ -202,24 +214,29 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         info, splits, pipeline, notes = load_data(cfg, device, info, eval_only, budget)
     else:
         splits = {k: Split(y, images=x) for k, (x, y) in splits.items()}
-        info, pipeline, notes = info or CIFAR10, ("cpu" if cfg.pipeline in ("cpu", "cache") else "device"), \
-            "given tensors"
+        info, pipeline, notes = info or CIFAR10, ("cpu" if cfg.pipeline in ("cpu", "cache") or per_sample(cfg)
+                                                  else "device"), "given tensors"
     notes = notes if isinstance(notes, list) else [notes]
     train, test = splits.get("train"), splits["test"]
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     normalize = Normalize(device, info.mean, info.std)
+    augment = plan(cfg, info)
     if pipeline == "device":
         train_x, train_y = (train.images.to(device), train.labels.to(device)) if train is not None else (None, None)
         test_x, test_y = test.images.to(device), test.labels.to(device)
+        train_aspects = train.aspects if train is not None else None
 
-        def inputs(idx, train, epoch=0):
+        def inputs(batch, train, epoch=0):
+            idx, boxes = (batch[0], batch[1:]) if isinstance(batch, (tuple, list)) else (batch, None)
             images = (train_x if train else test_x)[idx]
-            if train and cfg.augment:
+            if train and augment is not None and augment.resized:  # (the crops made by IndexDataset on the CPU)
+                images = augment.crop_batch(images, idx, epoch, train_aspects, boxes=boxes or None)
+            elif train and augment is not None:
                 images = crop_flip(images, *crop_flip_params(idx, epoch, cfg.seed, info.pad, cfg.hflip), pad=info.pad)
             x = normalize(images).contiguous(memory_format=memory_format)
             return x, (train_y if train else test_y)[idx]
 
-        train_ds = IndexDataset(len(train)) if train is not None else None
+        train_ds = IndexDataset(len(train), augment, train.aspects) if train is not None else None
         test_ds = IndexDataset(len(test))
         workers = 0
     else:
@@ -229,7 +246,6 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
             x, y = batch
             return finish(x), y
 
-        augment = (cfg.seed, info.pad, cfg.hflip) if cfg.augment else None
         train_ds = TransformDataset(train, info.image_size, augment, memory_format) if train is not None else None
         test_ds = TransformDataset(test, info.image_size, None, memory_format)
         workers, why = worker_count(cfg)

@@ -171,38 +171,75 @@ def test_mixup_needs_an_even_batch():
         check_mixing(cfg(cutmix=1.0, batch_size=7))
 
 
-# The fine-tune of issue 38's "done when", as far as this branch's flags go (--aa and --reprob are item 2's other part):
-# timm's test ViT at 32 px (patch 8: 16 tokens), random data, 2 ranks x 8, 4 steps an epoch, 2 epochs
-VIT = ["--model", "test_vit", "--model_kwargs", '{"patch_size": 8}', "--data", "random", "--train_samples", "64",
-       "--test_samples", "16", "--batch_size", "8", "--epochs", "2", "--mixed_precision", "no", "--log_every", "1",
-       "--plot", "false", "--opt", "adamw", "--layer_decay", "0.75", "--drop_path", "0.1", "--mixup", "0.8",
-       "--cutmix", "1.0", "--lr", "0.002"]
+# The fine-tune of issue 38's "done when": timm's test ViT at 32 px (patch 8: 16 tokens) on an image folder of PNGs
+# (RandomResizedCrop, RandAugment and random erasing in the workers; evaluation at crop_pct 0.875), 2 ranks x 8, 4 steps
+# an epoch, 2 epochs
+VIT = ["--model", "test_vit", "--model_kwargs", '{"patch_size": 8}', "--data", "imagefolder", "--image_size", "32",
+       "--batch_size", "8", "--epochs", "2", "--mixed_precision", "no", "--log_every", "1",
+       "--plot", "false", "--opt", "adamw", "--layer_decay", "0.75", "--drop_path", "0.1", "--aa", "rand-m9-mstd0.5",
+       "--mixup", "0.8", "--cutmix", "1.0", "--reprob", "0.25", "--lr", "0.002"]
+
+
+def png_folder(root, train: int = 16, val: int = 4):
+    """4 classes of PNGs of assorted sizes (lossless: timm's loader and ours decode the same pixels)."""
+    from PIL import Image
+    rng = np.random.default_rng(3)
+    for split, n in (("train", train), ("val", val)):
+        for c, level in enumerate((40, 100, 160, 220)):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(n):
+                w, h = (int(v) for v in rng.integers(32, 57, 2))
+                pixels = np.clip(level + rng.integers(-40, 41, (h, w, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / f"c{c}" / f"{i}.png")
+    return root
+
+
+def timm_validate(out, folder) -> float:
+    """timm's validate.py, as it scores a checkpoint: the model from its file, the data config from its
+    pretrained_cfg (resolve_data_config), timm's dataset and eval loader (create_dataset, create_loader)."""
+    from timm.data import create_dataset, create_loader, resolve_data_config
+    meta = json.loads((out / "model_config.json").read_text())
+    model = timm.create_model("test_vit", num_classes=meta["num_classes"], img_size=32, patch_size=8, pretrained=True,
+                              pretrained_cfg_overlay=dict(meta["pretrained_cfg"], file=str(out / "model.safetensors")))
+    config = resolve_data_config(model=model)
+    loader = create_loader(create_dataset("", root=str(folder / "val")), input_size=config["input_size"], batch_size=8,
+                           use_prefetcher=False, interpolation=config["interpolation"], mean=config["mean"],
+                           std=config["std"], num_workers=0, crop_pct=config["crop_pct"],
+                           crop_mode=config["crop_mode"])
+    right = total = 0
+    with torch.no_grad():
+        for x, y in loader:
+            right += int((model.eval()(x).argmax(1) == y).sum())
+            total += len(y)
+    return right / total
 
 
 @pytest.mark.slow
 def test_a_vit_fine_tune_trains_on_two_ranks_resumes_exactly_and_evaluates(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    proc = launch("2proc_cpu.yaml", [*VIT, "--output_dir", full])
+    full, part, data = tmp_path / "full", tmp_path / "part", png_folder(tmp_path / "photos")
+    args = [*VIT, "--data_dir", data]
+    proc = launch("2proc_cpu.yaml", [*args, "--output_dir", full])
     assert re.search(r"optimizer adamw \(timm\), lr 0.002 \(--lr\), weight decay 0.05 \(--opt adamw's default\), "
                      r"layer decay 0.75; .*then cosine; "
                      r"mixup 0.8 / cutmix 1 on soft targets", proc.stderr), proc.stderr[-3000:]
-    launch("2proc_cpu.yaml", [*VIT, "--output_dir", part, "--max_steps", "5"])  # one step into epoch 2
+    launch("2proc_cpu.yaml", [*args, "--output_dir", part, "--max_steps", "5"])  # one step into epoch 2
     shutil.rmtree(part / "checkpoints" / "step_00000004")  # resume from step 5, mid-epoch
-    resumed = launch("2proc_cpu.yaml", [*VIT, "--output_dir", part, "--resume", "auto"])
+    resumed = launch("2proc_cpu.yaml", [*args, "--output_dir", part, "--resume", "auto"])
     assert "step 5, 1 batches into the epoch" in resumed.stderr, resumed.stderr[-3000:]
     a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # drop path and mixup drew the same
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # crops, aa, erasing, mixup drew alike
     assert steps_logged(full) == 8
     # layer decay in the optimizer: the checkpoint's groups, each block's lr 0.75x the next one's
     groups = torch.load(full / "checkpoints" / "step_00000008" / "optimizer.bin", weights_only=True)["param_groups"]
     assert sorted({round(g["lr_scale"], 6) for g in groups})[-3:] == [0.5625, 0.75, 1.0]
     rows = [json.loads(r) for r in (full / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["train_acc"] <= 1 for r in rows)
-    # the export is the plain ViT: timm builds it and accel-train evaluate scores what the run's last epoch did
+    # the export is the plain ViT: timm builds it; accel-train evaluate scores what the run's last epoch did, and
+    # timm's validate.py (its loader at the recorded crop_pct) the same
     meta = json.loads((full / "model_config.json").read_text())
-    timm.create_model("test_vit", num_classes=10, img_size=32, patch_size=8).load_state_dict(a, strict=True)
-    assert meta["architecture"] == "test_vit"
-    proc = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", full, "--data", "random", "--test_samples", "16",
-                                     "--batch_size", "8"])
+    timm.create_model("test_vit", num_classes=4, img_size=32, patch_size=8).load_state_dict(a, strict=True)
+    assert meta["architecture"] == "test_vit" and meta["pretrained_cfg"]["crop_pct"] == 0.875
+    proc = launch("2proc_cpu.yaml", ["evaluate", "--checkpoint", full, "--batch_size", "8"])  # (the run's data)
     m = re.search(r"test accuracy ([\d.]+)% on 16 samples", proc.stdout)
     assert m and float(m.group(1)) / 100 == pytest.approx(rows[-1]["test_acc"], abs=1e-6), proc.stdout
+    assert timm_validate(full, data) == pytest.approx(float(m.group(1)) / 100, abs=1e-6)

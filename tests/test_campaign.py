@@ -22,18 +22,18 @@ if "--resume" in sys.argv:  # a resumed start trains the epoch's batches from it
 """
 ORPHAN = """
 import os, sys
-if "--timeout_s" in sys.argv and os.environ.get("RANK") == "1" and "accel_train" in sys.argv:
+if "--timeout_s" in sys.argv and os.environ.get("RANK") == "1":  # (rank 1 of the faulted run only)
     if os.fork() == 0:  # rank 1 leaves a process of its own behind, outside every session the launchers kill
         os.setsid()
         os.closerange(0, 1024)
         import time
-        time.sleep(90)
+        time.sleep(600)
         os._exit(0)
 """
 
 
-def scenario(seed, start="fresh", faults=()):
-    return Scenario(seed, "launch2", "test_resnet_gn", "random", "device", 1, False, None, False, "no", 3, start,
+def scenario(seed, start="fresh", faults=(), layout="launch2"):
+    return Scenario(seed, layout, "test_resnet_gn", "random", "device", 1, False, None, False, "no", 3, start,
                     list(faults))
 
 
@@ -56,10 +56,11 @@ def test_the_checker_catches_an_epoch_trained_twice_after_a_resume(tmp_path):
 
 @pytest.mark.slow
 def test_the_checker_catches_a_process_left_behind(tmp_path):
-    """A rank that leaves a process of the job alive (here rank 1 forks one into a session of its own): the
-    scenario fails, naming it, and the campaign kills it."""
+    """A rank that leaves a process of the job alive (here rank 1 forks one into a session of its own) is caught:
+    the scenario fails, naming it, and the campaign kills it."""
     kill = {"fault": "kill_rank", "event": "step", "at": 0.5, "rank": 0, "node": 0}
-    result = campaign_with(tmp_path, ORPHAN).run(scenario(2, faults=[kill]))
+    # (accelerate launch: launch.sh would itself stop every process of its attempt, by its environment)
+    result = campaign_with(tmp_path, ORPHAN).run(scenario(2, faults=[kill], layout="accelerate2"))
     assert any(line.startswith("process(es) of the job left alive after it ended") for line in result["fails"]), \
         result
     assert [f["fault"] for f in result["faults"]] == ["kill_rank"] and result["faults"][0]["lost"] <= 1, result

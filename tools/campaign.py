@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign_check import check_faults, check_processes, check_statuses, compare_outputs  # noqa: E402
 from campaign_draw import LAYOUTS, Scenario, draw, reference_key, trainer_flags  # noqa: E402
 from campaign_jobs import ROOT, Layout, Observed, TwoHosts, stop_job, wait_codes, watch_attempt  # noqa: E402
-from campaign_procs import resume_all, rows, wait_gone  # noqa: E402
+from campaign_procs import SIGNALS, resume_all, rows, wait_gone  # noqa: E402
 
 
 class Campaign:
@@ -142,15 +142,19 @@ class Campaign:
             seen.codes.append(codes)
             allowed.append(documented(scn, layout, seen, attempt))
             resume_all(seen.stopped)
-            left = wait_gone(tag, 150)
+            # what may still run once the launchers ended: a killed rank's DataLoader workers (they see their
+            # parent gone within 5 s); after launch.sh was killed, the whole job it left (ends by itself)
+            left = wait_gone(tag, 150 if any(f["fault"] == "kill_launch_sh" for f in seen.faults) else 15)
             if left:
                 stop_job([], tag)
             finished = rows(out0 / "steps.jsonl")[-1:] == ref_rows[-1:] and (out0 / "model.safetensors").exists()
             if codes is None or attempt >= 2 or (all(c == 0 for c in codes) or plan == [] and finished):
                 break
-            attempt += 1  # the platform starts the job again: --resume auto continues the run
-            args = [a for a in args if a not in ("--overwrite", "true")]
-            args = [*strip_resume(args), "--resume", "auto"]
+            attempt += 1  # the platform starts the job again: --resume auto continues the run ...
+            if seen.timeline and any(s != seen.timeline[0][1] for _, s in seen.timeline):
+                args = [*strip_resume([a for a in args if a not in ("--overwrite", "true")]), "--resume", "auto"]
+            # ... or, where it never logged a step, the same command again (an --overwrite job that died before it
+            # set the other run aside: --resume auto would continue that other run and is refused)
         result.update(timed_out=seen.timed_out, codes=seen.codes, seconds=round(time.monotonic() - t0, 1))
         text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("attempt*-node0.log")))
         result["faults"] = [measure(f, seen, text) for f in seen.faults]
@@ -190,10 +194,10 @@ def documented(scn: Scenario, layout: Layout, seen: Observed, attempt: int) -> s
     for f in mine:
         if f["fault"] in ("kill_launch_sh",) or f["fault"] == "kill_launcher" and layout.how == "accelerate":
             ok.add(-9)
-        if layout.how == "accelerate":
-            ok.add(1)
-        elif f["fault"] in ("term", "usr1", "int"):
-            ok = {4} | ({0} if f["late"] else set())
+        if layout.how == "accelerate":  # 1 for a failed worker; the launcher itself ended by the signal sent to it
+            ok |= {1, -SIGNALS[f["fault"]]} if f["fault"] in SIGNALS else {1}
+        elif f["fault"] in ("term", "usr1", "int"):  # preempted (4), or finished before the stop was agreed (0)
+            ok = {4, 0}
     return ok
 
 

@@ -125,6 +125,7 @@ class Watch:
 
     def __init__(self, out: Path):
         self.out, self._stat, self._last = Path(out), None, (0, None)
+        self.initial = self.last_step()[1]  # steps.jsonl as the job found it (a run it continues, or none)
 
     def last_step(self) -> tuple[int, object]:
         """(step of the last row, a token that changes whenever steps.jsonl does)"""
@@ -150,10 +151,10 @@ class Watch:
 
     def event(self, name: str, steps_per_epoch: int, at_step: int, started_steps: int, procs_seen: bool) -> bool:
         """Has the named event (at or after step at_step) happened?"""
-        step = self.last_step()[0]
+        step, token = self.last_step()
         if name == "startup":
             return procs_seen and step == started_steps
-        if step < at_step:
+        if step < at_step or token == self.initial:  # (rows of the run it continues are not this job's steps)
             return False
         if name == "step":
             return True

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -34,16 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign_check import check_faults, check_processes, check_statuses, compare_outputs  # noqa: E402
 from campaign_draw import LAYOUTS, Scenario, draw, reference_key, trainer_flags  # noqa: E402
 from campaign_jobs import ROOT, Layout, Observed, TwoHosts, stop_job, wait_codes, watch_attempt  # noqa: E402
-from campaign_procs import SIGNALS, resume_all, rows, wait_gone  # noqa: E402
+from campaign_procs import SIGNALS, kill_all, resume_all, rows, wait_gone  # noqa: E402
 
 
 class Campaign:
     def __init__(self, workdir: Path, log: Path | None, hooks: str = ""):
-        self.workdir, self.log, self.hosts, self.hooks = Path(workdir), log, None, hooks
+        self.workdir, self.log, self.hosts, self.hooks, self.tags = Path(workdir), log, None, hooks, []
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.can_hosts = os.geteuid() == 0 and shutil.which("ip") is not None
 
     def close(self):
+        """The job under way (a campaign stopped by a signal) and the network namespaces go."""
+        for tag in self.tags:
+            kill_all(tag)
         if self.hosts is not None:
             self.hosts.down()
 
@@ -53,6 +57,10 @@ class Campaign:
             self.hosts.down()
             self.hosts.up()
         return Layout.of(scn, self.hosts, per)
+
+    def new_tag(self) -> str:
+        self.tags = [uuid.uuid4().hex]
+        return self.tags[0]
 
     def images(self) -> Path:
         """An image folder of two classes (64 + 8 PNGs each, 16 px), written once per campaign."""
@@ -75,7 +83,7 @@ class Campaign:
 
     def plain(self, scn: Scenario, args: list, base: Path, name: str, per: int | None = None) -> tuple[int, str]:
         """A run without faults (the reference, a starting point): its worst status and rank 0's log."""
-        layout, tag = self.layout(scn, per), uuid.uuid4().hex
+        layout, tag = self.layout(scn, per), self.new_tag()
         logs = [base.parent / f"{name}-node{n}.log" for n in range(layout.machines)]
         codes = wait_codes(layout.start(scn, args, base, logs, tag, self.hooks), tag, 420)
         return (max(codes, key=abs) if codes else -1), logs[0].read_text()
@@ -130,7 +138,7 @@ class Campaign:
         total, per_epoch = ref_rows[-1]["step"], rows(ref / "metrics.jsonl")[0]["step"]
         base = work / "out"
         start = self.prepare(scn, base, total)
-        layout, tag = self.layout(scn), uuid.uuid4().hex
+        layout, tag = self.layout(scn), self.new_tag()
         timeout = ["--timeout_s", "20" if any(f["fault"] == "stop_rank" for f in scn.faults) else "60"]
         args = [*self.flags(scn), *start, *timeout]
         seen, plan, allowed = Observed(), [dict(f) for f in scn.faults], []
@@ -238,6 +246,7 @@ def main(argv=None) -> int:
         print(summarise(Path(a.summary)))
         return 0
     campaign = Campaign(Path(a.workdir), Path(a.log) if a.log else None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (through `finally`: the job and namespaces go)
     rng, t0, n, failed = random.Random(a.seed), time.monotonic(), 0, []
     seeds = iter(a.scenario_seed) if a.scenario_seed else iter(lambda: rng.randrange(1, 2**31), None)
     try:

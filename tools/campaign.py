@@ -155,7 +155,8 @@ class Campaign:
             left = wait_gone(tag, 150 if any(f["fault"] == "kill_launch_sh" for f in seen.faults) else 15)
             if left:
                 stop_job([], tag)
-            finished = rows(out0 / "steps.jsonl")[-1:] == ref_rows[-1:] and (out0 / "model.safetensors").exists()
+            finished = [r["step"] for r in rows(out0 / "steps.jsonl")[-1:]] == [total] and \
+                (out0 / "model.safetensors").exists()
             if codes is None or attempt >= 2 or (all(c == 0 for c in codes) or plan == [] and finished):
                 break
             attempt += 1  # the platform starts the job again: --resume auto continues the run ...
@@ -221,7 +222,7 @@ def measure(f: dict, seen: Observed, text: str) -> dict:
     new = [t for t, pid in seen.new_ranks if t > f["t"] and pid not in f["pids_before"]]
     recovery = None
     if new and resumed is not None:
-        recovery = next((round(t - f["t"], 2) for t, s in seen.timeline if t > new[0] and s == resumed + 1), None)
+        recovery = next((round(t - f["t"], 2) for t, s in seen.timeline if t > new[0] and s > resumed), None)
     lost = max(0, f["step_at_fault"] - resumed) if resumed is not None and f["step_at_fault"] is not None else None
     keep = ("fault", "event", "at", "rank", "node", "step_at_fault", "late", "survivor_possible")
     return {**{k: f[k] for k in keep}, "resumed": resumed, "lost": lost, "recovery_s": recovery}

@@ -560,6 +560,13 @@ while true; do
   reported="$(trainer_status "$status_dir")"
   # A stop signal that came as the run ended (issue 36, the fault campaign): the ranks finished (status 0) but their
   # launcher died of the signal passed on to its group (accelerate's simple launcher: 143; torchrun's agent: 1)
+  # A stop signal while the job started (issue 36, seed 1998505072): the ranks died of it before their handlers were
+  # installed (no status, no note of any rank); as a signal before the job started, nothing to save: exit 4
+  if ((status != 0)) && [[ -n "$signalled" && -z "$reported" ]] && ! compgen -G "$status_dir/*" >/dev/null; then
+    echo "launch.sh: stopped by SIG$signalled while the job started (nothing to save)" >&2
+    rm -rf "$status_dir"
+    exit 4
+  fi
   if ((status != 0)) && [[ -z "$reported" ]] && finished "$status_dir"; then
     echo "launch.sh: the launcher ended with status $status, but every rank here had finished the run: exit status 0" >&2
     status=0

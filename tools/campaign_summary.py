@@ -19,16 +19,17 @@ def summarise(log: Path) -> str:
     for r in failed:
         lines.append(f"- FAIL seed {r['seed']} ({r['describe']}): {'; '.join(r['fails'])[:400]} -- replay: "
                      f"`python tools/campaign.py --scenario_seed {r['seed']}`")
-    per = defaultdict(list)
+    per, pooled = defaultdict(list), defaultdict(list)
     for r in ran:
         for f in r.get("faults", []):
-            layout = r["scenario"]["layout"] if "scenario" in r else "?"
-            per[(f["fault"], layout)].append(f)
-    lines += ["", "| fault | layout | injected | steps lost (max) | recovery s: median | max | n measured |",
-              "|---|---|---|---|---|---|---|"]
-    for (fault, layout), fs in sorted(per.items()):
-        rec = [f["recovery_s"] for f in fs if f.get("recovery_s") is not None]
-        lost = [f["lost"] for f in fs if f.get("lost") is not None]
-        lines.append(f"| {fault} | {layout} | {len(fs)} | {max(lost) if lost else '-'} | "
-                     f"{statistics.median(rec) if rec else '-'} | {max(rec) if rec else '-'} | {len(rec)} |")
+            per[(f["fault"], r["scenario"]["layout"] if "scenario" in r else "?")].append(f)
+            pooled[(f["fault"], "all")].append(f)
+    for groups in (per, pooled):
+        lines += ["", "| fault | layout | injected | steps lost (max) | recovery s: median | max | n measured |",
+                  "|---|---|---|---|---|---|---|"]
+        for (fault, layout), fs in sorted(groups.items()):
+            rec = [f["recovery_s"] for f in fs if f.get("recovery_s") is not None]
+            lost = [f["lost"] for f in fs if f.get("lost") is not None]
+            lines.append(f"| {fault} | {layout} | {len(fs)} | {max(lost) if lost else '-'} | "
+                         f"{statistics.median(rec) if rec else '-'} | {max(rec) if rec else '-'} | {len(rec)} |")
     return "\n".join(lines)

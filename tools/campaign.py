@@ -249,6 +249,10 @@ def main(argv=None) -> int:
         return 0
     campaign = Campaign(Path(a.workdir), Path(a.log) if a.log else None)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (through `finally`: the job and namespaces go)
+    # A campaign started in the background of a script inherits SIGINT ignored, and so would every job it starts: a
+    # shell cannot trap a signal ignored at its start, so launch.sh would never see the Ctrl-C faults. Handled here,
+    # it is the default again in each job (an exec resets handled signals, not ignored ones)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng, t0, n, failed = random.Random(a.seed), time.monotonic(), 0, []
     seeds = iter(a.scenario_seed) if a.scenario_seed else iter(lambda: rng.randrange(1, 2**31), None)
     try:

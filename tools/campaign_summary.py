@@ -31,5 +31,5 @@ def summarise(log: Path) -> str:
             rec = [f["recovery_s"] for f in fs if f.get("recovery_s") is not None]
             lost = [f["lost"] for f in fs if f.get("lost") is not None]
             lines.append(f"| {fault} | {layout} | {len(fs)} | {max(lost) if lost else '-'} | "
-                         f"{statistics.median(rec) if rec else '-'} | {max(rec) if rec else '-'} | {len(rec)} |")
+                         f"{round(statistics.median(rec), 1) if rec else '-'} | {max(rec) if rec else '-'} | {len(rec)} |")
     return "\n".join(lines)

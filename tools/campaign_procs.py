@@ -52,13 +52,13 @@ def job_procs(tag: str, workers: set | None = None) -> list[Proc]:
         if read is None or marker not in read[0]:
             continue
         env, argv, ppid = read
-        cmd = b"\0".join(argv)
+        cmd = b"\0".join(argv) + b"\0"  # (-m accel_train, not launch.sh's -m accel_train.accel_config check)
         if argv[0].endswith(b"bash") and any(a.endswith(b"launch.sh") for a in argv[1:3]):
             kind = "launch.sh"
         elif b"accelerate.commands.launch" in cmd or b"torchrun" in argv[0] or b"distributed.run" in cmd:
             kind = "launcher"
         elif argv[0].split(b"/")[-1].startswith(b"python") and b"preflight" not in cmd \
-                and (b"-m\0accel_train" in cmd or any(a.endswith(b".py") for a in argv[1:3])):
+                and (b"-m\0accel_train\0" in cmd or any(a.endswith(b".py") for a in argv[1:3])):
             kind = "rank"
         else:
             kind = "other"

@@ -505,6 +505,15 @@ killed_ranks() {  # host-pid of each rank that ended without a fault, without Py
     grep -qs -e '^Fatal Python error' -e '^exit: python' "$note" || echo "${note##*/}"
   done
 }
+finished() {  # every rank of this machine wrote status 0: the run ended, whatever its launcher says
+  local n=0 f
+  for f in "$1"/*; do
+    [[ -f "$f" ]] || continue
+    [[ "$(cat "$f")" == 0 ]] || return 1
+    n=$((n + 1))
+  done
+  ((n == nproc))
+}
 aborted() { local b; b="$(abort_backends "$1")"; [[ -n "$b" ]] && grep -qvx gloo <<< "$b"; }
 crashed() { local b; b="$(abort_backends "$1")"; grep -qx gloo <<< "$b"; }
 
@@ -586,6 +595,19 @@ while true; do
   wait "$watcher" 2>/dev/null || true
   ranks_ended "$status_dir"
   reported="$(trainer_status "$status_dir")"
+  # A stop signal that came as the run ended (issue 36, the fault campaign): the ranks finished (status 0) but their
+  # launcher died of the signal passed on to its group (accelerate's simple launcher: 143; torchrun's agent: 1)
+  # A stop signal while the job started (issue 36, seed 1998505072): the ranks died of it before their handlers were
+  # installed (no status, no note of any rank); as a signal before the job started, nothing to save: exit 4
+  if ((status != 0)) && [[ -n "$signalled" && -z "$reported" ]] && ! compgen -G "$status_dir/*" >/dev/null; then
+    echo "launch.sh: stopped by SIG$signalled while the job started (nothing to save)" >&2
+    rm -rf "$status_dir"
+    exit 4
+  fi
+  if ((status != 0)) && [[ -z "$reported" ]] && finished "$status_dir"; then
+    echo "launch.sh: the launcher ended with status $status, but every rank here had finished the run: exit status 0" >&2
+    status=0
+  fi
   if [[ "$reported" == 3 ]] && aborted "$status_dir"; then
     echo "launch.sh: a rank ended by SIGABRT (NCCL's watchdog does this at the --timeout_s collective timeout when a peer is gone): a lost peer (exit status 3)" >&2
   elif [[ "$reported" == 137 ]]; then

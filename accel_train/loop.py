@@ -90,8 +90,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
             next_epoch(run, epoch, survivor.lock)
             checkpoints.save(state)  # epoch end, or where --max_steps stopped
     progress.close()
-    stop.uninstall()
-    return finish(run, cfg, metrics, best, time.perf_counter() - run_start)  # the outputs; trackers closed
+    return finish(run, cfg, metrics, best, time.perf_counter() - run_start, stop)  # outputs; trackers, stop closed
 
 
 def next_epoch(run: Run, epoch: int, lock) -> None:

@@ -139,9 +139,11 @@ def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
             "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics, "accel_train_version": __version__}
 
 
-def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float) -> dict:
+def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float, stop) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config; then the
-    trackers are closed (accelerator.end_training)."""
+    trackers are closed (accelerator.end_training). The stop handlers (`stop`) are uninstalled only then: a stop
+    signal after the last step (its default action would end the process mid-write, with no status: issue 36, the
+    fault campaign) is too late to stop anything, and the finished run ends with status 0."""
     accelerator, model, ema, info = run.accelerator, run.model, run.ema, run.data.info
     accelerator.wait_for_everyone()
     if cfg.compile:
@@ -185,6 +187,7 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
                     + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    stop.uninstall()
     return summary
 
 

@@ -113,7 +113,7 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
         gone = orphaned_at_start(PARENT)
         while os.getppid() == PARENT and not gone:
             time.sleep(LAUNCHER_POLL_S)
-        if _watching:
+        if _watching and _watching[0].signal is None:  # (a stop signal first: a preemption, whose launcher went too)
             _watching[0].launcher_gone = PARENT
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + LAUNCHER_GRACE_S

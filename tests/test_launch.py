@@ -533,6 +533,39 @@ def test_bad_input_is_not_relaunched(tmp_path):
     assert "relaunching" not in proc.stderr
 
 
+def test_a_run_that_finished_as_its_launcher_died_of_a_stop_signal_is_status_0(tmp_path):
+    """Issue 36 (the fault campaign, seed 705879002): a SIGTERM to launch.sh as the run ended: the one rank finished
+    (status 0) and accelerate's simple launcher died of the SIGTERM passed on to its group (143). launch.sh said
+    'stopped by SIGTERM (exit status 143)', a status the README does not have, for a finished run."""
+    bindir, log = tmp_path / "bin", tmp_path / "accelerate_calls"
+    bindir.mkdir()
+    fake_accelerate(bindir, log, statuses=(143,), reported=0)
+    env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
+    env.update(PATH=tool_path(bindir), ACCEL_RESTART_DELAY="0")
+    proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "1", "--epochs", "1"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "every rank here had finished the run: exit status 0" in proc.stderr and "relaunching" not in proc.stderr
+    assert len(log.read_text().splitlines()) == 1
+
+
+def test_a_stop_signal_while_the_job_starts_is_status_4(tmp_path):
+    """Issue 36 (seed 1998505072): a SIGUSR1 to launch.sh while its one process was still starting (no handler yet):
+    the trainer and accelerate's launcher died of the SIGTERM passed on, and launch.sh said 'stopped by SIGUSR1 (exit
+    status 143)', a status the README does not have; a signal before the job started is 4, nothing to save."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f"#!/bin/bash\n[[ \"$1 $2\" == \"-m accelerate.commands.launch\" ]] || "
+                                    f"exec {sys.executable} \"$@\"\nkill -USR1 $PPID\nsleep 5\nexit 143\n")
+    (bindir / "python3").chmod(0o755)
+    env = {k: v for k, v in clean_env().items() if k not in PLATFORM_VARS}
+    env.update(PATH=tool_path(bindir), ACCEL_RESTART_DELAY="0")
+    proc = subprocess.run(["bash", str(LAUNCH), "--max_restarts", "1", "--epochs", "1"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert "stopped by SIGUSR1 while the job started (nothing to save)" in proc.stderr
+
+
 SHELL_SCRIPTS = ["launch.sh", "bench/gpu_check.sh", "bench/npu_check.sh", ".ci/run", ".ci/min_versions.sh"]
 
 

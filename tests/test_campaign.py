@@ -1,0 +1,164 @@
+"""The fault campaign (tools/campaign.py, issue 36): its checker catches a broken resume and a process left behind,
+and a short fixed campaign passes (CI runs it as part of the suite)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, clean_env, steps_logged, wait_for
+
+sys.path.insert(0, str(ROOT / "tools"))
+from campaign import Campaign, main  # noqa: E402
+from campaign_check import check_faults, compare_rows  # noqa: E402
+from campaign_draw import Scenario, draw  # noqa: E402
+
+# sitecustomize.py hooks, first on every process's PYTHONPATH (the technique of test_faults.py): each plants one bug
+# in the job the campaign runs, never in the package
+BROKEN_RESUME = """
+import sys
+if "--resume" in sys.argv:  # a resumed start trains the epoch's batches from its first one again
+    import accelerate
+    accelerate.Accelerator.skip_first_batches = lambda self, dataloader, num_batches=0: dataloader
+"""
+ORPHAN = """
+import os, sys
+if "--timeout_s" in sys.argv and os.environ.get("RANK") == "1":  # (rank 1 of the faulted run only)
+    if os.fork() == 0:  # rank 1 leaves a process of its own behind, outside every session the launchers kill
+        os.setsid()
+        os.closerange(0, 1024)
+        import time
+        time.sleep(600)
+        os._exit(0)
+"""
+
+
+def scenario(seed, start="fresh", faults=(), layout="launch2"):
+    return Scenario(seed, layout, "own", "random", "device", 1, False, None, False, "no", 3, start, list(faults))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One campaign folder for the module: its scenarios share one uninterrupted run (same flags, 2 ranks)."""
+    return tmp_path_factory.mktemp("campaign")
+
+
+def campaign_with(tmp_path, workdir, hook):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(hook)
+    return Campaign(workdir, None, hooks=str(hooks))
+
+
+@pytest.mark.slow
+def test_the_checker_catches_an_epoch_trained_twice_after_a_resume(tmp_path, workdir):
+    """--resume auto after a stop mid-epoch, with the resumed start training its epoch from the first batch again
+    (the batches before the stop twice): steps.jsonl and the weights differ from the uninterrupted run, and the
+    campaign says so."""
+    result = campaign_with(tmp_path, workdir, BROKEN_RESUME).run(scenario(1, start="resume_auto"))
+    fails = "\n".join(result["fails"])
+    assert "steps.jsonl: step " in fails and "model.safetensors: " in fails, result
+
+
+@pytest.mark.slow
+def test_the_checker_catches_a_process_left_behind(tmp_path, workdir):
+    """A rank that leaves a process of the job alive (here rank 1 forks one into a session of its own) is caught:
+    the scenario fails, naming it, and the campaign kills it. Nothing else differs from the uninterrupted run."""
+    # (accelerate launch: launch.sh would itself stop every process of its attempt, found by its environment)
+    result = campaign_with(tmp_path, workdir, ORPHAN).run(scenario(2, layout="accelerate2"))
+    assert len(result["fails"]) == 1, result
+    assert result["fails"][0].startswith("process(es) of the job left alive after it ended: [("), result
+
+
+def test_rows_and_promises_are_compared_column_by_column():
+    """The clock columns never count; a step trained twice, a changed loss and a lost step beyond the promise do."""
+    want = [{"step": 1, "loss": 2.0, "lr": 0.1, "sec": 1.0}, {"step": 2, "loss": 1.5, "lr": 0.2, "sec": 2.0}]
+    assert compare_rows("steps", [dict(r, sec=9.0) for r in want], want, ("step", "loss", "lr"), {"loss": 1e-5}) == []
+    assert compare_rows("steps", [want[0], want[0], want[1]], want, ("step",), {})
+    assert compare_rows("steps", [want[0], dict(want[1], loss=1.6)], want, ("step", "loss"), {"loss": 1e-5})
+    lost = {"fault": "kill_rank", "event": "step", "step_at_fault": 9, "lost": 3, "survivor_possible": True}
+    assert check_faults([lost], interval=3) and not check_faults([dict(lost, survivor_possible=False)], interval=3)
+    assert draw(5).to_json() == draw(5).to_json()  # a seed replays its draw
+
+
+# The CI campaign: seeds picked for the most likely bugs at the least cost: 2 ranks through launch.sh, a rank killed
+# at a step after --resume of an older step with --grad_accum 2 and --clip_grad (1267, an own model), and during a
+# checkpoint write with --ema and BatchNorm (2818). A failure prints the seed's replay command. Scenarios that found
+# a bug join them once it is fixed (705879002's bug needs a signal at the run's very end: tests/test_launch.py
+# test_a_run_that_finished_as_its_launcher_died_of_a_stop_signal_is_status_0 holds it).
+CI_SEEDS = [1267, 2818]
+
+
+@pytest.mark.slow
+def test_a_short_fixed_campaign_passes(tmp_path, capsys):
+    code = main(["--scenario_seed", *map(str, CI_SEEDS), "--workdir", str(tmp_path / "campaign")])
+    out = capsys.readouterr().out
+    assert code == 0 and "FAIL" not in out, out
+
+
+# --- what the campaign found, kept as regression tests (seed 705879002: launch.sh, one process, SIGTERM) ---
+FINISH_HOLD = """
+import os, time
+if os.environ.get("CAMPAIGN_TEST_HOLD"):  # the trainer, in its final outputs: says so, then takes 4 s more
+    import accelerate
+    _end_training = accelerate.Accelerator.end_training
+    def end_training(self):
+        open(os.environ["CAMPAIGN_TEST_HOLD"], "w").close()
+        time.sleep(4)
+        return _end_training(self)
+    accelerate.Accelerator.end_training = end_training
+"""
+
+
+def one_process_launch_sh(tmp_path, hook=None, **env):
+    """launch.sh with one process (accelerate's simple launcher: it dies of the SIGTERM launch.sh passes to the job's
+    process group, while the trainer handles it), resnet18 at ~0.3 s a step; hook: a sitecustomize.py."""
+    paths = [str(ROOT / "tests")]
+    if hook:
+        (tmp_path / "hooks").mkdir()
+        (tmp_path / "hooks" / "sitecustomize.py").write_text(hook)
+        paths.insert(0, str(tmp_path / "hooks"))
+    out, log = tmp_path / "out", open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--train_samples", "96", "--test_samples", "8", "--epochs",
+                             "1", "--batch_size", "4", "--log_every", "1", "--output_dir", out], stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env=clean_env(NPROC_PER_NODE="1", PYTHONPATH=os.pathsep.join(paths), **env))
+    return proc, out
+
+
+def sigterm_then_wait(proc, ready):
+    try:
+        wait_for(ready, timeout=240, interval=0.02)
+        os.kill(proc.pid, signal.SIGTERM)
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_sh_of_one_process_is_a_preemption_not_a_lost_launcher(tmp_path):
+    """The simple launcher dies of the SIGTERM at once, and the trainer's launcher watch saw it before the ranks'
+    agreed check: the run stopped as 'by the end of its launcher', status 3, where the README promises a preemption
+    (4). A stop signal that came first now names the stop."""
+    proc, out = one_process_launch_sh(tmp_path)
+    code = sigterm_then_wait(proc, lambda: steps_logged(out) >= 3)
+    text = (tmp_path / "run.log").read_text()
+    assert code == 4, text[-3000:]
+    assert "accel-train: preempted: stopped by SIGTERM at step" in text and "end of its launcher" not in text
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_outputs_are_written_lets_the_finished_run_end_with_status_0(tmp_path):
+    """The stop handlers were uninstalled before the final outputs: a SIGTERM then ended the trainer by its default
+    action, mid-write, with no status (launch.sh: 'killed by SIGKILL ... exit status 137')."""
+    held = tmp_path / "held"
+    proc, out = one_process_launch_sh(tmp_path, FINISH_HOLD, CAMPAIGN_TEST_HOLD=str(held))
+    code = sigterm_then_wait(proc, held.exists)
+    text = (tmp_path / "run.log").read_text()
+    assert code == 0, text[-3000:]
+    assert "killed by a signal" not in text and "done in" in text
+    assert (out / "model.safetensors").is_file() and (out / "config.yaml").is_file()

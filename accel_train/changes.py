@@ -59,14 +59,15 @@ def log_changes(meta: dict, cfg, precision: str, log) -> None:
             "values on the left)")
 
 
-SCHEDULE = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs")  # what the lr of a step is a function of
+SCHEDULE = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "sched", "sched_kwargs")  # a step's lr follows these
 
 
 def schedule_changed(meta: dict, cfg) -> bool:
-    """Whether the lr schedule from the checkpoint's step on differs from its run's (an older checkpoint, whose
-    settings are not recorded: taken as changed)."""
-    old = (meta.get("run") or {}).get("settings")
-    return not old or any(k not in old or old[k] != getattr(cfg, k) for k in SCHEDULE)
+    """Whether the lr schedule from the checkpoint's step on differs from its run's, compared as the checkpoint
+    records them (settings: --opt's lr_base where not given). An older checkpoint, whose settings are not recorded
+    (or not all of them): taken as changed."""
+    old, now = (meta.get("run") or {}).get("settings"), settings(cfg, "")
+    return not old or any(k not in old or old[k] != now[k] for k in SCHEDULE)
 
 
 def _said(value) -> str:

@@ -340,8 +340,8 @@ def test_the_examples_train_on_two_ranks(tmp_path):
     assert result["step"] == rows[-1]["step"] == 32  # 256 samples, 2 ranks x 8 (the automatic batch): 16 steps an epoch
     assert result["model_file"] == str(tmp_path / "d" / "model.safetensors") and Path(result["model_file"]).is_file()
     meta = json.loads((tmp_path / "d" / "model_config.json").read_text())
-    assert (meta["architecture"], meta["classes"], meta["data"]) == ("__main__:small_net", ["horizontal", "vertical"],
-                                                                    "Stripes")
+    assert (meta["architecture"], meta["classes"], meta["data"], meta["dataset"]) == (
+        "__main__:small_net", ["horizontal", "vertical"], "dataset", "Stripes")
     # launch.sh starts the script in the trainer's place (ACCEL_TRAIN_SCRIPT), with its flags
     proc = run(["bash", ROOT / "launch.sh", "--dry-run", "--epochs", "1"], 60,
                clean_env(ACCEL_TRAIN_SCRIPT="examples/train_own_data.py", NPROC_PER_NODE="2"), ROOT)

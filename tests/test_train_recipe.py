@@ -167,7 +167,7 @@ def test_two_ranks_equal_one_rank_with_every_recipe_flag_in_every_pipeline(tmp_p
             "0.2,1", "--ratio", "3/4,4/3", "--crop_pct", "0.9", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25"]
     common = [*base, "--color_jitter", "0.3", "--aa", "rand-m9-mstd0.5", "--reprob", "0.5"]
     launch("2proc_cpu.yaml", [*common, "--batch_size", "8", "--pipeline", "cpu", "--num_workers", "1",
-                              "--output_dir", tmp_path / "two"], env=env)
+                              "--output_dir", tmp_path / "two"], env=env, timeout=600)  # (loaded: 300 s ran out)
     launch("cpu.yaml", [*common, "--batch_size", "16", "--pipeline", "auto", "--output_dir", tmp_path / "one"],
            env=env)
     steps = {k: [json.loads(x) for x in (tmp_path / k / "steps.jsonl").read_text().splitlines()] for k in ("one",

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ("circle", "square", "triangle", "cross")
 
 
-def draw(kind: str, size: int, rng, photos: bool = False) -> np.ndarray:
+def draw(kind: str, size: int, rng, photos: bool = False, shape=(0.06, 0.3)) -> np.ndarray:
     """One image: a shape of a random colour, size and place on a noisy background of another colour. `photos`: a
-    canvas of its own size and shape (each side 1-2x `size`) and a shape of 6-30% of its shorter side, anywhere: the
-    object's scale and position vary as in photos."""
+    canvas of its own size and shape (each side 1-2x `size`) and a shape (its half-width) of `shape` (a fraction range)
+    of its shorter side, anywhere: the object's scale and position vary as in photos."""
     h, w = (int(size * rng.uniform(1, 2)), int(size * rng.uniform(1, 2))) if photos else (size, size)
     yy, xx = np.mgrid[:h, :w].astype(np.float32)
-    r = rng.uniform(0.06, 0.3) * min(h, w) if photos else rng.uniform(0.18, 0.35) * size
+    r = rng.uniform(*shape) * min(h, w) if photos else rng.uniform(0.18, 0.35) * size
     cy, cx = rng.uniform(r, h - r), rng.uniform(r, w - r)
     dy, dx = yy - cy, xx - cx
     if kind == "circle":
@@ -54,7 +54,7 @@ def draw(kind: str, size: int, rng, photos: bool = False) -> np.ndarray:
 
 
 def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int, seed: int = 0,
-                photos: bool = False) -> Path:
+                photos: bool = False, shape=(0.06, 0.3)) -> Path:
     from PIL import Image
     rng = np.random.default_rng(seed)
     for split, n in (("train", train_per_class), ("validation", val_per_class)):
@@ -62,7 +62,7 @@ def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int,
             folder = root / split / kind
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(draw(kind, size, rng, photos)).save(folder / f"{i:05d}.png")
+                Image.fromarray(draw(kind, size, rng, photos, shape)).save(folder / f"{i:05d}.png")
     return root
 
 
@@ -77,7 +77,7 @@ def run_timed(cmd, env, cwd) -> tuple[float, list[tuple[float, str]]]:
 
 
 def timm_run(args, data: Path, out: Path, env) -> dict:
-    cmd = [sys.executable, args.timm_train, "--data-dir", str(data), "--model", "resnet18", "--num-classes",
+    cmd = [sys.executable, args.timm_train, "--data-dir", str(data), "--model", args.model, "--num-classes",
            str(len(CLASSES)), "--img-size", str(args.size), "--epochs", str(args.epochs), "-b", str(args.batch_size),
            "--lr", str(args.lr), "--device", "cpu", "--output", str(out), "--experiment", "timm", "--seed", "42"]
     wall, lines = run_timed(cmd, env, out)
@@ -90,7 +90,7 @@ def timm_run(args, data: Path, out: Path, env) -> dict:
 
 
 def ours_run(args, data: Path, out: Path, env) -> dict:
-    cmd = [sys.executable, "-m", "accel_train", "--data", "imagefolder", "--data_dir", str(data), "--model", "resnet18",
+    cmd = [sys.executable, "-m", "accel_train", "--data", "imagefolder", "--data_dir", str(data), "--model", args.model,
            "--stem", "imagenet", "--image_size", str(args.size), "--epochs", str(args.epochs), "--batch_size",
            str(args.batch_size), "--lr", str(args.lr), "--output_dir", str(out / "ours"), "--seed", "42", *args.ours]
     wall, lines = run_timed(cmd, env, ROOT)
@@ -116,8 +116,11 @@ def main() -> None:
     p.add_argument("--train_per_class", type=int, default=500)
     p.add_argument("--val_per_class", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--model", default="resnet18", help="the timm model both train (timm's own stem in both)")
     p.add_argument("--photos", action="store_true", help="photo-like: canvases of varying size and shape, the shape "
-                   "6-30%% of the shorter side, anywhere (draw)")
+                   "a --shape fraction of the shorter side, anywhere (draw)")
+    p.add_argument("--shape", default="0.06,0.3", help="--photos: the shape's half-width, a range of fractions of the "
+                   "canvas's shorter side")
     p.add_argument("--ours", nargs=argparse.REMAINDER, default=[], help="extra accel_train flags (at the end)")
     args = p.parse_args()
 
@@ -126,9 +129,10 @@ def main() -> None:
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory(prefix="accel_train_vs_timm_") as tmp:
         data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class,
-                           photos=args.photos)
+                           photos=args.photos, shape=tuple(map(float, args.shape.split(","))))
         print(f"# data: {len(CLASSES)} classes x ({args.train_per_class} train + {args.val_per_class} val) PNG, "
-              f"{'photo-like, each side 1-2x ' if args.photos else ''}{args.size}px; resnet18 (timm's imagenet stem in both), {args.epochs} epochs, batch {args.batch_size}, "
+              f"{f'photo-like (shape {args.shape} of the shorter side), each side 1-2x ' if args.photos else ''}"
+              f"{args.size}px; {args.model} (timm's own stem in both), {args.epochs} epochs, batch {args.batch_size}, "
               f"lr {args.lr}, one CPU process, {os.cpu_count()} cores", flush=True)
         results = {"timm": [], "ours": []}
         for r in range(args.repeats):

@@ -15,7 +15,7 @@ from PIL import Image
 
 from accel_train.config import TrainConfig
 from accel_train.data import build_data
-from accel_train.data.crops import resized_crop, rrc_boxes, store_size
+from accel_train.data.crops import resized_crop, rrc_bicubic, rrc_boxes, store_size
 from accel_train.data.images import Decode, decode_image
 from accel_train.errors import ConfigError
 from accel_train.resume import keep_run_math
@@ -61,6 +61,13 @@ def test_the_crop_resamples_the_box_and_mirrors():
     assert (halved.float() - blocks).abs().max() <= 0.5
     bicubic = resized_crop(images, whole, torch.zeros(2), 8, "bicubic")
     assert (bicubic.float() - blocks).abs().float().mean() < 20 and bicubic.shape == (2, 3, 8, 8)
+    assert not torch.equal(bicubic, halved)
+    # --train_interpolation random (timm train.py's default): each sample bilinear or bicubic as its bit says
+    mixed = resized_crop(images, whole, torch.zeros(2), 8, "random", torch.tensor([0, 1]))
+    assert torch.equal(mixed[0], halved[0]) and torch.equal(mixed[1], bicubic[1])
+    bits = rrc_bicubic(torch.arange(1000), 0, 42)
+    assert 0.45 < bits.float().mean() < 0.55 and not torch.equal(bits, rrc_bicubic(torch.arange(1000), 1, 42))
+    assert torch.equal(bits[[7, 3]], rrc_bicubic(torch.tensor([7, 3]), 0, 42))  # (a function of the sample alone)
 
 
 def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
@@ -112,6 +119,14 @@ def test_random_resized_crop_is_the_same_in_every_pipeline_and_moves_with_the_ep
     # one rank of two (every other sample) sees the same images as the one rank does
     assert torch.equal(train_batch(pipelines["cpu"], [1, 3, 5, 7], epoch=2), reference[1::2])
     assert (train_batch(pipelines["cache"], list(range(8)), epoch=3) != reference).float().mean() > 0.3
+    # --train_interpolation random: the same in every pipeline too, and bicubic for some samples
+    mixed = {p: build_data(TrainConfig(pipeline=p, train_interpolation="random", **folder), "cpu")
+             for p in ("device", "cpu", "cache")}
+    random_ref = train_batch(mixed["device"], list(range(8)), epoch=2)
+    for name in ("cpu", "cache"):
+        assert torch.equal(train_batch(mixed[name], list(range(8)), epoch=2), random_ref), name
+    same = [torch.equal(a, b) for a, b in zip(random_ref, reference)]
+    assert same == (rrc_bicubic(torch.arange(8), 2, 42) == 0).tolist() and not all(same), same
     # each sample its own crop
     assert len(set(map(tuple, rrc_boxes(torch.arange(64), 2, 42, torch.ones(64)).tolist()))) == 64
     # CIFAR-10 and random data keep the pad crop by default
@@ -165,7 +180,8 @@ def test_two_ranks_equal_one_rank_with_every_recipe_flag_in_every_pipeline(tmp_p
     env = {"XDG_CACHE_HOME": str(tmp_path / "home")}
     base = [*TINY_GN, "--data_dir", root, "--image_size", "24", "--epochs", "2", "--log_every", "1", "--scale",
             "0.2,1", "--ratio", "3/4,4/3", "--crop_pct", "0.9", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25"]
-    common = [*base, "--color_jitter", "0.3", "--aa", "rand-m9-mstd0.5", "--reprob", "0.5"]
+    common = [*base, "--color_jitter", "0.3", "--aa", "rand-m9-mstd0.5", "--reprob", "0.5", "--train_interpolation",
+              "random"]
     launch("2proc_cpu.yaml", [*common, "--batch_size", "8", "--pipeline", "cpu", "--num_workers", "1",
                               "--output_dir", tmp_path / "two"], env=env, timeout=600)  # (loaded: 300 s ran out)
     launch("cpu.yaml", [*common, "--batch_size", "16", "--pipeline", "auto", "--output_dir", tmp_path / "one"],

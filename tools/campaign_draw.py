@@ -16,6 +16,16 @@ MODELS = ("test_resnet", "test_resnet_gn", "own", "script")  # BN timm, GN timm,
 NORM_FREE = ("test_resnet_gn", "own", "script")  # comparable across process counts (elastic resume)
 STARTS = ("fresh", "fresh", "resume_auto", "resume_path", "overwrite", "elastic")
 EVENTS = ("step", "step", "step", "checkpoint", "eval", "epoch_end", "startup")
+# issue 38's flags, drawn after everything else (a seed drawn before they existed keeps its layout, flags and faults)
+RECIPES = {
+    "none": [],
+    "photos": ["--aa", "rand-m9-mstd0.5", "--reprob", "0.25", "--color_jitter", "0.4"],  # per sample: workers only
+    "mix": ["--mixup", "0.8", "--cutmix", "1.0"],
+    "adamw": ["--opt", "adamw", "--sched", "step", "--sched_kwargs", '{"decay_epochs": 1}', "--drop_path", "0.1"],
+    "decay": ["--opt", "adamw", "--layer_decay", "0.75"],
+    "probe": ["--freeze", "backbone"],
+}
+TIMM_ONLY = ("adamw", "decay", "probe")  # drop_path, layer groups, a named classifier: timm's models
 GLOBAL_BATCH = 16
 
 
@@ -34,6 +44,7 @@ class Scenario:
     checkpoint_every: int
     start: str
     faults: list = field(default_factory=list)  # [{"fault", "event", "at": fraction of the run, "rank", "node"}]
+    recipe: str = "none"  # a key of RECIPES
 
     @property
     def ranks(self) -> int:
@@ -45,7 +56,7 @@ class Scenario:
         return (f"{self.layout} {self.model} {self.data}/{self.pipeline} accum{self.grad_accum}"
                 f"{' ema' if self.ema else ''}{' clip' if self.clip_grad else ''}"
                 f"{' cl' if self.channels_last else ''} {self.mixed_precision} ckpt{self.checkpoint_every} "
-                f"{self.start} | {f}")
+                f"{self.start}{'' if self.recipe == 'none' else ' ' + self.recipe} | {f}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -78,7 +89,18 @@ def draw(seed: int, two_hosts: bool = True) -> Scenario:
                                                   and r.random() < 0.5 else "step")
         scn.faults.append({"fault": fault, "event": event, "at": round(r.uniform(0.1, 0.9), 3),
                            "rank": r.randrange(2), "node": r.randrange(LAYOUTS[layout][1])})
+    scn.recipe = r.choice(recipes_for(scn))
     return scn
+
+
+def recipes_for(scn: Scenario) -> list[str]:
+    """The recipes the scenario's model, data and pipeline can run ('none' twice: most scenarios stay plain)."""
+    found = ["none", "none", "mix"]
+    if scn.model.startswith("test_resnet"):
+        found += list(TIMM_ONLY)
+        if scn.data == "imagefolder" and scn.pipeline != "device":
+            found += ["photos", "photos"]
+    return found
 
 
 def trainer_flags(scn: Scenario, ranks: int | None = None) -> list[str]:
@@ -103,7 +125,7 @@ def trainer_flags(scn: Scenario, ranks: int | None = None) -> list[str]:
         args += ["--ema", "true"]
     if scn.clip_grad:
         args += ["--clip_grad", str(scn.clip_grad)]
-    return args
+    return args + RECIPES[scn.recipe]
 
 
 def reference_key(scn: Scenario) -> str:

@@ -11,7 +11,8 @@ epoch, sample index) computed on the CPU in float64 (rrc_boxes): every pipeline,
 The crop is resampled to image_size x image_size by torchvision.ops.roi_align (bilinear, an adaptive number of
 samples per output pixel: area-averaged when the crop shrinks, so no aliasing), batched, on whatever device holds the
 batch: the device pipeline's on the accelerator, the cpu and cache pipelines' in their DataLoader workers.
---train_interpolation bicubic resizes each crop by itself (F.interpolate, antialiased), on the same device.
+--train_interpolation bicubic resizes each crop by itself (F.interpolate, antialiased), on the same device; random
+(timm train.py's default) picks bilinear or bicubic per sample, half each, from the same hash.
 """
 
 from __future__ import annotations
@@ -67,21 +68,32 @@ def rrc_flips(idx: torch.Tensor, epoch: int, seed: int, hflip: bool) -> torch.Te
     return (h >> 20) & 1 if hflip else torch.zeros_like(h)
 
 
+def rrc_bicubic(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
+    """0/1 per sample: bicubic (1) or bilinear (0) for --train_interpolation random, on the CPU."""
+    return (sample_hash(idx.cpu(), epoch, seed) >> 21) & 1
+
+
 def resized_crop(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int,
-                 interpolation: str = "bilinear") -> torch.Tensor:
+                 interpolation: str = "bilinear", bicubic: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 (N, 3, L, L) stores -> uint8 (N, 3, size, size): each box (fractions, rrc_boxes) resampled to size x size
-    and mirrored where flips says, on images' device. Bilinear: one batched roi_align; bicubic: per image."""
+    and mirrored where flips says, on images' device. Bilinear: one batched roi_align; bicubic: per image; random:
+    bicubic where `bicubic` (rrc_bicubic, on the CPU) is 1."""
     n, _, hgt, wid = images.shape
-    px = boxes.to(images.device, torch.float32) * torch.tensor([wid, hgt, wid, hgt], device=images.device)
-    if interpolation == "bilinear":
+    scale = torch.tensor([wid, hgt, wid, hgt], dtype=torch.float32)
+    each = {"bilinear": torch.zeros(n, dtype=torch.bool), "bicubic": torch.ones(n, dtype=torch.bool)}.get(
+        interpolation, bicubic.bool().cpu() if bicubic is not None else None)
+    if each is None:
+        raise ValueError(f"interpolation {interpolation!r} needs its per-sample choice (rrc_bicubic)")
+    if each.all():
+        out = torch.empty((n, images.shape[1], size, size), device=images.device)
+    else:
         from torchvision.ops import roi_align
+        px = boxes.to(images.device, torch.float32) * scale.to(images.device)
         rois = torch.cat([torch.arange(n, device=images.device, dtype=torch.float32)[:, None], px], 1)
         out = roi_align(images.float(), rois, output_size=size, sampling_ratio=-1, aligned=True)
-    else:
-        out = torch.empty((n, images.shape[1], size, size), device=images.device)
-        for k, (x0, y0, x1, y1) in enumerate(px.round().long().tolist()):
-            crop = images[k:k + 1, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)].float()
-            out[k:k + 1] = F.interpolate(crop, size=(size, size), mode=interpolation, antialias=True,
-                                         align_corners=False)
+    for k in each.nonzero().flatten().tolist():  # (the boxes are the CPU's: no device sync)
+        x0, y0, x1, y1 = (boxes[k].cpu().float() * scale).round().long().tolist()
+        crop = images[k:k + 1, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)].float()
+        out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
     out = torch.where(flips.to(images.device).view(-1, 1, 1, 1).bool(), out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)

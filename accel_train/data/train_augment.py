@@ -21,7 +21,7 @@ import torch
 
 from ..recipes import TRIVIAL, parse_pair, train_crop
 from .augment import crop_flip_each, crop_flip_params, mix32, sample_hash
-from .crops import resized_crop, rrc_boxes, rrc_flips
+from .crops import resized_crop, rrc_bicubic, rrc_boxes, rrc_flips
 
 SAMPLE_STREAM = 0x5BD1E995  # xor'ed into the crop's hash: the per-sample transforms' own seeds
 
@@ -67,7 +67,8 @@ class SampleTransforms:
             re_prob=self.reprob, re_mode="pixel", separate=True)
         if trivial:
             from torchvision.transforms import InterpolationMode, TrivialAugmentWide
-            secondary.transforms.append(TrivialAugmentWide(interpolation=InterpolationMode(self.interpolation)))
+            mode = "bilinear" if self.interpolation == "random" else self.interpolation  # (timm's AutoAugment: same)
+            secondary.transforms.append(TrivialAugmentWide(interpolation=InterpolationMode(mode)))
         erase = final.transforms[-1] if self.reprob > 0 else None
         return secondary if secondary.transforms else None, erase
 
@@ -110,21 +111,21 @@ class TrainAugment:
     def resized(self) -> bool:
         return self.crop == "random_resized"
 
-    def boxes(self, idx: torch.Tensor, epoch: int, aspects: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """RandomResizedCrop's (boxes as float32 fractions, flips) for samples `idx`, on the CPU (aspects: of the
-        whole data set, width / height; None: square images)."""
+    def boxes(self, idx: torch.Tensor, epoch: int, aspects: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """RandomResizedCrop's (boxes as float32 fractions, flips, bicubic) for samples `idx`, on the CPU (aspects: of
+        the whole data set, width / height; None: square images; bicubic: --train_interpolation random's choice)."""
         idx = idx.cpu()
         a = torch.ones(len(idx), dtype=torch.float64) if aspects is None else aspects[idx]
-        return rrc_boxes(idx, epoch, self.seed, a, self.scale, self.ratio).float(), rrc_flips(idx, epoch, self.seed,
-                                                                                             self.hflip)
+        return (rrc_boxes(idx, epoch, self.seed, a, self.scale, self.ratio).float(),
+                rrc_flips(idx, epoch, self.seed, self.hflip), rrc_bicubic(idx, epoch, self.seed))
 
     def crop_batch(self, images: torch.Tensor, idx: torch.Tensor, epoch: int, aspects=None, boxes=None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 stores (whole images, or the images themselves for 'pad') -> uint8 crops of `size`, into `out` (zeros
         of that shape, any memory format) where given. `boxes`: this batch's from .boxes, where already made."""
         if self.resized:
-            boxes, flips = boxes if boxes is not None else self.boxes(idx, epoch, aspects)
-            crops = resized_crop(images, boxes, flips, self.size, self.interpolation)
+            boxes, flips, bicubic = boxes if boxes is not None else self.boxes(idx, epoch, aspects)
+            crops = resized_crop(images, boxes, flips, self.size, self.interpolation, bicubic)
             return crops if out is None else out.copy_(crops)
         params = crop_flip_params(idx, epoch, self.seed, self.pad, self.hflip)
         return crop_flip_each(images, *params, pad=self.pad, out=out)

@@ -11,9 +11,10 @@ import pytest
 from conftest import ROOT, clean_env, steps_logged, wait_for
 
 sys.path.insert(0, str(ROOT / "tools"))
-from campaign import Campaign, main  # noqa: E402
+from campaign import Campaign, main, measure  # noqa: E402
 from campaign_check import check_faults, compare_rows  # noqa: E402
-from campaign_draw import Scenario, draw  # noqa: E402
+from campaign_draw import Scenario, draw, trainer_flags  # noqa: E402
+from campaign_jobs import Observed  # noqa: E402
 
 # sitecustomize.py hooks, first on every process's PYTHONPATH (the technique of test_faults.py): each plants one bug
 # in the job the campaign runs, never in the package
@@ -81,6 +82,23 @@ def test_rows_and_promises_are_compared_column_by_column():
     lost = {"fault": "kill_rank", "event": "step", "step_at_fault": 9, "lost": 3, "survivor_possible": True}
     assert check_faults([lost], interval=3) and not check_faults([dict(lost, survivor_possible=False)], interval=3)
     assert draw(5).to_json() == draw(5).to_json()  # a seed replays its draw
+    assert draw(2818).recipe == "probe" and "--freeze" in trainer_flags(draw(2818))  # (issue 38's flags are drawn)
+
+
+def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
+    """Seed 1120530184 (the runner's bug): the second fault, in the platform's rerun, was charged the steps between the
+    rerun's own resume (step 5) and the fault (step 7): 2 steps lost against a promise of 0. The run had finished."""
+    rerun = (b"\xe2\x96\x88 resumed from /o/checkpoints/step_00000005: epoch 1, step 5, 2 batches into the epoch\n"
+             b"epoch 1/2 step 7: ...\n")
+    logs = [b"resumed from /o/checkpoints/step_00000003: epoch 1, step 3\n", rerun]
+    seen = Observed()
+    fault = {"fault": "kill_launcher", "event": "step", "at": 0.4, "rank": 0, "node": 0, "step_at_fault": 7,
+             "late": False, "survivor_possible": False, "attempt": 1, "log_offset": len(rerun), "t": 0.0,
+             "pids_before": set()}
+    assert measure(fault, seen, logs)["lost"] is None
+    after = logs + [b"resumed from /o/checkpoints/step_00000007: epoch 1, step 7\n"]
+    assert measure(fault, seen, after)["resumed"] == 7
+    assert measure(dict(fault, log_offset=0), seen, logs)["resumed"] == 5
 
 
 # The CI campaign: seeds picked for the most likely bugs at the least cost: 2 ranks through launch.sh, a rank frozen

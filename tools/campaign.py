@@ -165,8 +165,9 @@ class Campaign:
             # ... or, where it never logged a step, the same command again (an --overwrite job that died before it
             # set the other run aside: --resume auto would continue that other run and is refused)
         result.update(timed_out=seen.timed_out, codes=seen.codes, seconds=round(time.monotonic() - t0, 1))
-        text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("attempt*-node0.log")))
-        result["faults"] = [measure(f, seen, text) for f in seen.faults]
+        logs = [p.read_bytes() for p in sorted(work.glob("attempt*-node0.log"))]
+        result["faults"] = [measure(f, seen, logs) for f in seen.faults]
+        text = b"".join(logs).decode(errors="replace")
         fails = ["timed out"] if seen.timed_out else []
         fails += check_processes(left, seen.two_writers)
         fails += check_statuses([c for codes in seen.codes if codes for c in codes],
@@ -215,10 +216,12 @@ RESUMED = re.compile(r"resumed from (\S+): epoch \d+, step (\d+)")
 PARTIAL = re.compile(r"resumed from \S+: epoch (\d+), step \d+, (\d+) batches into the epoch")
 
 
-def measure(f: dict, seen: Observed, text: str) -> dict:
+def measure(f: dict, seen: Observed, logs: list[bytes]) -> dict:
     """Steps lost (the last step logged when it hit - the step the next start resumed from) and recovery time
-    (the fault to the first step a new rank process logged)."""
-    later = RESUMED.findall(text[f["log_offset"]:]) if f["attempt"] == 0 else RESUMED.findall(text)
+    (the fault to the first step a new rank process logged). logs: machine 0's log of each attempt; a resume counts
+    from the fault's moment in its attempt's log on (log_offset: bytes)."""
+    after = b"".join(logs[f["attempt"]:])[f["log_offset"]:].decode(errors="replace")
+    later = RESUMED.findall(after)
     resumed = int(later[0][1]) if later else None
     new = [t for t, pid in seen.new_ranks if t > f["t"] and pid not in f["pids_before"]]
     recovery = None

@@ -1,6 +1,7 @@
 """The fault campaign (tools/campaign.py, issue 36): its checker catches a broken resume and a process left behind,
 and a short fixed campaign passes (CI runs it as part of the suite)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from conftest import ROOT, clean_env, steps_logged, wait_for
 
 sys.path.insert(0, str(ROOT / "tools"))
 from campaign import Campaign, main, measure  # noqa: E402
-from campaign_check import check_faults, compare_rows  # noqa: E402
+from campaign_check import check_faults, compare_outputs, compare_rows  # noqa: E402
 from campaign_draw import Scenario, draw, trainer_flags  # noqa: E402
 from campaign_jobs import Observed  # noqa: E402
 
@@ -83,6 +84,26 @@ def test_rows_and_promises_are_compared_column_by_column():
     assert check_faults([lost], interval=3) and not check_faults([dict(lost, survivor_possible=False)], interval=3)
     assert draw(5).to_json() == draw(5).to_json()  # a seed replays its draw
     assert draw(2818).recipe == "probe" and "--freeze" in trainer_flags(draw(2818))  # (issue 38's flags are drawn)
+
+
+def test_an_elastic_resume_in_bf16_is_held_to_bf16s_rounding_only(tmp_path):
+    """Seed 887942689 (bf16, a 2-rank run continued from a 1-process checkpoint): the per-process batch changed, so did
+    bf16's rounding (fc 1.7e-4 apart); in fp32, or on the same process count, 1e-4 is a failure."""
+    import torch
+    from safetensors.torch import save_file
+    for name, shift in (("ref", 0.0), ("out", 1.7e-4)):
+        (tmp_path / name / "checkpoints" / "step_00000016").mkdir(parents=True)
+        save_file({"fc.weight": torch.ones(2, 2) + shift}, tmp_path / name / "model.safetensors")
+        torch.save({"state": {0: {"momentum_buffer": torch.ones(2) + 15 * shift}}},
+                   tmp_path / name / "checkpoints" / "step_00000016" / "optimizer.bin")
+        (tmp_path / name / "steps.jsonl").write_text(json.dumps({"step": 16, "loss": 0.7 + 4 * shift}) + "\n")
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "step": 16, "train_loss": 0.7}) + "\n")
+        for f in ("model_config.json", "config.yaml"):
+            (tmp_path / name / f).write_text("{}")
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    assert compare_outputs(out, ref, elastic=True, sixteen_bit=True) == []
+    assert len(compare_outputs(out, ref, elastic=True)) == 3  # fc, momentum, the loss
+    assert len(compare_outputs(out, ref, sixteen_bit=True)) == 3
 
 
 def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():

@@ -177,7 +177,7 @@ class Campaign:
         partial = tuple(int(e) for e, b in PARTIAL.findall(text) if 0 < int(b) < per_epoch * scn.grad_accum)
         result["partial_epochs"] = partial  # (a known difference: campaign_check.PARTIAL_EPOCH_COLUMNS)
         fails += compare_outputs(out0, ref, elastic=scn.start == "elastic", rowless=rowless, partial=partial,
-                                 survivor="saved by the survivor" in text)
+                                 survivor="saved by the survivor" in text, sixteen_bit=scn.mixed_precision != "no")
         result["fails"] = fails
         if not seen.faults:
             result["note"] = "no fault injected: the run ended before its event"

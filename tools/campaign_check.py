@@ -10,6 +10,10 @@ from pathlib import Path
 
 PARAM_TOL = 1e-6      # parameters, EMA, optimizer state (docs/outputs_and_resume.md: Checkpoints and resume)
 ELASTIC_TOL = 1e-5    # another process count (docs/outputs_and_resume.md: elastic resume, tested within 1e-5)
+# ... in fp32. In bf16 the forward and backward run in 16 bits on another per-process batch: another rounding, not a
+# bug (seed 887942689: a linear probe's fc weights 1.7e-4 apart, its momentum 2.6e-3, losses 6e-4); a gross error (an
+# epoch trained twice, a wrong lr) stays beyond it
+ELASTIC_16BIT_TOL = 1e-2
 BN_TOL = 0.05         # BatchNorm running statistics (docs/failures.md, What a failure costs: tested within 0.05) ...
 # ... except after a survivor other than rank 0 saved between windows: its own statistics, off by momentum x (its batch
 # statistics - rank 0's) of that step, decaying by (1 - momentum) a step after (README); with 8 images a rank, a
@@ -82,12 +86,12 @@ PARTIAL_EPOCH_COLUMNS = ("train_loss", "train_acc", "train_samples")
 
 
 def compare_outputs(out: Path, ref: Path, elastic: bool = False, rowless: tuple = (), partial: tuple = (),
-                    survivor: bool = False) -> list[str]:
+                    survivor: bool = False, sixteen_bit: bool = False) -> list[str]:
     """Final parameters, EMA, the last checkpoint's optimizer state, steps.jsonl and metrics.jsonl rows, outputs
     complete (every row, the final checkpoint, nothing half-written left). rowless: epochs the run said it has no
     row for (README, What a failure costs: a peer lost in the reduce of the epoch's training numbers); partial:
     epochs resumed mid-way (their training numbers are left out: PARTIAL_EPOCH_COLUMNS); survivor: a survivor saved
-    a step (BN_SURVIVOR_TOL)."""
+    a step (BN_SURVIVOR_TOL); sixteen_bit: bf16/fp16 (after an elastic resume: ELASTIC_16BIT_TOL)."""
     from safetensors.torch import load_file
     out, ref = Path(out), Path(ref)
     missing = [f for f in ("model.safetensors", "model_config.json", "config.yaml", "metrics.jsonl", "steps.jsonl")
@@ -96,15 +100,16 @@ def compare_outputs(out: Path, ref: Path, elastic: bool = False, rowless: tuple 
         missing.append("model_ema.safetensors")
     if missing:
         return [f"outputs incomplete: {missing} missing in {out}"]
-    tol = ELASTIC_TOL if elastic else PARAM_TOL
+    tol = (ELASTIC_16BIT_TOL if sixteen_bit else ELASTIC_TOL) if elastic else PARAM_TOL
+    loss_tol = ELASTIC_16BIT_TOL if elastic and sixteen_bit else LOSS_TOL
     fails = compare_rows("steps.jsonl", _rows(out / "steps.jsonl"), _rows(ref / "steps.jsonl"), STEP_COLUMNS,
-                         {"loss": LOSS_TOL})
+                         {"loss": loss_tol})
     test_tol = 2 / max(_rows(ref / "metrics.jsonl")[-1].get("test_samples", 1), 1)  # BN statistics: a sample or two
     want = [r for r in _rows(ref / "metrics.jsonl") if r["epoch"] not in rowless]
     got = [{k: v for k, v in r.items() if r["epoch"] not in partial or k not in PARTIAL_EPOCH_COLUMNS}
            for r in _rows(out / "metrics.jsonl")]
     want = [{k: v for k, v in r.items() if r["epoch"] not in partial or k not in PARTIAL_EPOCH_COLUMNS} for r in want]
-    fails += compare_rows("metrics.jsonl", got, want, METRIC_COLUMNS, {"train_loss": LOSS_TOL, "train_acc": 1e-9,
+    fails += compare_rows("metrics.jsonl", got, want, METRIC_COLUMNS, {"train_loss": loss_tol, "train_acc": 1e-9 if loss_tol == LOSS_TOL else 0.05,
                                                                        "test_acc": test_tol, "test_acc_ema": test_tol})
     for f in ("model.safetensors", "model_ema.safetensors"):
         if (ref / f).exists():

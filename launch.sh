@@ -287,16 +287,27 @@ fi
 # accel_train/accelerator.py HCCL_EXEC_TIMEOUT_MAX).
 HCCL_EXEC_TIMEOUT_MAX=17340
 DEFAULT_TIMEOUT_S=300  # TrainConfig.timeout_s (tests/test_platform_faults.py checks that they agree)
-trainer_timeout_s() {  # --timeout_s as the trainer will read it (the last one given wins, as in argparse)
-  local value="$DEFAULT_TIMEOUT_S" i
+DEFAULT_HEARTBEAT_TIMEOUT_S=15  # TrainConfig.heartbeat_timeout_s (the same test)
+trainer_seconds() {  # $1 a flag, $2 its default: whole seconds as the trainer will read it (the last one given wins,
+  local value="$2" i  # as in argparse)
   for ((i = 0; i < ${#trainer_args[@]}; i++)); do
     case "${trainer_args[i]}" in
-      --timeout_s=*) value="${trainer_args[i]#*=}" ;;
-      --timeout_s) value="${trainer_args[i + 1]:-}" ;;
+      "$1"=*) value="${trainer_args[i]#*=}" ;;
+      "$1") value="${trainer_args[i + 1]:-}" ;;
     esac
   done
-  is_uint "$value" || value="$DEFAULT_TIMEOUT_S"  # the trainer reports a bad value itself
+  value="${value%%.*}"
+  is_uint "$value" || value="$2"  # the trainer reports a bad value itself
   echo "$value"
+}
+trainer_timeout_s() { trainer_seconds --timeout_s "$DEFAULT_TIMEOUT_S"; }
+# How long a rank may stay stopped (state T) in a job of several processes: as long as its peers' heartbeat waits for
+# it (--heartbeat_timeout_s), or their collective timeout where heartbeats are off (0); none in a one-process job.
+frozen_limit_s() {
+  local beat
+  ((nnodes * nproc > 1)) || { echo 0; return; }
+  beat="$(trainer_seconds --heartbeat_timeout_s "$DEFAULT_HEARTBEAT_TIMEOUT_S")"
+  if ((beat > 0)); then echo "$beat"; else trainer_timeout_s; fi
 }
 hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC a multiple of 68 in 68..17340
   local budget=$(($1 * 3 / 4))
@@ -544,11 +555,30 @@ kill_stopped() {  # $1...: the attempt's processes
   echo "launch.sh: process(es) ${stopped[*]} of this attempt are stopped (state T) and cannot answer the job's stop: killed at once (SIGKILL)" >&2
   kill -9 "${stopped[@]}" 2>/dev/null || true
 }
-watch_stopped() {  # in the background for the whole attempt
-  local f
+# A rank stopped for longer than frozen_limit_s has been given up by its peers (their survivor saves, exit 3). Where
+# no rank of this machine is left to write a status (one process here: issue 36, seed 1856883070, a frozen rank on
+# machine 0 of two hosts kept its launcher, and so the next rendezvous, waiting for ever), it is killed: its launcher
+# then ends and launch.sh relaunches this machine into the job's next attempt.
+watch_stopped() {  # in the background for the whole attempt: $1 its status folder, $2 frozen_limit_s (0: none)
+  local f pid stat state tick=0
+  local -A since=()
   while sleep 0.5; do
     for f in "$1"/*; do
       if [[ -f "$f" ]]; then mapfile -t pids < <(attempt_pids "$1"); kill_stopped "${pids[@]}"; break; fi
+    done
+    tick=$((tick + 1))
+    if (($2 == 0 || tick % 2)); then continue; fi  # (a look a second)
+    mapfile -t pids < <(attempt_pids "$1")
+    for pid in "${pids[@]}"; do
+      stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || continue
+      state="${stat##*) }"; state="${state%% *}"
+      if [[ "$state" != T ]]; then unset "since[$pid]"; continue; fi  # (t, a debugger's stop: left alone)
+      since[$pid]="${since[$pid]:-$SECONDS}"
+      if ((SECONDS - since[$pid] >= $2)); then
+        echo "launch.sh: process $pid of this attempt has been stopped (state T) for $((SECONDS - since[$pid])) s, as long as its peers wait for it (--heartbeat_timeout_s): killed (SIGKILL), so that this machine joins the job's next attempt" >&2
+        kill -9 "$pid" 2>/dev/null || true
+        unset "since[$pid]"
+      fi
     done
   done
 }
@@ -588,7 +618,7 @@ while true; do
   stopped_before_start || true
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0
-  watch_stopped "$status_dir" &
+  watch_stopped "$status_dir" "$(frozen_limit_s)" &
   watcher=$!
   run_child env "${env_vars[@]}" ACCEL_TRAIN_STATUS_DIR="$status_dir" ACCEL_TRAIN_RUN_ID="$run_id" "${cmd[@]}" || status=$?
   kill "$watcher" 2>/dev/null || true

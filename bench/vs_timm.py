@@ -29,10 +29,21 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ("circle", "square", "triangle", "cross")
 
 
+def hue_colour(k: int, rng) -> np.ndarray:
+    """RGB of a hue in the k-th quarter of the colour wheel (saturation and value 0.6-1)."""
+    import colorsys
+    rgb = colorsys.hsv_to_rgb((k + rng.uniform(0.1, 0.9)) / 4, rng.uniform(0.6, 1), rng.uniform(0.6, 1))
+    return np.array(rgb) * 255
+
+
 def draw(kind: str, size: int, rng, photos: bool = False, shape=(0.06, 0.3)) -> np.ndarray:
     """One image: a shape of a random colour, size and place on a noisy background of another colour. `photos`: a
     canvas of its own size and shape (each side 1-2x `size`) and a shape (its half-width) of `shape` (a fraction range)
-    of its shorter side, anywhere: the object's scale and position vary as in photos."""
+    of its shorter side, anywhere: the object's scale and position vary as in photos. kind 'hueK': the class is the
+    object's hue (quarter K of the colour wheel), any of the four shapes, on a grey background."""
+    hue = int(kind[3:]) if kind.startswith("hue") else None
+    if hue is not None:
+        kind = CLASSES[rng.integers(len(CLASSES))]
     h, w = (int(size * rng.uniform(1, 2)), int(size * rng.uniform(1, 2))) if photos else (size, size)
     yy, xx = np.mgrid[:h, :w].astype(np.float32)
     r = rng.uniform(*shape) * min(h, w) if photos else rng.uniform(0.18, 0.35) * size
@@ -49,16 +60,18 @@ def draw(kind: str, size: int, rng, photos: bool = False, shape=(0.06, 0.3)) -> 
     bg, fg = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
     while np.abs(bg - fg).sum() < 150:
         fg = rng.uniform(0, 255, 3)
+    if hue is not None:
+        bg, fg = np.full(3, rng.uniform(40, 215)), hue_colour(hue, rng)
     img = np.where(mask[..., None], fg, bg) + rng.normal(0, 12, (h, w, 3))
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
 def make_folder(root: Path, size: int, train_per_class: int, val_per_class: int, seed: int = 0,
-                photos: bool = False, shape=(0.06, 0.3)) -> Path:
+                photos: bool = False, shape=(0.06, 0.3), classes=CLASSES) -> Path:
     from PIL import Image
     rng = np.random.default_rng(seed)
     for split, n in (("train", train_per_class), ("validation", val_per_class)):
-        for kind in CLASSES:
+        for kind in classes:
             folder = root / split / kind
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
@@ -119,6 +132,8 @@ def main() -> None:
     p.add_argument("--model", default="resnet18", help="the timm model both train (timm's own stem in both)")
     p.add_argument("--photos", action="store_true", help="photo-like: canvases of varying size and shape, the shape "
                    "a --shape fraction of the shorter side, anywhere (draw)")
+    p.add_argument("--by_hue", action="store_true", help="the class is the object's hue (a quarter of the colour "
+                   "wheel), its shape any of the four: learnable in few epochs on a CPU")
     p.add_argument("--shape", default="0.06,0.3", help="--photos: the shape's half-width, a range of fractions of the "
                    "canvas's shorter side")
     p.add_argument("--ours", nargs=argparse.REMAINDER, default=[], help="extra accel_train flags (at the end)")
@@ -129,9 +144,11 @@ def main() -> None:
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory(prefix="accel_train_vs_timm_") as tmp:
         data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class,
-                           photos=args.photos, shape=tuple(map(float, args.shape.split(","))))
+                           photos=args.photos, shape=tuple(map(float, args.shape.split(","))),
+                           classes=tuple(f"hue{k}" for k in range(4)) if args.by_hue else CLASSES)
         print(f"# data: {len(CLASSES)} classes x ({args.train_per_class} train + {args.val_per_class} val) PNG, "
               f"{f'photo-like (shape {args.shape} of the shorter side), each side 1-2x ' if args.photos else ''}"
+              f"{'classes by hue, ' if args.by_hue else ''}"
               f"{args.size}px; {args.model} (timm's own stem in both), {args.epochs} epochs, batch {args.batch_size}, "
               f"lr {args.lr}, one CPU process, {os.cpu_count()} cores", flush=True)
         results = {"timm": [], "ours": []}

@@ -29,17 +29,19 @@ def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_with
     #    for 15 s, its survivor writes the last step it completed, in one line, exit 3, and relaunches; machine 1 runs
     #    again (the VM resumes), finds its peer gone and relaunches too;
     # 2. then the link between them cut (ip link set ... down): each side's survivor saves, both relaunch once the
-    #    link is back. Each fault: the survivor's save within ~30 s, the relaunch's first step within 60 s.
+    #    link is back. Each fault: the survivor's save within ~30 s, the relaunch's first step within 60 s;
+    # 3. then machine 1's only rank frozen (SIGSTOP), nothing else there: machine 0's survivor saves as in 1, and
+    #    machine 1's launch.sh, whose rank has no local peer to write a status, kills it once it has been stopped as
+    #    long as the heartbeat waits (15 s) and relaunches (issue 36, campaign seed 1856883070: it waited for ever).
     out = tmp_path / "shared_out"
-    procs, logs = two_hosts.launch_plain([*TINY, "--train_samples", "512", "--test_samples", "20", "--epochs", "1",
+    procs, logs = two_hosts.launch_plain([*TINY, "--train_samples", "1024", "--test_samples", "20", "--epochs", "1",
                                           "--batch_size", "4", "--log_every", "1", "--output_dir", out,
-                                          "--max_restarts", "2"], tmp_path)
+                                          "--max_restarts", "3"], tmp_path)
     texts = lambda: [path.read_text() for path in logs]  # noqa: E731
     took = {}
     try:
         wait_for(lambda: steps_logged(out) >= 4, timeout=240, interval=0.01)
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", two_hosts.ns[1]], capture_output=True,
-                                               text=True).stdout.split()]
+        pids = namespace_pids(two_hosts.ns[1])
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         frozen, logged = time.monotonic(), steps_logged(out)
@@ -63,20 +65,45 @@ def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_with
         wait_for(lambda: texts()[0].count("resumed from") == 2 and steps_logged(out) > cut_step, timeout=120,
                  interval=0.02)
         took["cut link: first new step"] = time.monotonic() - cut
+
+        wait_for(lambda: steps_logged(out) >= cut_step + 6, timeout=120, interval=0.01)
+        rank = [pid for pid in namespace_pids(two_hosts.ns[1]) if is_rank(pid)]
+        assert len(rank) == 1, rank
+        os.kill(rank[0], signal.SIGSTOP)
+        frozen_rank, rank_step = time.monotonic(), steps_logged(out)
+        wait_for(lambda: "has been stopped (state T)" in texts()[1], timeout=60, interval=0.02)
+        took["frozen rank: killed"] = time.monotonic() - frozen_rank
+        wait_for(lambda: texts()[0].count("resumed from") == 3 and steps_logged(out) > rank_step, timeout=120,
+                 interval=0.02)
+        took["frozen rank: first new step"] = time.monotonic() - frozen_rank
     finally:
         codes = wait_all(procs, timeout=300)
     text = texts()
     print(", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
-    assert all(13 <= took[k] < 30 for k in took if k.endswith("saved")), took
+    assert all(13 <= took[k] < 30 for k in took if k.endswith(("saved", "killed"))), took
     assert all(took[k] < 60 for k in took if k.endswith("step")), took
     causes = [line for line in text[0].splitlines() if line.startswith("accel-train: error: lost contact with peer")]
     assert "rank 1 on " in causes[0] and "sent no heartbeat" in causes[0], causes
     assert step >= logged - 1 and state["step"] == step, (step, logged)
     assert state["survivor"]["rank"] == 0 and state["survivor"]["failure"].startswith("heartbeat: rank 1")
     assert any("sent no heartbeat" in line for line in text[1].splitlines() if "lost contact" in line), text[1][-3000:]
-    assert text[0].count("relaunching to resume") == 2 and text[1].count("relaunching to resume") == 2
-    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 65))
+    assert text[0].count("relaunching to resume") == 3 and text[1].count("relaunching to resume") == 3
+    assert f"process {rank[0]} of this attempt has been stopped (state T) for 15 s" in text[1]
+    assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 129))
+
+
+def namespace_pids(ns: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+
+
+def is_rank(pid: int) -> bool:
+    """A trainer rank: `python -m accel_train ...` (not accelerate's launcher, launch.sh's checks or a worker)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"-m" in args and args[args.index(b"-m") + 1:args.index(b"-m") + 2] == [b"accel_train"]
 
 
 # test only: the trainer holds inside the save of checkpoint ACCEL_TEST_HOLD_SAVE (step_N), once Accelerate's

@@ -95,6 +95,8 @@ def test_hccl_exec_timeout_is_clamped_to_canns_upper_bound(hw):
 def test_launch_default_timeout_is_trainconfigs():
     found = re.search(r"^DEFAULT_TIMEOUT_S=(\d+)", LAUNCH.read_text(), re.M)
     assert found and int(found.group(1)) == TrainConfig().timeout_s
+    beat = re.search(r"^DEFAULT_HEARTBEAT_TIMEOUT_S=(\d+)", LAUNCH.read_text(), re.M)
+    assert beat and int(beat.group(1)) == TrainConfig().heartbeat_timeout_s
 
 
 def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(hw):

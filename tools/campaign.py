@@ -155,8 +155,10 @@ class Campaign:
             left = wait_gone(tag, 150 if any(f["fault"] == "kill_launch_sh" for f in seen.faults) else 15)
             if left:
                 stop_job([], tag)
+            # (the last step's row and a model file are not enough: a --resume auto start's model file is its
+            # prefix run's, and a stop during the last evaluation leaves the last step's row; seed 505389257)
             finished = [r["step"] for r in rows(out0 / "steps.jsonl")[-1:]] == [total] and \
-                (out0 / "model.safetensors").exists()
+                (out0 / "model.safetensors").exists() and FINISHED.search(logs[0].read_text(errors="replace"))
             if codes is None or attempt >= 2 or (all(c == 0 for c in codes) or plan == [] and finished):
                 break
             attempt += 1  # the platform starts the job again: --resume auto continues the run ...
@@ -205,13 +207,15 @@ def documented(scn: Scenario, layout: Layout, seen: Observed, attempt: int) -> s
     for f in mine:
         if f["fault"] in ("kill_launch_sh",) or f["fault"] == "kill_launcher" and layout.how == "accelerate":
             ok.add(-9)
-        if layout.how == "accelerate":  # 1 for a failed worker; the launcher itself ended by the signal sent to it
-            ok |= {1, -SIGNALS[f["fault"]]} if f["fault"] in SIGNALS else {1}
+        if layout.how == "accelerate":  # 1 for a failed worker; the launcher itself ended by the signal sent to it,
+            # or (accelerate >= 1.15, commands/launch.py) 128 + N once its agent stopped the workers (seed 505389257)
+            ok |= {1, -SIGNALS[f["fault"]], 128 + SIGNALS[f["fault"]]} if f["fault"] in SIGNALS else {1}
         elif f["fault"] in ("term", "usr1", "int"):  # preempted (4), or finished before the stop was agreed (0)
             ok = {4, 0}
     return ok
 
 
+FINISHED = re.compile(r"\] done in \d")  # rank 0's last line (outputs.py), once every output is written
 RESUMED = re.compile(r"resumed from (\S+): epoch \d+, step (\d+)")
 PARTIAL = re.compile(r"resumed from \S+: epoch (\d+), step \d+, (\d+) batches into the epoch")
 

@@ -104,6 +104,11 @@ def test_an_elastic_resume_in_bf16_is_held_to_bf16s_rounding_only(tmp_path):
     assert compare_outputs(out, ref, elastic=True, sixteen_bit=True) == []
     assert len(compare_outputs(out, ref, elastic=True)) == 3  # fc, momentum, the loss
     assert len(compare_outputs(out, ref, sixteen_bit=True)) == 3
+    # seed 1267: the peer died in step 16's loss reduce, the survivor wrote its own loss, said so: not compared
+    (out / "steps.jsonl").write_text(json.dumps({"step": 16, "loss": 0.9, "loss_of": "rank 1 only"}) + "\n")
+    assert compare_outputs(out, ref, elastic=True, sixteen_bit=True) == []
+    (out / "steps.jsonl").write_text(json.dumps({"step": 16, "loss": 0.9}) + "\n")  # (unmarked: a failure)
+    assert "steps.jsonl: step 16 loss 0.9" in " ".join(compare_outputs(out, ref, elastic=True, sixteen_bit=True))
 
 
 def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
@@ -124,9 +129,10 @@ def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
 
 # The CI campaign: seeds picked for the most likely bugs at the least cost: 2 ranks through launch.sh, a rank frozen
 # (SIGSTOP: the heartbeat) at a checkpoint write after --resume auto with --ema (20, an own model), and killed during a
-# checkpoint write with --ema and BatchNorm (2818). Seed 1267 (a rank killed at a step after --resume of an older
-# step, --grad_accum 2, --clip_grad) failed once in CI's run (step 10's loss off the uninterrupted run's) and passed
-# on replay: listed in bench/RESULTS.md until it is understood. A failure prints the seed's replay command. Scenarios that found
+# checkpoint write with --ema and BatchNorm (2818; since issue 38's flags are drawn: a --freeze backbone linear probe). Seed
+# 1267's one failure in CI (step 10's loss off the uninterrupted run's, passed on replay) was the survivor's row of a
+# step whose loss reduce its peer died in: its own loss, marked "loss_of", as documented; the checker now reads the
+# mark. A failure prints the seed's replay command. Scenarios that found
 # a bug join them once it is fixed (705879002's bug needs a signal at the run's very end: tests/test_launch.py
 # test_a_run_that_finished_as_its_launcher_died_of_a_stop_signal_is_status_0 holds it).
 CI_SEEDS = [20, 2818]

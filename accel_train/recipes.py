@@ -42,9 +42,15 @@ def train_crop(cfg) -> str:
 
 def default_crop_pct(cfg) -> float:
     """--crop_pct, else the pretrained weights' own (timm's pretrained_cfg crop_pct, where the run starts from timm's
-    pretrained weights), else timm's 0.875."""
+    pretrained weights; the model_config.json beside --init_from weights trained on an image folder), else timm's
+    0.875."""
     if cfg.crop_pct is not None:
         return cfg.crop_pct
+    if getattr(cfg, "init_from", None):
+        from .model import init_facts
+        facts = init_facts(cfg.init_from)
+        if facts.get("data") == "imagefolder" and isinstance(facts.get("crop_pct"), (int, float)):
+            return float(facts["crop_pct"])
     if getattr(cfg, "pretrained", False) and ":" not in cfg.model:
         try:
             from timm.models import get_pretrained_cfg

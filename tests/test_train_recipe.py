@@ -87,6 +87,14 @@ def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
     assert default_crop_pct(TrainConfig(data="imagefolder")) == 0.875
     assert default_crop_pct(SimpleNamespace(crop_pct=None, pretrained=True, model="resnet18.a1_in1k")) == 0.95
     assert default_crop_pct(SimpleNamespace(crop_pct=0.8, pretrained=True, model="resnet18")) == 0.8
+    # --init_from an image-folder run's export: its model_config.json's crop_pct (a CIFAR export's 1.0 is not a photo's)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/model.safetensors").write_bytes(b"")
+    for data, want in (("imagefolder", 0.9), ("cifar10", 0.875)):
+        (tmp_path / "run/model_config.json").write_text(json.dumps({"data": data, "crop_pct": 0.9 if want == 0.9
+                                                                    else 1.0}))
+        cfg = SimpleNamespace(crop_pct=None, pretrained=False, model="resnet18", init_from=str(tmp_path / "run"))
+        assert default_crop_pct(cfg) == want, data
 
 
 @pytest.fixture

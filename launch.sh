@@ -562,7 +562,8 @@ kill_stopped() {  # $1...: the attempt's processes
 watch_stopped() {  # in the background for the whole attempt: $1 its status folder, $2 frozen_limit_s (0: none)
   local f pid stat state tick=0
   local -A since=()
-  while sleep 0.5; do
+  # (until launch.sh itself is gone: SIGKILLed, it would leave this loop running for ever; campaign seed 89765507)
+  while sleep 0.5 && kill -0 "$$" 2>/dev/null; do
     for f in "$1"/*; do
       if [[ -f "$f" ]]; then mapfile -t pids < <(attempt_pids "$1"); kill_stopped "${pids[@]}"; break; fi
     done

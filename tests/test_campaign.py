@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -196,6 +197,34 @@ def test_sigterm_to_launch_sh_of_one_process_is_a_preemption_not_a_lost_launcher
     text = (tmp_path / "run.log").read_text()
     assert code == 4, text[-3000:]
     assert "accel-train: preempted: stopped by SIGTERM at step" in text and "end of its launcher" not in text
+
+
+def session_members(sid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
+    """Seed 89765507: `kill -9` of launch.sh (its job runs on and ends by itself, as documented) left launch.sh's
+    background watch for stopped ranks (a fork of launch.sh, in its session) looping for ever."""
+    proc, out = one_process_launch_sh(tmp_path)
+    try:
+        wait_for(lambda: steps_logged(out) >= 3, timeout=240, interval=0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_for(lambda: (out / "model.safetensors").exists(), timeout=120, interval=0.1)  # (the job finished)
+        wait_for(lambda: not session_members(proc.pid), timeout=30, interval=0.1)
+    finally:
+        for pid in session_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

@@ -129,6 +129,7 @@ def main() -> None:
     p.add_argument("--train_per_class", type=int, default=500)
     p.add_argument("--val_per_class", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2, help="runs of each, alternating")
+    p.add_argument("--data_seed", type=int, default=0, help="the seed the image folder is drawn from")
     p.add_argument("--model", default="resnet18", help="the timm model both train (timm's own stem in both)")
     p.add_argument("--photos", action="store_true", help="photo-like: canvases of varying size and shape, the shape "
                    "a --shape fraction of the shorter side, anywhere (draw)")
@@ -143,7 +144,7 @@ def main() -> None:
                                                                        "LOCAL_RANK", "TORCHELASTIC"))}
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory(prefix="accel_train_vs_timm_") as tmp:
-        data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class,
+        data = make_folder(Path(tmp) / "shapes", args.size, args.train_per_class, args.val_per_class, args.data_seed,
                            photos=args.photos, shape=tuple(map(float, args.shape.split(","))),
                            classes=tuple(f"hue{k}" for k in range(4)) if args.by_hue else CLASSES)
         print(f"# data: {len(CLASSES)} classes x ({args.train_per_class} train + {args.val_per_class} val) PNG, "

@@ -70,6 +70,19 @@ def test_the_crop_resamples_the_box_and_mirrors():
     assert torch.equal(bits[[7, 3]], rrc_bicubic(torch.tensor([7, 3]), 0, 42))  # (a function of the sample alone)
 
 
+def test_the_bilinear_crop_reads_nothing_back_to_the_host(monkeypatch):
+    """The device pipeline's default crop is one batched roi_align: no .cpu()/.tolist() of the batch's tensors (on an
+    accelerator each is a sync; the review found `bicubic.bool().cpu()` evaluated for every interpolation)."""
+    reads = []
+    for name in ("cpu", "tolist", "item", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
+                                                                                            _o(self, *a, **k))[1])
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    resized_crop(images, torch.tensor([[0.1, 0.2, 0.9, 0.8]] * 4), torch.zeros(4), 8, "bilinear", torch.ones(4))
+    assert reads == []
+
+
 def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
     from timm.data import create_transform
     y, x = np.mgrid[0:180, 0:300]  # smooth, so that the resize filters' small differences stay small

@@ -76,24 +76,31 @@ def rrc_bicubic(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
 def resized_crop(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int,
                  interpolation: str = "bilinear", bicubic: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 (N, 3, L, L) stores -> uint8 (N, 3, size, size): each box (fractions, rrc_boxes) resampled to size x size
-    and mirrored where flips says, on images' device. Bilinear: one batched roi_align; bicubic: per image; random:
-    bicubic where `bicubic` (rrc_bicubic, on the CPU) is 1."""
+    and mirrored where flips says, on images' device. Bilinear: one batched roi_align, no host sync; bicubic: per
+    image; random: bicubic where `bicubic` (rrc_bicubic) is 1. A per-image resize needs its box on the host: small
+    copies a batch where the boxes are on an accelerator (the device pipeline's), the price of bicubic there."""
     n, _, hgt, wid = images.shape
     scale = torch.tensor([wid, hgt, wid, hgt], dtype=torch.float32)
-    each = {"bilinear": torch.zeros(n, dtype=torch.bool), "bicubic": torch.ones(n, dtype=torch.bool)}.get(
-        interpolation, bicubic.bool().cpu() if bicubic is not None else None)
-    if each is None:
+    if interpolation == "bilinear":
+        each = None
+    elif interpolation == "bicubic":
+        each = torch.ones(n, dtype=torch.bool)
+    elif bicubic is None:
         raise ValueError(f"interpolation {interpolation!r} needs its per-sample choice (rrc_bicubic)")
-    if each.all():
+    else:
+        each = bicubic.bool().cpu()
+    if each is not None and each.all():
         out = torch.empty((n, images.shape[1], size, size), device=images.device)
     else:
         from torchvision.ops import roi_align
         px = boxes.to(images.device, torch.float32) * scale.to(images.device)
         rois = torch.cat([torch.arange(n, device=images.device, dtype=torch.float32)[:, None], px], 1)
         out = roi_align(images.float(), rois, output_size=size, sampling_ratio=-1, aligned=True)
-    for k in each.nonzero().flatten().tolist():  # (the boxes are the CPU's: no device sync)
-        x0, y0, x1, y1 = (boxes[k].cpu().float() * scale).round().long().tolist()
-        crop = images[k:k + 1, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)].float()
-        out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+    if each is not None and each.any():
+        host = (boxes.cpu().float() * scale).round().long()
+        for k in each.nonzero().flatten().tolist():
+            x0, y0, x1, y1 = host[k].tolist()
+            crop = images[k:k + 1, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)].float()
+            out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
     out = torch.where(flips.to(images.device).view(-1, 1, 1, 1).bool(), out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)

@@ -42,8 +42,9 @@ logger = logging.getLogger("accel_train")
 
 class IndexDataset(Dataset):
     """Yields sample indices: the device pipeline gathers the samples itself. With a RandomResizedCrop `augment`, a
-    batch is (indices, crop boxes, flips), the crops computed here on the CPU (crops.rrc_boxes: the cpu pipeline's
-    float64 math, no host sync on the device) for the device to resample. `aspects`: the images' width / height."""
+    batch is (indices, crop boxes, flips, bicubic choices), computed here on the CPU (crops.rrc_boxes: the cpu
+    pipeline's float64 math) for the device to resample (bilinear: no host sync there). `aspects`: the images' width /
+    height."""
 
     def __init__(self, n: int, augment: TrainAugment | None = None, aspects: torch.Tensor | None = None):
         self.n, self.augment, self.aspects, self.epoch = n, augment, aspects, 0

@@ -67,7 +67,7 @@ class SampleTransforms:
             re_prob=self.reprob, re_mode="pixel", separate=True)
         if trivial:
             from torchvision.transforms import InterpolationMode, TrivialAugmentWide
-            mode = "bilinear" if self.interpolation == "random" else self.interpolation  # (timm's AutoAugment: same)
+            mode = "bilinear" if self.interpolation == "random" else self.interpolation  # (one mode: torchvision's)
             secondary.transforms.append(TrivialAugmentWide(interpolation=InterpolationMode(mode)))
         erase = final.transforms[-1] if self.reprob > 0 else None
         return secondary if secondary.transforms else None, erase

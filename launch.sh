@@ -296,18 +296,32 @@ trainer_seconds() {  # $1 a flag, $2 its default: whole seconds as the trainer w
       "$1") value="${trainer_args[i + 1]:-}" ;;
     esac
   done
-  value="${value%%.*}"
-  is_uint "$value" || value="$2"  # the trainer reports a bad value itself
+  if [[ "$value" =~ ^([0-9]+)(\.([0-9]*))?$ ]]; then  # (whole seconds, rounded up; 08 is decimal)
+    value=$((10#${BASH_REMATCH[1]}))
+    if [[ "${BASH_REMATCH[3]}" =~ [1-9] ]]; then value=$((value + 1)); fi
+  else
+    value="$2"  # the trainer reports a bad value itself (1e2, a --config file's value: not read here)
+  fi
   echo "$value"
 }
 trainer_timeout_s() { trainer_seconds --timeout_s "$DEFAULT_TIMEOUT_S"; }
 # How long a rank may stay stopped (state T) in a job of several processes: as long as its peers' heartbeat waits for
-# it (--heartbeat_timeout_s), or their collective timeout where heartbeats are off (0); none in a one-process job.
+# it (--heartbeat_timeout_s), or their collective timeout where heartbeats are off (0), plus FROZEN_MARGIN_S (the
+# peers, whose last beat came up to --heartbeat_s before the stop, give up first); none in a one-process job.
+FROZEN_MARGIN_S=3
 frozen_limit_s() {
   local beat
   ((nnodes * nproc > 1)) || { echo 0; return; }
   beat="$(trainer_seconds --heartbeat_timeout_s "$DEFAULT_HEARTBEAT_TIMEOUT_S")"
-  if ((beat > 0)); then echo "$beat"; else trainer_timeout_s; fi
+  if ((beat == 0)); then beat="$(trainer_timeout_s)"; fi
+  echo $((beat + FROZEN_MARGIN_S))
+}
+is_rank() {  # $1 a pid: a rank torchrun started (LOCAL_RANK set, not in its parent: not a DataLoader worker, not the agent)
+  local stat parent
+  grep -qsaz '^LOCAL_RANK=' "/proc/$1/environ" || return 1
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  parent="${stat##*) }"; parent="${parent#* }"; parent="${parent%% *}"
+  ! grep -qsaz '^LOCAL_RANK=' "/proc/$parent/environ"
 }
 hccl_timeouts() {  # --timeout_s -> "CONNECT EXEC": three quarters of it, EXEC a multiple of 68 in 68..17340
   local budget=$(($1 * 3 / 4))
@@ -558,7 +572,8 @@ kill_stopped() {  # $1...: the attempt's processes
 # A rank stopped for longer than frozen_limit_s has been given up by its peers (their survivor saves, exit 3). Where
 # no rank of this machine is left to write a status (one process here: issue 36, seed 1856883070, a frozen rank on
 # machine 0 of two hosts kept its launcher, and so the next rendezvous, waiting for ever), it is killed: its launcher
-# then ends and launch.sh relaunches this machine into the job's next attempt.
+# then ends and launch.sh relaunches this machine into the job's next attempt. Ranks only: a stopped agent or
+# DataLoader worker is left to the ranks' own watches (their launcher's end, --timeout_s).
 watch_stopped() {  # in the background for the whole attempt: $1 its status folder, $2 frozen_limit_s (0: none)
   local f pid stat state tick=0
   local -A since=()
@@ -573,10 +588,10 @@ watch_stopped() {  # in the background for the whole attempt: $1 its status fold
     for pid in "${pids[@]}"; do
       stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || continue
       state="${stat##*) }"; state="${state%% *}"
-      if [[ "$state" != T ]]; then unset "since[$pid]"; continue; fi  # (t, a debugger's stop: left alone)
+      if [[ "$state" != T ]] || ! is_rank "$pid"; then unset "since[$pid]"; continue; fi  # (t: a debugger's stop)
       since[$pid]="${since[$pid]:-$SECONDS}"
       if ((SECONDS - since[$pid] >= $2)); then
-        echo "launch.sh: process $pid of this attempt has been stopped (state T) for $((SECONDS - since[$pid])) s, as long as its peers wait for it (--heartbeat_timeout_s): killed (SIGKILL), so that this machine joins the job's next attempt" >&2
+        echo "launch.sh: rank process $pid of this attempt has been stopped (state T) for $((SECONDS - since[$pid])) s, longer than its peers wait for it (--heartbeat_timeout_s): killed (SIGKILL), so that this machine joins the job's next attempt" >&2
         kill -9 "$pid" 2>/dev/null || true
         unset "since[$pid]"
       fi

@@ -125,7 +125,14 @@ def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
     assert measure(fault, seen, logs)["lost"] is None
     after = logs + [b"resumed from /o/checkpoints/step_00000007: epoch 1, step 7\n"]
     assert measure(fault, seen, after)["resumed"] == 7
-    assert measure(dict(fault, log_offset=0), seen, logs)["resumed"] == 5
+    # seed 1435089692: launch.sh relaunched in the same log, after the killed simple launcher's traceback replayed the
+    # trainer's own earlier 'resumed from' (step 5): the relaunch's (15) counts
+    one = (b"resumed from /o/checkpoints/step_00000005: epoch 1, step 5\nepoch 1/2 step 16: ...\n",
+           b"CalledProcessError ... stderr: resumed from /o/checkpoints/step_00000005: epoch 1, step 5\n"
+           b"launch.sh: machine 0 of 1, 1 process(es) here, config cpu.yaml (attempt 2 of 3)\n"
+           b"resumed from /o/checkpoints/step_00000015: epoch 1, step 15\n")
+    killed = dict(fault, fault="kill_rank", attempt=0, step_at_fault=16, log_offset=len(one[0]))
+    assert measure(killed, seen, [b"".join(one)])["resumed"] == 15
 
 
 # The CI campaign: seeds picked for the most likely bugs at the least cost: 2 ranks through launch.sh, a rank frozen

@@ -224,7 +224,11 @@ def measure(f: dict, seen: Observed, logs: list[bytes]) -> dict:
     """Steps lost (the last step logged when it hit - the step the next start resumed from) and recovery time
     (the fault to the first step a new rank process logged). logs: machine 0's log of each attempt; a resume counts
     from the fault's moment in its attempt's log on (log_offset: bytes)."""
-    after = b"".join(logs[f["attempt"]:])[f["log_offset"]:].decode(errors="replace")
+    # the rest of the fault's attempt counts from launch.sh's relaunch on (a killed simple launcher's traceback
+    # replays the trainer's earlier lines, its 'resumed from' too: seed 1435089692), else the next attempt's log
+    rest = logs[f["attempt"]][f["log_offset"]:]
+    cut = rest.find(b"launch.sh: machine ")
+    after = ((rest[cut:] if cut >= 0 else b"") + b"".join(logs[f["attempt"] + 1:])).decode(errors="replace")
     later = RESUMED.findall(after)
     resumed = int(later[0][1]) if later else None
     new = [t for t, pid in seen.new_ranks if t > f["t"] and pid not in f["pids_before"]]

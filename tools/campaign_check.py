@@ -11,9 +11,11 @@ from pathlib import Path
 PARAM_TOL = 1e-6      # parameters, EMA, optimizer state (docs/outputs_and_resume.md: Checkpoints and resume)
 ELASTIC_TOL = 1e-5    # another process count (docs/outputs_and_resume.md: elastic resume, tested within 1e-5)
 # ... in fp32. In bf16 the forward and backward run in 16 bits on another per-process batch: another rounding, not a
-# bug (seed 887942689: a linear probe's fc weights 1.7e-4 apart, its momentum 2.6e-3, losses 6e-4); a gross error (an
-# epoch trained twice, a wrong lr) stays beyond it
-ELASTIC_16BIT_TOL = 1e-2
+# bug (seed 887942689: a linear probe's fc weights 1.7e-4 apart, its momentum 2.6e-3, losses 6.3e-4). Below the
+# change of a few steps (that run's last 4 steps moved its weights 5.9e-3)
+ELASTIC_16BIT_TOL = 1e-3      # parameters
+ELASTIC_16BIT_LOSS_TOL = 2e-3
+ELASTIC_16BIT_OPT_TOL = 1e-2  # optimizer state (momentum: a sum of gradients)
 BN_TOL = 0.05         # BatchNorm running statistics (docs/failures.md, What a failure costs: tested within 0.05) ...
 # ... except after a survivor other than rank 0 saved between windows: its own statistics, off by momentum x (its batch
 # statistics - rank 0's) of that step, decaying by (1 - momentum) a step after (README); with 8 images a rank, a
@@ -101,7 +103,8 @@ def compare_outputs(out: Path, ref: Path, elastic: bool = False, rowless: tuple 
     if missing:
         return [f"outputs incomplete: {missing} missing in {out}"]
     tol = (ELASTIC_16BIT_TOL if sixteen_bit else ELASTIC_TOL) if elastic else PARAM_TOL
-    loss_tol = ELASTIC_16BIT_TOL if elastic and sixteen_bit else LOSS_TOL
+    loss_tol = ELASTIC_16BIT_LOSS_TOL if elastic and sixteen_bit else LOSS_TOL
+    opt_tol = ELASTIC_16BIT_OPT_TOL if elastic and sixteen_bit else tol
     # a survivor whose peer died in the step's loss reduce writes that row with its own loss, marked "loss_of"
     # (survivor.py; seed 1267: step 10's loss 2.3665, the two ranks' mean 2.3712): documented, not compared
     got_steps = _rows(out / "steps.jsonl")
@@ -125,7 +128,7 @@ def compare_outputs(out: Path, ref: Path, elastic: bool = False, rowless: tuple 
         fails.append(f"the final checkpoint checkpoints/{last} is missing")
     else:
         fails += compare_tensors(f"checkpoints/{last}/optimizer.bin", _optimizer_state(out / "checkpoints" / last),
-                                 _optimizer_state(ref / "checkpoints" / last), tol, tol)
+                                 _optimizer_state(ref / "checkpoints" / last), opt_tol, opt_tol)
     half = sorted(p.name for p in (out / "checkpoints").glob(".*step_*"))
     if half:
         fails.append(f"left in checkpoints/ after the run finished: {half}")

@@ -452,15 +452,32 @@ stopped_before_start() {
 # Ctrl-C: the job runs in a session of its own (torchrun puts each rank in one too), so the terminal's SIGINT
 # reaches this script only, which passes each one on as SIGINT: torchrun's agent sends the first to the
 # ranks (they checkpoint and exit 4) and a second as SIGTERM (they stop at once, exit 130).
-# The signal goes to the job's whole process group (as a terminal's would): with one process, accelerate's simple
-# launcher does not pass signals on to the trainer, and torchrun's agent does to its ranks.
+# The signal goes to the job's process group but its launcher: with one process, accelerate's simple launcher does
+# not pass signals on to the trainer, and answers one by SIGTERMing the trainer and SIGKILLing it 5 s later
+# (accelerate 1.15 commands/launch.py _terminate_process_tree: a Ctrl-C then read as a second one, the step lost;
+# campaign seed 1463180775), so the trainer (and its workers) alone hear it. torchrun's ranks run in sessions of their
+# own: its group is the agent alone, which gets the signal and passes it on to its ranks.
 child="" signalled="" own_group=0
 command -v setsid >/dev/null && own_group=1
+group_but_leader() {  # $1 a process group: its members other than its leader
+  local f stat pgrp
+  for f in /proc/[0-9]*/stat; do
+    stat="$(cat "$f" 2>/dev/null)" || continue
+    read -r _ _ pgrp _ <<< "${stat##*) }"
+    f="${f#/proc/}"; f="${f%/stat}"
+    if [[ "$pgrp" == "$1" && "$f" != "$1" ]]; then echo "$f"; fi
+  done
+}
 forward() {
   signalled="${signalled:-$1}"
-  local sig; sig="$([[ "$1" == INT ]] && echo INT || echo TERM)"
-  if [[ -n "$child" ]]; then
-    if ((own_group)); then kill -s "$sig" -- "-$child" 2>/dev/null || true; else kill -s "$sig" "$child" 2>/dev/null || true; fi
+  local sig others=(); sig="$([[ "$1" == INT ]] && echo INT || echo TERM)"
+  if [[ -z "$child" ]]; then return 0; fi
+  if ((own_group)); then
+    mapfile -t others < <(group_but_leader "$child")
+    if ((${#others[@]})); then kill -s "$sig" "${others[@]}" 2>/dev/null || true
+    else kill -s "$sig" -- "-$child" 2>/dev/null || true; fi
+  else
+    kill -s "$sig" "$child" 2>/dev/null || true
   fi
 }
 trap 'forward TERM' TERM

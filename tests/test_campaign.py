@@ -183,10 +183,10 @@ def one_process_launch_sh(tmp_path, hook=None, **env):
     return proc, out
 
 
-def sigterm_then_wait(proc, ready):
+def sigterm_then_wait(proc, ready, sig=signal.SIGTERM):
     try:
         wait_for(ready, timeout=240, interval=0.02)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, sig)
         return proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -232,6 +232,18 @@ def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
     finally:
         for pid in session_members(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_to_launch_sh_of_one_process_is_one_ctrl_c(tmp_path):
+    """Seed 1463180775: launch.sh passed the Ctrl-C to the job's whole group; accelerate 1.15's simple launcher answers
+    it by SIGTERMing the trainer (and SIGKILLing it 5 s later), which the trainer took for a second Ctrl-C: stopped
+    at once, no checkpoint, 130. The trainer alone hears it now: a checkpoint at the next agreed check, 4."""
+    proc, out = one_process_launch_sh(tmp_path)
+    code = sigterm_then_wait(proc, lambda: steps_logged(out) >= 3, signal.SIGINT)
+    text = (tmp_path / "run.log").read_text()
+    assert code == 4, text[-3000:]
+    assert "accel-train: preempted: stopped by SIGINT at step" in text and "second Ctrl-C" not in text
 
 
 @pytest.mark.slow

@@ -589,10 +589,11 @@ kill_stopped() {  # $1...: the attempt's processes
 # A rank stopped for longer than frozen_limit_s has been given up by its peers (their survivor saves, exit 3). Where
 # no rank of this machine is left to write a status (one process here: issue 36, seed 1856883070, a frozen rank on
 # machine 0 of two hosts kept its launcher, and so the next rendezvous, waiting for ever), it is killed: its launcher
-# then ends and launch.sh relaunches this machine into the job's next attempt. Ranks only: a stopped agent or
-# DataLoader worker is left to the ranks' own watches (their launcher's end, --timeout_s).
+# then ends and launch.sh relaunches this machine into the job's next attempt. Only where every rank of this machine
+# is stopped (a running one speaks for it), and ranks only: a stopped agent or DataLoader worker is left to the
+# ranks' own watches (their launcher's end, --timeout_s).
 watch_stopped() {  # in the background for the whole attempt: $1 its status folder, $2 frozen_limit_s (0: none)
-  local f pid stat state tick=0
+  local f pid stat state tick=0 ranks frozen=()
   local -A since=()
   # (until launch.sh itself is gone: SIGKILLed, it would leave this loop running for ever; campaign seed 89765507)
   while sleep 0.5 && kill -0 "$$" 2>/dev/null; do
@@ -602,10 +603,17 @@ watch_stopped() {  # in the background for the whole attempt: $1 its status fold
     tick=$((tick + 1))
     if (($2 == 0 || tick % 2)); then continue; fi  # (a look a second)
     mapfile -t pids < <(attempt_pids "$1")
+    frozen=() ranks=0
     for pid in "${pids[@]}"; do
+      is_rank "$pid" || continue
+      ranks=$((ranks + 1))
       stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || continue
       state="${stat##*) }"; state="${state%% *}"
-      if [[ "$state" != T ]] || ! is_rank "$pid"; then unset "since[$pid]"; continue; fi  # (t: a debugger's stop)
+      if [[ "$state" == T ]]; then frozen+=("$pid"); fi  # (t: a debugger's stop, left alone)
+    done
+    # a rank of this machine still running speaks for it (its survivor's status: kill_stopped above)
+    if ((${#frozen[@]} == 0 || ${#frozen[@]} < ranks)); then since=(); continue; fi
+    for pid in "${frozen[@]}"; do
       since[$pid]="${since[$pid]:-$SECONDS}"
       if ((SECONDS - since[$pid] >= $2)); then
         echo "launch.sh: rank process $pid of this attempt has been stopped (state T) for $((SECONDS - since[$pid])) s, longer than its peers wait for it (--heartbeat_timeout_s): killed (SIGKILL), so that this machine joins the job's next attempt" >&2

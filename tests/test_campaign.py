@@ -176,9 +176,12 @@ def one_process_launch_sh(tmp_path, hook=None, **env):
         (tmp_path / "hooks" / "sitecustomize.py").write_text(hook)
         paths.insert(0, str(tmp_path / "hooks"))
     out, log = tmp_path / "out", open(tmp_path / "run.log", "w")
+    # (SIGINT as a terminal's shell leaves it: a suite started in a script's background inherits it ignored, and bash
+    # cannot trap a signal ignored at its start)
     proc = subprocess.Popen(["bash", ROOT / "launch.sh", "--train_samples", "96", "--test_samples", "8", "--epochs",
                              "1", "--batch_size", "4", "--log_every", "1", "--output_dir", out], stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             env=clean_env(NPROC_PER_NODE="1", PYTHONPATH=os.pathsep.join(paths), **env))
     return proc, out
 

@@ -213,6 +213,20 @@ def launcher_pid(tag):
     return None
 
 
+def test_the_rank_that_speaks_names_its_own_launcher_even_if_a_peer_saw_it_go_first(monkeypatch):
+    """CI, loaded: rank 1's watch saw the killed agent first and the ranks agreed on the stop before rank 0's watch
+    (a poll a second) had: rank 0 said 'the end of another machine's launcher' of the launcher both had."""
+    import accel_train
+    from accel_train.preempt import LAUNCHED_BY, StopRequest
+    stop = StopRequest()
+    stop.any_launcher_gone = True  # (agreed: some rank's launcher is gone)
+    monkeypatch.setenv(LAUNCHED_BY, "no")
+    monkeypatch.setattr(accel_train, "PARENT", os.getppid())  # this process's launcher still here
+    assert stop.name == "the end of another machine's launcher"
+    monkeypatch.setattr(accel_train, "PARENT", os.getppid() + 100000)  # re-parented: its launcher is gone too
+    assert stop.name == f"the end of its launcher (pid {os.getppid() + 100000}, killed or crashed)"
+
+
 def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path):
     """Item 3: `kill -9` of the agent left its ranks (each in a session of its own) training while launch.sh
     relaunched into the same directory: two jobs deleted each other's writes. Now the ranks see their launcher

@@ -80,11 +80,11 @@ class StopRequest:
     @property
     def name(self) -> str:
         from . import PARENT
-        if self.any_launcher_gone and not (self.launcher_gone or self.signal) and LAUNCHED_BY in os.environ \
-                and os.getppid() != PARENT:
-            self.launcher_gone = PARENT  # (its own watch polls once a second: a local peer's may have agreed first)
-        if self.launcher_gone:
-            return f"the end of its launcher (pid {self.launcher_gone}, killed or crashed)"
+        gone = self.launcher_gone
+        if self.any_launcher_gone and not (gone or self.signal) and LAUNCHED_BY in os.environ and os.getppid() != PARENT:
+            gone = PARENT  # (its own watch polls once a second: a local peer's may have agreed first)
+        if gone:
+            return f"the end of its launcher (pid {gone}, killed or crashed)"
         if self.any_launcher_gone and not self.signal:
             return "the end of another machine's launcher"
         return signal.Signals(self.signal).name if self.signal else "a signal on another rank"

@@ -62,3 +62,35 @@ def test_gradcheck_memory_prints_the_step_and_both_checks():
     assert [rows[k][0] for k in ("one training step", "check on its slice (now)", "check on the whole batch")] == \
         ["64", "32", "64"], proc.stdout
     assert proc.stdout.splitlines()[-2].startswith("check: peak ") and "steps of time" in proc.stdout
+
+
+def test_vs_timm_hue_classes_are_their_sector_of_the_colour_wheel_and_the_summary_pairs_seeds(tmp_path):
+    """bench/vs_timm.py's evidence for issue 38 item 6 rests on its folder: with --hues K, class k's object has a hue
+    in sector k of K (the background grey), on canvases of varying size; and on its paired summary."""
+    import colorsys
+
+    import numpy as np
+    from PIL import Image
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import vs_timm
+    finally:
+        sys.path.pop(0)
+    hues = 8
+    root = vs_timm.make_folder(tmp_path / "f", 24, 3, 1, seed=3, photos=True, shape=(0.2, 0.3),
+                               classes=tuple(f"hue{k}" for k in range(hues)))
+    sizes = set()
+    for k in range(hues):
+        files = [f for split in ("train", "validation") for f in sorted((root / split / f"hue{k}").glob("*.png"))]
+        assert len(files) == 4
+        for f in files:
+            img = np.asarray(Image.open(f)).astype(float) / 255
+            sizes.add(img.shape[:2])
+            # the object: the most saturated pixels (the grey background has none but the noise's)
+            sat = img.max(-1) - img.min(-1)
+            obj = img[sat > 0.5 * sat.max()].mean(0)
+            hue = colorsys.rgb_to_hsv(*obj)[0]
+            assert k / hues <= hue < (k + 1) / hues, (f, hue)
+    assert len(sizes) > 4  # photo-like: canvases of their own size and shape
+    text = vs_timm.summary([0.9, 0.8, 0.8], [0.8, 0.8, 0.8])
+    assert "ours 0.8333, timm 0.8000; ours - timm = +0.0333 (standard error 0.0333, 3 paired seeds)" in text

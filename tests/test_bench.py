@@ -92,5 +92,8 @@ def test_vs_timm_hue_classes_are_their_sector_of_the_colour_wheel_and_the_summar
             hue = colorsys.rgb_to_hsv(*obj)[0]
             assert k / hues <= hue < (k + 1) / hues, (f, hue)
     assert len(sizes) > 4  # photo-like: canvases of their own size and shape
+    from argparse import Namespace
+    assert vs_timm.lr_flag(Namespace(lr="default")) == []  # each trainer's own default lr: no --lr to either
+    assert vs_timm.lr_flag(Namespace(lr="0.1")) == ["--lr", "0.1"]
     text = vs_timm.summary([0.9, 0.8, 0.8], [0.8, 0.8, 0.8])
     assert "ours 0.8333, timm 0.8000; ours - timm = +0.0333 (standard error 0.0333, 3 paired seeds)" in text

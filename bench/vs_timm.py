@@ -92,7 +92,12 @@ def run_timed(cmd, env, cwd) -> tuple[float, list[tuple[float, str]]]:
 
 def lr_flag(args) -> list[str]:
     """--lr for both trainers, or nothing: each its own default."""
-    return [] if args.lr == "default" else ["--lr", str(float(args.lr))]
+    return [] if args.lr == "default" else ["--lr", str(args.lr)]
+
+
+def lr_arg(text: str):
+    """--lr: 'default' or a number (argparse says which when it is neither)."""
+    return text if text == "default" else float(text)
 
 
 def timm_run(args, data: Path, out: Path, env, seed: int) -> dict:
@@ -132,7 +137,7 @@ def main() -> None:
     p.add_argument("timm_train", help="path to timm's train.py (not committed here)")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--lr", default="0.1", help="the peak lr given to both, or 'default': each trainer's own default "
+    p.add_argument("--lr", type=lr_arg, default=0.1, help="the peak lr given to both, or 'default': each trainer's own default "
                    "(timm: 0.1 per 256 images of batch; ours: 0.2 per 256, docs/training.md)")
     p.add_argument("--size", type=int, default=64, help="image size (px) of the generated folder and of training")
     p.add_argument("--train_per_class", type=int, default=500)
@@ -163,7 +168,7 @@ def main() -> None:
           f"{'classes by hue, ' if args.by_hue else ''}"
           f"{f'photo-like (shape {args.shape} of the shorter side), each side 1-2x ' if args.photos else ''}"
           f"{args.size}px; {args.model} (timm's own stem in both), {args.epochs} epochs, batch {args.batch_size}, "
-          f"lr {args.lr if args.lr == 'default' else float(args.lr)}, seeds {seeds} (folders from data seed "
+          f"lr {args.lr}, seeds {seeds} (folders from data seed "
           f"{args.data_seed}+i), one CPU process, {os.cpu_count()} cores", flush=True)
     results = {"timm": [], "ours": []}
     final = {"timm": [], "ours": []}  # the last epoch's accuracy per seed

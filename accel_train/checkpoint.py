@@ -33,6 +33,7 @@ from .changes import settings_from_flags
 from .errors import ConfigError
 from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs,
                     dumps, read_jsonl, seal, step_dir, sync_dir)
+from .hang import PROGRESS
 from .runs import delete_set_aside
 
 @dataclass
@@ -90,9 +91,10 @@ class Checkpointer:
         start = time.perf_counter()
         self.writing = True
         try:
-            path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math, self.decision.writer,
-                                   self.decision.shared, model=self.model, ema=self.ema, history=self.history(),
-                                   keep=self.keep, facts=self.facts)
+            with PROGRESS.exempt("checkpoint write"):  # (a long write is no hang: hang.py)
+                path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math,
+                                       self.decision.writer, self.decision.shared, model=self.model, ema=self.ema,
+                                       history=self.history(), keep=self.keep, facts=self.facts)
         finally:
             self.writing = False
         self.saved_at = time.perf_counter()

@@ -171,6 +171,12 @@ class TrainConfig:
     heartbeat_timeout_s: float = opt(15.0, "a peer silent this long (a stopped process, a paused machine, a cut "
                                      "network; never a long step) is lost: the survivors save the last step and "
                                      "exit 3; 0: off (only --timeout_s)", "checkpointing")
+    hang_report_s: float = opt(30.0, "a rank whose training makes no progress this long (a step, an evaluation "
+                               "batch, a start-up phase; at least 10x the slowest step, a checkpoint write or a "
+                               "compile excepted) prints where every rank waits, with every thread's stack; "
+                               "nothing is stopped; 0: off", "checkpointing")
+    stop_on_hang: bool = opt(False, "end a hung run at that report: the survivors save the last completed step and "
+                             "exit 3, as for a lost peer (default: --timeout_s ends it)", "checkpointing")
 
     # logging
     log_with: str | None = opt(None, "an Accelerate tracker name (tensorboard, wandb, ...), or several "
@@ -221,7 +227,7 @@ class TrainConfig:
                  "batch_size", "max_steps", "train_samples", "test_samples")
         at_least(self, 0, "checkpoint_minutes", "checkpoint_every", "num_workers", "threads", "warmup_epochs",
                  "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup", "cutmix", "device_data_mb",
-                 "heartbeat_timeout_s")
+                 "heartbeat_timeout_s", "hang_report_s")
         if not self.heartbeat_s > 0 or 0 < self.heartbeat_timeout_s < 3 * self.heartbeat_s:
             raise ConfigError(f"--heartbeat_s must be > 0 and --heartbeat_timeout_s 0 (off) or at least 3x it (a lost "
                               f"datagram is no lost peer), got {self.heartbeat_s:g} and {self.heartbeat_timeout_s:g}")

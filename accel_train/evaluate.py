@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .hang import PROGRESS
 from .preempt import AgreedChecks
 
 
@@ -32,6 +33,7 @@ def evaluate(accelerator, model, loader, data, tta: bool = False,
         preds, y = accelerator.gather_for_metrics((scores.argmax(1), y))
         all_preds.append(preds)
         all_labels.append(y)
+        PROGRESS.mark("evaluation", detail=f"batch {i + 1}")
     return torch.cat(all_preds).cpu(), torch.cat(all_labels).cpu()
 
 

@@ -22,6 +22,7 @@ from .config import TrainConfig
 from .data import set_loader_epoch
 from .divergence import NonFiniteWatch
 from .evaluate import evaluate
+from .hang import PROGRESS, HangReport
 from .metrics import EpochMeter, MetricsLog, Pace
 from .model import bare_model
 from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
@@ -34,63 +35,64 @@ logger = get_logger("accel_train")
 
 def train(cfg: TrainConfig, given=None) -> dict:
     stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step and checkpoints it
-    run = setup(cfg, given)  # given: a script's own model and Datasets (api.train), else None
-    accelerator, model, state = run.accelerator, run.model, run.state
-    stop.check_start_up(accelerator, state.step)
-    metrics = MetricsLog(cfg, accelerator.is_main_process, state, run.history, run.steps_per_epoch, run.done)
-    best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
-    # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
-    # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
-    watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
-    checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
-    checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
-                               cfg.keep_checkpoints, model_config(cfg, {}, run), watch, metrics.history)
-    progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
-    pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
-    run_start = time.perf_counter()
-    with Survivor(run, cfg, checkpoints, metrics, stop).guard() as survivor:  # a lost peer: the last step is saved
-        while not run.done:
-            epoch, only_evaluation = state.epoch, state.batch_in_epoch >= run.batches_per_epoch  # (resumed so)
-            model.train()
-            meter = EpochMeter(accelerator.device)
-            window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
-            tick = time.perf_counter()
-            for batch in epoch_batches(run, epoch):
-                x, y = run.data.inputs(batch, train=True, epoch=epoch)
-                meter.data_time += time.perf_counter() - tick
-                lr = lr_of_step(run.scheduler, state.step + 1)  # (the classifier's, under --layer_decay)
-                loss, logits, grad_norm, y = train_step(run, x, y, cfg.clip_grad, survivor.lock)
-                meter.update(loss, logits, y)
-                watch.update(loss, state.step + 1, lr)
-                window_loss += loss.detach().float()
-                state.batch_in_epoch += 1
-                if accelerator.sync_gradients:  # an optimizer step happened (train_step took survivor.lock for it)
-                    state.step += 1
-                    watch.update_weights(state.step, grad_norm)  # (on the device: an absurd jump is read at a check)
-                    after_step(run, progress, pace)
-                    survivor.step_done()  # the step is complete: weights, step, lr, EMA; collectives after
-                    last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
-                    if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches, ranks)
-                        log_step(run, metrics, watch, survivor, window_loss / cfg.grad_accum, lr)
-                    window_loss.zero_()
-                    if last:
-                        break  # --max_steps, or the end of the last whole accumulation window
-                    if checks.due(state.step) and checks.agree(accelerator, state.step, watch, checkpoints):
-                        raise stop.stopped(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
-                                        f"checkpoint {checkpoints.save(state)}; continue with --resume auto")
-                    if checks.checkpoint_due(state.step, cfg.checkpoint_every):
-                        checkpoints.save(state)
+    with HangReport(cfg, stop).start() as hang:  # no progress: where every rank waits (hang.py)
+        run = setup(cfg, given)  # given: a script's own model and Datasets (api.train), else None
+        accelerator, model, state = run.accelerator, run.model, run.state
+        stop.check_start_up(accelerator, state.step)
+        metrics = MetricsLog(cfg, accelerator.is_main_process, state, run.history, run.steps_per_epoch, run.done)
+        best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
+        # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
+        # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
+        watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)
+        checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
+        checkpoints = Checkpointer(accelerator, cfg.output_dir, run.run_math, run.decision, model, run.ema,
+                                   cfg.keep_checkpoints, model_config(cfg, {}, run), watch, metrics.history)
+        progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+        pace = Pace(cfg, state.step, run.total_steps, accelerator.is_main_process)  # says early if it takes hours
+        run_start = time.perf_counter()
+        with Survivor(run, cfg, checkpoints, metrics, stop, hang).guard() as survivor:  # a lost peer: step saved
+            while not run.done:
+                epoch, only_evaluation = state.epoch, state.batch_in_epoch >= run.batches_per_epoch  # (resumed so)
+                model.train()
+                meter = EpochMeter(accelerator.device)
+                window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
                 tick = time.perf_counter()
-            watch.check(accelerator, state.step, model)  # the weights too: before the evaluation, row and best export
-            row = end_of_epoch(run, cfg, meter, epoch, stop, only_evaluation)
-            if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
-                raise stop.stopped(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
-                                f"{checkpoints.save(state)}; continue with --resume auto")
-            record_epoch(run, cfg, metrics, best, row)  # (none for {}: its training numbers were lost with a peer)
-            next_epoch(run, epoch, survivor.lock)
-            checkpoints.save(state)  # epoch end, or where --max_steps stopped
-    progress.close()
-    return finish(run, cfg, metrics, best, time.perf_counter() - run_start, stop)  # outputs; trackers, stop closed
+                for batch in epoch_batches(run, epoch):
+                    x, y = run.data.inputs(batch, train=True, epoch=epoch)
+                    meter.data_time += time.perf_counter() - tick
+                    lr = lr_of_step(run.scheduler, state.step + 1)  # (the classifier's, under --layer_decay)
+                    loss, logits, grad_norm, y = train_step(run, x, y, cfg.clip_grad, survivor.lock)
+                    meter.update(loss, logits, y)
+                    watch.update(loss, state.step + 1, lr)
+                    window_loss += loss.detach().float()
+                    state.batch_in_epoch += 1
+                    if accelerator.sync_gradients:  # an optimizer step happened (train_step took survivor.lock for it)
+                        state.step += 1
+                        watch.update_weights(state.step, grad_norm)  # (on the device, read at a check)
+                        after_step(run, progress, pace)
+                        survivor.step_done()  # the step is complete: weights, step, lr, EMA; collectives after
+                        last = state.step >= run.total_steps or state.batch_in_epoch >= run.batches_per_epoch
+                        if state.step % cfg.log_every == 0 or last:  # the step's loss (mean over micro-batches, ranks)
+                            log_step(run, metrics, watch, survivor, window_loss / cfg.grad_accum, lr)
+                        window_loss.zero_()
+                        if last:
+                            break  # --max_steps, or the end of the last whole accumulation window
+                        if checks.due(state.step) and checks.agree(accelerator, state.step, watch, checkpoints):
+                            raise stop.stopped(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
+                                            f"checkpoint {checkpoints.save(state)}; continue with --resume auto")
+                        if checks.checkpoint_due(state.step, cfg.checkpoint_every):
+                            checkpoints.save(state)
+                    tick = time.perf_counter()
+                watch.check(accelerator, state.step, model)  # the weights too: before the row and export
+                row = end_of_epoch(run, cfg, meter, epoch, stop, only_evaluation)
+                if row is None:  # a signal during the evaluation: the epoch's steps are saved, its evaluation is redone
+                    raise stop.stopped(f"stopped by {stop.name} while evaluating epoch {epoch + 1}; checkpoint "
+                                    f"{checkpoints.save(state)}; continue with --resume auto")
+                record_epoch(run, cfg, metrics, best, row)  # (none for {}: its training numbers were lost with a peer)
+                next_epoch(run, epoch, survivor.lock)
+                checkpoints.save(state)  # epoch end, or where --max_steps stopped
+        progress.close()
+        return finish(run, cfg, metrics, best, time.perf_counter() - run_start, stop)  # outputs; trackers, stop closed
 
 
 def next_epoch(run: Run, epoch: int, lock) -> None:
@@ -152,6 +154,7 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, clip_grad: float | No
             lock.acquire()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    PROGRESS.mark("training", run.state.step + accelerator.sync_gradients)  # (the micro-batch is done: hang.py)
     return loss, logits, grad_norm, y
 
 
@@ -180,6 +183,7 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     signal during the evaluation). `only_evaluation` (resumed after the epoch's last batch): the training numbers are
     the ones the checkpoint kept (TrainState.epoch_train); without them ({}: a peer was lost in their reduce) the
     epoch has no row, never one of zeros."""
+    PROGRESS.mark("epoch end", run.state.step)
     if not only_evaluation:
         run.state.epoch_train = meter.result(run.accelerator)  # (kept by every checkpoint until the row is recorded)
     elif run.state.epoch_train is None:

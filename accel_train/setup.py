@@ -30,6 +30,7 @@ from .errors import ConfigError, counted
 from .files import CONFIG_FILE
 from .freeze import freeze
 from .gradcheck import check_run_precision, first_batch
+from .hang import PROGRESS
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
@@ -87,14 +88,19 @@ class Run:
 
 def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     """`given`: the model and Datasets a script passed to accel_train.train() (api.py), else None."""
+    PROGRESS.mark("start-up: the Accelerator and its process group")
     accelerator = make_accelerator(cfg)
     log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
     decision = agree_on_start(cfg, accelerator, log)
+    PROGRESS.mark("start-up: the data")
     data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
+    PROGRESS.mark("start-up: the model")
     model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given(), decision, log)
     mixup = mixing(cfg, data.info.num_classes)  # timm's Mixup (--mixup/--cutmix), or None
     # the reduced precision computes right here (on hard labels, whatever the run's loss: the kernels are what it checks)
+    PROGRESS.mark("start-up: the precision check")
     check_run_precision(cfg, accelerator, data, model, loss_of(cfg), log)
+    PROGRESS.mark("start-up: accelerator.prepare")
     model, optimizer, train_loader, test_loader = accelerator.prepare(  # (--compile happens here, last)
         model, optimizer, data.train_loader, data.test_loader)
     # An epoch is a whole number of accumulation windows: a partial window at the end would take an
@@ -102,7 +108,9 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     # dropped (as drop_last drops an incomplete batch).
     steps_per_epoch = len(train_loader) // cfg.grad_accum
     scheduler = schedule(cfg, optimizer, accelerator.num_processes, steps_per_epoch)
+    PROGRESS.mark("start-up: the resume")
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
+    PROGRESS.mark("start-up: the outputs", state.step)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
     criterion = loss_of(cfg, soft=mixup is not None)
     run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion, ema, state,

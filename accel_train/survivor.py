@@ -43,7 +43,7 @@ from .device_copy import state_to_host  # the one place where training state is 
 from .errors import is_lost_peer, note_bad_input, peer_gone
 from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
                     step_dir)
-from .heartbeat import Heartbeat, alive
+from .heartbeat import Heartbeat, alive, reachable
 from .preempt import SIGNALS
 
 GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
@@ -91,7 +91,7 @@ class Survivor:
     """Knows the last completed step of this rank and writes it when a peer is lost. Every rank makes one (one
     gather at start: the pids of each machine's ranks); `guard()` wraps the training."""
 
-    def __init__(self, run, cfg, checkpointer, metrics, stop):
+    def __init__(self, run, cfg, checkpointer, metrics, stop, hang=None):
         self.run, self.cfg, self.checkpointer, self.metrics, self.stop = run, cfg, checkpointer, metrics, stop
         self.lock = threading.Lock()     # held while the weights, step, lr and EMA change (no collective inside)
         self.saving = threading.Lock()   # one survivor save per process
@@ -99,17 +99,18 @@ class Survivor:
         self.row = None                  # (step, loss on the device, lr) of a row whose reduce may not complete
         self.result, self.owner = None, None  # what the save said; who saved ("main" or "watch"), and so speaks
         acc = run.accelerator
-        beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0  # (heartbeat.py: a frozen peer in seconds)
+        beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0  # (heartbeat.py; hang.py's channel)
         self.heartbeat = Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s) if beats else None
-        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(self.heartbeat.address if beats else ()))
+        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(self.heartbeat.card() if beats else ()))
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
+        self.ranks = ranks
         self.lower = [pid for host, pid, local, *_ in ranks if host == me[0] and local < me[2]]
         self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
         if beats:
-            self.ranks = ranks
-            self.heartbeat.start({r: (ip, port, pid) for r, (host, pid, _, ip, port) in enumerate(ranks)  # (a peer
-                                  if host == me[0] or not ip.startswith("127.")}, self._silent)  # elsewhere: routable)
+            self.heartbeat.start({r: (ip, port, pid, key) for r, (host, pid, _, ip, port, key) in enumerate(ranks)
+                                  if reachable(me[0], me[3], host, ip)}, self._silent)
+        hang.attach(acc.process_index, self.heartbeat, self._hung) if hang is not None else None  # (the stacks)
         # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
         # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
         # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
@@ -266,22 +267,26 @@ class Survivor:
                 why = (f"local rank process {gone[0]} is gone" if gone else
                        f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
                        if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
-                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}", "a peer",
-                                  why, gone[:1])
+                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}",
+                                  f"lost contact with a peer ({why})", gone[:1])
             time.sleep(0.1)
 
     def _silent(self, rank: int, seconds: float) -> None:
         """The heartbeat's thread: rank `rank` has been silent for `seconds` (frozen, its machine paused, cut off)."""
         host, pid, _, ip = self.ranks[rank][:4]
         why = f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or cut off"
-        self._gone(f"heartbeat: {why}", f"peer {ip}", why, [pid])
+        self._gone(f"heartbeat: {why}", f"lost contact with peer {ip} ({why})", [pid])
 
-    def _gone(self, failure: str, peer: str, why: str, pids: list) -> None:
+    def _hung(self, why: str) -> None:
+        """The hang report's thread, with --stop_on_hang: the run ends as for a lost peer."""
+        self._gone(f"hang: {why}", f"{why}; --stop_on_hang ends the run", [os.getpid()])
+
+    def _gone(self, failure: str, what: str, pids: list) -> None:
         """A watch thread found a peer gone: the survivor save, one line, exit 3 (unless the main thread saved first:
         it says so and exits)."""
         said = self.save(failure)
         if self.owner == "watch":
-            peer_gone(f"lost contact with {peer} ({why}); {said}; relaunch with --resume auto (launch.sh "
+            peer_gone(f"{what}; {said}; relaunch with --resume auto (launch.sh "
                       "--max_restarts N does it) once every node is back", said, self.cfg.output_dir, pids)
 
 

@@ -254,3 +254,58 @@ def test_launch_sh_does_not_relaunch_a_collective_mismatch(tmp_path):
     assert proc.returncode == 1, text[-4000:]
     assert "relaunching" not in text and "(attempt 2 of 3)" not in text, text[-4000:]
     assert "not relaunched" in text.splitlines()[-1], text[-2000:]
+
+
+# test only: the first process of rank ACCEL_TEST_SLOW_RANK to reach its backward number ACCEL_TEST_SLOW_AT sleeps
+# there ACCEL_TEST_SLOW_S seconds (a forward that blocks: a stuck read, a lock, a driver call); its relaunch does not
+HANG_ONCE_HOOK = """\
+import os
+if os.environ.get("RANK") == os.environ.get("ACCEL_TEST_SLOW_RANK"):
+    import time
+    import accelerate
+    _backward, _calls = accelerate.Accelerator.backward, []
+
+    def blocked_in_a_driver_call(self, *args, **kwargs):
+        _calls.append(1)
+        marker = os.environ["ACCEL_TEST_SLOW_ONCE"]
+        if len(_calls) == int(os.environ["ACCEL_TEST_SLOW_AT"]) and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(float(os.environ["ACCEL_TEST_SLOW_S"]))
+        return _backward(self, *args, **kwargs)
+    accelerate.Accelerator.backward = blocked_in_a_driver_call
+"""
+
+
+def test_a_rank_blocked_on_another_machine_is_named_with_its_stack_and_stop_on_hang_ends_it(two_hosts, tmp_path):
+    # machine 1's only rank blocks in its step (both processes alive, heartbeats going on): machine 0's rank reports
+    # where both are, rank 1's stack coming over the heartbeat's channel, within --hang_report_s; --stop_on_hang
+    # ends the run there, each machine's survivor saves the last completed step, and launch.sh's relaunch finishes
+    hooks, out = tmp_path / "hooks", tmp_path / "shared_out"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(HANG_ONCE_HOOK)
+    extra = dict(ACCEL_TEST_SLOW_RANK="1", ACCEL_TEST_SLOW_AT="12", ACCEL_TEST_SLOW_S="200",
+                 ACCEL_TEST_SLOW_ONCE=str(tmp_path / "slept"), ACCEL_RESTART_DELAY="1",
+                 PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    port = str(__import__("random").randint(20000, 40000))
+    procs, logs = [], []
+    for node in (0, 1):
+        env = two_hosts.env(node, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=two_hosts.ip[0], MASTER_PORT=port,
+                            **extra)
+        logs.append(tmp_path / f"node{node}.log")
+        procs.append(two_hosts.popen(node, ["bash", ROOT / "launch.sh", *TINY, "--train_samples", "256",
+                                            "--test_samples", "16", "--epochs", "1", "--batch_size", "8",
+                                            "--log_every", "1", "--hang_report_s", "8", "--stop_on_hang",
+                                            "--output_dir", out, "--max_restarts", "1"], env, logs[-1]))
+    codes = wait_all(procs, 400)
+    text = [path.read_text() for path in logs]
+    assert codes == [0, 0], (codes, text[0][-5000:], text[1][-3000:])
+    found = re.search(r"rank 0 has made no progress for (\d+) s", text[0])
+    assert found and 8 <= int(found.group(1)) <= 15, text[0][-6000:]
+    block = text[0][found.start():]
+    assert re.search(r"rank 1 \(.*training, step 11, \d+ s since; training thread in blocked_in_a_driver_call",
+                     block), block[:4000]
+    assert "rank 1's threads:" in block and "time.sleep(float(os.environ" in block, block[:4000]
+    assert "--stop_on_hang: the run ends here" in block
+    assert re.search(SAVED, text[0]) and "--stop_on_hang ends the run" in text[0], text[0][-4000:]
+    assert "resumed from" in text[0] and "training, step" not in text[0][text[0].index("resumed from"):]
+    assert (out / "model.safetensors").exists()

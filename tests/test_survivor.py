@@ -147,6 +147,15 @@ def test_a_rank_60_s_slow_in_one_step_is_no_lost_peer(tmp_path, launched_ref):
     assert proc.returncode == 0 and "lost contact" not in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start > 60  # (the hook slept)
     assert_equal_to_ref(launched_ref, out)
+    # the stall is reported once (the default --hang_report_s 30), with both ranks' places; nothing was stopped
+    text = proc.stderr
+    reported = re.findall(r"rank (\d) has made no progress for (\d+) s", text)
+    assert len(reported) == 1 and 30 <= int(reported[0][1]) <= 40, (reported, text[-6000:])
+    block = text[text.index("has made no progress"):]
+    assert re.search(r"rank 1 \(.*training, step 10, \d+ s since; training thread in _slow", block), block[:3000]
+    assert re.search(r"rank 0 \(.*training thread in .*backward \(DDP's gradient all-reduce\)", block), block[:3000]
+    assert "in _slow" in block and "time.sleep(float(os.environ" in block  # rank 1's stack, its line
+    assert "nothing is stopped" in block
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import Preempted
 from ..files import cache_dir
+from ..hang import PROGRESS
 from ..preempt import pending_stop
 from .images import Decode, as_decode, channel_stats, check_images, decode_all
 
@@ -240,6 +241,7 @@ def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
                 images, rate = decode_all(files[done:done + piece], size)
                 f.write(images.numpy().tobytes())
                 done += len(images)
+                PROGRESS.mark("start-up: the decoded cache", detail=f"{done} of {n} images")
                 rates.append(rate)
                 piece = max(16, min(CHUNK, int(rate * PIECE_S)))  # (a stop signal answered within about a second)
             f.flush()

@@ -1,0 +1,100 @@
+"""The hang report (accel_train/hang.py), in process: a training thread without progress is named with its stack,
+the peers' parts come over the heartbeat's channel, a busy peer is no hang, exempt work is none, --stop_on_hang ends.
+With real ranks: a model that blocks on one rank (test_survivor.py)."""
+
+import threading
+import time
+import types
+
+from accel_train.hang import HANG_STEPS, HangReport, Progress
+from accel_train.heartbeat import Heartbeat
+from conftest import wait_for
+
+
+def settings(**kw):
+    return types.SimpleNamespace(**{"hang_report_s": 1.0, "stop_on_hang": False, "timeout_s": 300, "compile": False,
+                                    **kw})
+
+
+def wait_for_the_lock_that_never_comes(seconds):
+    threading.Event().wait(seconds)
+
+
+def test_a_training_thread_without_progress_is_named_with_its_stack_once(capfd):
+    progress = Progress()
+    with HangReport(settings(), types.SimpleNamespace(step_s=None), progress).start():
+        progress.mark("training", 7)
+        wait_for_the_lock_that_never_comes(4.5)
+    err = capfd.readouterr().err
+    assert err.count("has made no progress for") == 1, err  # once per stall
+    assert "rank 0 (" in err and "training, step 7" in err, err
+    assert "training thread in wait" in err and "wait_for_the_lock_that_never_comes" in err, err
+    assert "Traceback" not in err  # (a warning, not an error)
+
+
+def test_the_bound_is_learned_from_the_agreed_step_time_and_exempt_work_is_no_hang():
+    stop = types.SimpleNamespace(step_s=5.0)
+    report = HangReport(settings(hang_report_s=30), stop, Progress())
+    assert report.bound() == HANG_STEPS * 5.0
+    stop.step_s = 0.1
+    assert report.bound() == 30
+    with report.progress.exempt("checkpoint write"):
+        assert report.idle(time.monotonic() + 1000) is None
+    assert report.idle(time.monotonic() + 10) >= 9.9
+
+
+def reports(n, progress):
+    hearts = [Heartbeat(rank, 0.2, 600) for rank in range(n)]
+    peers = {rank: (*h.address, __import__("os").getpid(), h.key) for rank, h in enumerate(hearts)}
+    for h in hearts:
+        h.start(peers, lambda *a: None)
+    out = []
+    for rank, (h, p) in enumerate(zip(hearts, progress)):
+        r = HangReport(settings(hang_report_s=60), types.SimpleNamespace(step_s=None), p)
+        r.attach(rank, h)
+        out.append(r)
+    return hearts, out
+
+
+def test_every_ranks_place_comes_over_the_channel_and_a_busy_peer_is_no_hang(capfd):
+    progress = [Progress(), Progress()]
+    hearts, (zero, one) = reports(2, progress)
+    try:
+        progress[0].mark("evaluation", 9, "batch 1")
+        progress[1].mark("training", 9)
+        progress[0].at -= 100
+        progress[1].at -= 100  # both stalled (a collective that waits for a peer blocked elsewhere)
+        assert zero.report(100, 60)
+        err = capfd.readouterr().err
+        assert "rank 0 (" in err and "evaluation, batch 1, step 9" in err, err
+        assert "rank 1 (" in err and "training, step 9" in err and "rank 1's threads:" in err, err
+        assert "this rank's stacks are in its report" in err  # rank 1 says where its stacks went
+        progress[1].mark("training", 10)  # rank 1 works on: rank 0 only waits for it (a long decode, say)
+        progress[0].at -= 100
+        assert not zero.report(100, 60)
+        assert "has made no progress" not in capfd.readouterr().err
+    finally:
+        for h in hearts:
+            h.close()
+
+
+def test_a_peer_that_does_not_answer_is_named():
+    progress = [Progress(), Progress()]
+    hearts, (zero, one) = reports(2, progress)
+    hearts[1].handlers.clear()  # (its thread does not run: a stopped process, the GIL held)
+    try:
+        progress[0].at -= 100
+        assert zero.report(100, 60)
+    finally:
+        for h in hearts:
+            h.close()
+
+
+def test_stop_on_hang_ends_the_run_at_the_report():
+    ended = []
+    progress = Progress()
+    with HangReport(settings(stop_on_hang=True), types.SimpleNamespace(step_s=None), progress).start() as report:
+        report.attach(0, None, ended.append)
+        progress.mark("training", 3)
+        wait_for(lambda: ended, timeout=10, interval=0.1)
+    assert "rank 0 made no progress" in ended[0] and "training" in ended[0], ended

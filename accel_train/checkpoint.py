@@ -85,12 +85,16 @@ class Checkpointer:
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
         self.saved_at, self.write_s = time.perf_counter(), None  # (a checkpoint by time: preempt.AgreedChecks)
         self.writing = False  # a save in progress: the survivor's signal watch does not save beside it
+        self.buffers_shared = None  # (step): every rank holds rank 0's buffers (survivor.py)
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
         start = time.perf_counter()
         self.writing = True
         try:
+            shared = share_buffers(self.accelerator, self.model, self.ema)
+            if shared and self.buffers_shared is not None:
+                self.buffers_shared(state.step)
             with PROGRESS.exempt("checkpoint write"):  # (a long write is no hang: hang.py)
                 path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math,
                                        self.decision.writer, self.decision.shared, model=self.model, ema=self.ema,
@@ -102,14 +106,31 @@ class Checkpointer:
         return path
 
 
+def share_buffers(accelerator, model, ema) -> bool:
+    """Rank 0's buffers (BatchNorm's running statistics: the model's and the EMA's) on every rank;
+    True if any were sent. Under DDP the ranks' weights are equal but their statistics are each
+    rank's own until DDP broadcasts rank 0's at the next forward, and each rank's EMA follows its
+    own. A checkpoint holds rank 0's: sent at the start of its write, every machine's copy is rank
+    0's state, and a survivor of a peer lost during the write saves exactly that. The model's change
+    no training (DDP's next forward sends the same values to the other ranks); each rank's EMA
+    evaluates with rank 0's statistics from there on, as after a resume from the checkpoint."""
+    if model is None or accelerator.num_processes < 2:
+        return False
+    tensors = [*model.buffers(), *(ema.module.buffers() if ema is not None else ())]
+    for tensor in tensors:
+        broadcast(tensor, from_process=0)
+    return bool(tensors)
+
+
 def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,
                     model=None, ema=None, history: dict | None = None, keep: int = 2,
                     facts: dict | None = None) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
     `writer`: this process writes to its disk (the main process for a shared output dir, else each machine's
-    local main process). Model and optimizer are the same on every rank (DDP), so each writer saves them
-    from its own ranks; the RNG states of every rank are gathered so each copy is whole.
+    local main process). Model and optimizer are the same on every rank (DDP; the buffers once
+    share_buffers sent rank 0's), so each writer saves them from its own ranks; the RNG states of
+    every rank are gathered so each copy is whole.
     """
     root = Path(output_dir) / CKPT_DIR
     final = step_dir(output_dir, state.step)
@@ -122,11 +143,6 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
             for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
-    if not shared and model is not None:
-        # Under DDP the ranks' weights are equal but their BatchNorm statistics are each rank's own until DDP
-        # broadcasts rank 0's at the next forward: do that now, so every machine's copy is rank 0's state.
-        for tensor in [*model.buffers(), *(ema.module.state_dict().values() if ema is not None else ())]:
-            broadcast(tensor, from_process=0)
     agree = partial(_agree, accelerator, attempt, tmp if writer else None, final, output_dir, state.run_id)
     agree()
     accelerator.project_configuration.save_on_each_node = not shared

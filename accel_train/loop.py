@@ -40,7 +40,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
         accelerator, model, state = run.accelerator, run.model, run.state
         stop.check_start_up(accelerator, state.step)
         metrics = MetricsLog(cfg, accelerator.is_main_process, state, run.history, run.steps_per_epoch, run.done)
-        best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process)
+        best = BestModel(cfg.output_dir, metrics.rows, accelerator.is_main_process, run.whole_epochs)
         # A plain step makes no host sync and no collective beyond DDP's all-reduce: stop requests and non-finite losses
         # are agreed on at the steps `checks` picks (seconds apart), and where ranks meet anyway (logs, checkpoints).
         watch = NonFiniteWatch(accelerator.device, cfg.output_dir, bare_model(accelerator, model), run.precision)

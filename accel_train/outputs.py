@@ -44,9 +44,11 @@ def export_model(model: torch.nn.Module, output_dir, model_config: dict, filenam
     return path
 
 
-def best_row(rows: list[dict]) -> dict | None:
-    """The epoch row with the highest test_acc (the first of equals), or None."""
-    rows = [r for r in rows if r.get("test_acc") is not None]
+def best_row(rows: list[dict], whole_epochs: int | None = None) -> dict | None:
+    """The epoch row with the highest test_acc (the first of equals), or None; of the first
+    `whole_epochs` epochs only, if given (the row of an epoch --max_steps cut short is never exported)."""
+    rows = [r for r in rows if r.get("test_acc") is not None
+            and (whole_epochs is None or r["epoch"] <= whole_epochs)]
     return max(rows, key=lambda r: r["test_acc"]) if rows else None
 
 
@@ -72,8 +74,8 @@ class BestModel:
     best's file (a resume on another machine's disk) writes one again only when a later epoch beats the best:
     checkpoints do not carry a second copy of the weights (see docs/outputs_and_resume.md: Outputs)."""
 
-    def __init__(self, output_dir, rows: list[dict], writer: bool):
-        self.row = best_row(rows)
+    def __init__(self, output_dir, rows: list[dict], writer: bool, whole_epochs: int | None = None):
+        self.row = best_row(rows, whole_epochs)  # (a resumed --max_steps stop keeps its cut-short row)
         found = exported_best(output_dir) if writer else None
         mine = self.row is not None and found is not None and \
             (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])

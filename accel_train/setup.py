@@ -78,6 +78,11 @@ class Run:
         return self.steps_per_epoch * self.accelerator.gradient_accumulation_steps
 
     @property
+    def whole_epochs(self) -> int:
+        """Epochs whose every step is done (not one that a --max_steps stop cut short)."""
+        return self.state.epoch + (self.state.batch_in_epoch >= self.batches_per_epoch)
+
+    @property
     def done(self) -> bool:
         """Every epoch trained and evaluated, or --max_steps reached (an epoch whose steps are all done but whose
         evaluation was interrupted is not done: it is evaluated first)."""

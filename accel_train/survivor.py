@@ -29,7 +29,7 @@ import shutil
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -121,21 +121,26 @@ class Survivor:
         named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
         self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
+        self.kept_own = False  # `kept` holds this rank's own statistics (else rank 0's)
         self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
         self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None  # (close removes)
+        if self.buffers and checkpointer is not None:  # (a checkpoint's write sends rank 0's: kept)
+            checkpointer.buffers_shared = self._keep
+
+    def _keep(self, step: int, own: bool = False, locked: bool = False) -> None:
+        with nullcontext() if locked else self.lock:
+            torch._foreach_copy_(self.kept, self.buffers)
+            self.kept_step, self.kept_own = step, own
 
     def _window_start(self, module, args) -> None:
         state = self.run.state
         if module.training and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0:
-            with self.lock:
-                torch._foreach_copy_(self.kept, self.buffers)
-                self.kept_step = state.step
+            self._keep(state.step)
 
     def step_done(self) -> None:
         """The step is complete (weights, step, lr, EMA): the lock train_step took is released."""
         if self.buffers and not self.hooked:
-            torch._foreach_copy_(self.kept, self.buffers)
-            self.kept_step = self.run.state.step
+            self._keep(self.run.state.step, own=True, locked=True)
         self.lock.release()
 
     # ---- the training side: a lost peer raised in the main thread
@@ -209,7 +214,8 @@ class Survivor:
         # forward has run since the step: this rank's own, or rank 0's where an evaluation's forward broadcast them)
         kept = self.kept_step == state.step
         buffers = dict(zip(self.buffer_names, self.kept if kept else self.buffers))
-        source = "rank 0" if kept and self.hooked else f"rank {run.accelerator.process_index} (its own)"
+        own = not kept or self.kept_own
+        source = f"rank {run.accelerator.process_index} (its own)" if own else "rank 0"
         try:
             write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
         except BaseException:

@@ -74,6 +74,29 @@ def test_a_max_steps_stop_mid_epoch_then_resume_keeps_the_best_model(stopped_mid
     assert all(torch.equal(b1[k], b2[k]) for k in b1)
 
 
+def test_the_same_max_steps_command_resumed_keeps_the_best_model_and_warns_of_none(tmp_path, monkeypatch):
+    # rerun as it was (--max_steps 12, stopped 4 steps into epoch 2) with --resume auto: nothing to
+    # train, the rows kept whole. The cut-short epoch 2 evaluated better than epoch 1 but was never
+    # exported; taken for the best, it deleted epoch 1's model_best.safetensors and warned of a best
+    # model "trained before a resume" that never existed
+    import accel_train.loop
+    out, args = tmp_path / "out", ["--lr", "1.0", "--seed", "11", "--log_every", "5", "--max_steps", "12"]
+    scripted, real = {8: 0.5, 12: 0.75}, accel_train.loop.end_of_epoch
+
+    def end_of_epoch(*a, **kw):
+        row = real(*a, **kw)
+        if row is not None:
+            row["test_acc"] = scripted[row["step"]]
+        return row
+    monkeypatch.setattr(accel_train.loop, "end_of_epoch", end_of_epoch)
+    ok(run_cli(small(out, *args)))
+    assert [r["test_acc"] for r in rows(out / "metrics.jsonl")] == [0.5, 0.75]
+    assert exported_best(out)["epoch"] == 1
+    again = ok(run_cli(small(out, *args, "--resume", "auto")))
+    assert "is not on this disk" not in again.stderr, again.stderr[-2000:]
+    assert exported_best(out)["epoch"] == 1 and "model_best.safetensors" in again.stderr
+
+
 def test_a_resumed_run_writes_the_rows_the_uninterrupted_run_writes(stopped_mid_epoch):
     full, part, (_, stop_steps), _ = stopped_mid_epoch
     assert [r["step"] for r in stop_steps] == [5, 8, 10, 12]  # the stop's own row: short runs have rows too ...

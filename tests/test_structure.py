@@ -67,7 +67,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     assert imports_of(a) == {"accel_train.b"} and imports_of(b) == {"accel_train.a"}
 
 
-MAX_LINES = 320  # "about 300": a module past this is two concerns
+MAX_LINES = 340  # a module past this likely holds two concerns: a prompt to read it, not a cut
 
 
 def test_no_module_is_two_concerns_long():

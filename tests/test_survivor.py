@@ -158,6 +158,56 @@ def test_a_rank_60_s_slow_in_one_step_is_no_lost_peer(tmp_path, launched_ref):
     assert "nothing is stopped" in block
 
 
+# test only: rank 0 SIGKILLs itself inside its ACCEL_TEST_KILL_AT-th accelerate save_state (a
+# checkpoint being written), once per ACCEL_TEST_KILL_MARK (the relaunch, same environment, spared)
+KILL_IN_SAVE_HOOK = """\
+import os
+if os.environ.get("RANK") == "0" and not os.path.exists(os.environ["ACCEL_TEST_KILL_MARK"]):
+    import signal
+    import accelerate
+    _save_state, _calls = accelerate.Accelerator.save_state, []
+
+    def _killed(self, *args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == int(os.environ["ACCEL_TEST_KILL_AT"]):
+            open(os.environ["ACCEL_TEST_KILL_MARK"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _save_state(self, *args, **kwargs)
+    accelerate.Accelerator.save_state = _killed
+"""
+
+
+@pytest.mark.slow
+def test_rank_0_killed_during_a_checkpoint_write_resumes_with_its_batchnorm_statistics(tmp_path,
+                                                                                      launched_ref):
+    # rank 1 survives a kill of rank 0 inside the checkpoint of step 40 (mid-epoch: no evaluation's
+    # broadcast since step 32's). The checkpoint's write begins with rank 0's buffers broadcast, so
+    # the survivor saves rank 0's statistics, not its own: the relaunch ends equal to the
+    # uninterrupted run, BatchNorm buffers and the EMA's included (before: 40 buffers differed)
+    out, hooks, log = tmp_path / "out", tmp_path / "hooks", tmp_path / "run.log"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(KILL_IN_SAVE_HOOK)
+    env = clean_env(NPROC_PER_NODE="2", ACCEL_RESTART_DELAY="1", ACCEL_TEST_KILL_AT="3",
+                    ACCEL_TEST_KILL_MARK=str(tmp_path / "killed"),
+                    PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get(
+                        "PYTHONPATH")])]))
+    # save_state's calls: step 20, the end of epoch 1 (step 32), step 40
+    cmd = ["bash", ROOT / "launch.sh", *RUN, "--checkpoint_every", "20", "--output_dir", out,
+           "--max_restarts", "1"]
+    proc = run(cmd, 400, env, ROOT)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and (tmp_path / "killed").exists(), text[-4000:]
+    assert "step 40 saved by the survivor" in text, text[-4000:]
+    assert text.count("relaunching to resume") == 1, text[-4000:]
+    assert "resumed from" in text and "step 40, 16 batches into the epoch" in text, text[-4000:]
+    buffers = [k for k in load_file(out / "model.safetensors") if "running_" in k]
+    assert buffers
+    assert max_diff(launched_ref / "model.safetensors", out / "model.safetensors") <= 1e-6
+    assert max_diff(launched_ref / "model_ema.safetensors", out / "model_ema.safetensors") <= 1e-6
+    steps = [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 65))
+
+
 @pytest.mark.slow
 def test_sigterm_while_a_peer_is_stopped_saves_at_once_not_at_an_agreed_check(tmp_path):
     # rank 0 frozen (SIGSTOP), then SIGTERM to rank 1 (torchrun's agent, or a platform stopping what is left): rank 1

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -84,3 +85,53 @@ def settings_from_flags(optimizers):
     for opt, groups in zip(optimizers, built):
         for group, values in zip(opt.param_groups, groups):
             group.update(values)
+
+
+# What identifies a run's data beyond the checkpoint's run math (image size, mean/std:
+# resume.keep_run_math takes them from the checkpoint): a resume that names none of them continues
+# on the run's own (its config.yaml).
+RUN_DATA = ("data", "data_dir", "train_samples", "test_samples", "val_split")
+DATA_KINDS = ("cifar10", "imagefolder", "random")
+
+
+def run_config(output_dir, resume) -> Path:
+    """The config.yaml of the run a --resume continues: the one beside the checkpoints of a
+    --resume PATH (<run>/checkpoints/step_N), else --output_dir's."""
+    given = Path(str(resume))
+    beside = given.parent.parent / "config.yaml"
+    if resume != "auto" and given.parent.name == "checkpoints" and beside.is_file():
+        return beside
+    return Path(output_dir) / "config.yaml"
+
+
+def run_data(values: dict, named: set[str], read) -> str | None:
+    """A resume's data flags that the command line (and its --config) leave out: the run's own,
+    from its config.yaml (`read`: cli.load_yaml), so that `--output_dir D --resume auto --epochs N`
+    continues the run in D. Changes `values` in place; returns the line that says what was taken
+    (None: nothing). --data named alone takes the run's --data_dir only if the run read the same
+    kind; --data_dir named alone says its own kind (config.infer_data). A value that is named and
+    conflicts with the checkpoint is refused later, naming both (resume.keep_run_math)."""
+    if not values.get("resume"):
+        return None
+    path = run_config(values["output_dir"], values["resume"])
+    try:
+        recorded = read(path) if path.is_file() else {}
+    except ConfigError:  # (a config.yaml this version cannot read: the flags as given)
+        return None
+    drop, kind_named = set(), bool(named & {"data", "custom_data"})
+    if kind_named or "data_dir" in named:  # the kind named, or said by the folder named
+        drop.add("data")
+        if "data_dir" in named or values.get("data") != recorded.get("data"):
+            drop.add("data_dir")
+        if kind_named and values.get("data") != recorded.get("data"):  # (not the run's folder)
+            drop.add("val_split")
+    if recorded.get("data") not in DATA_KINDS:  # (a run on a script's own Datasets reads no folder)
+        drop |= {"data", "data_dir"}
+    keys = [k for k in RUN_DATA if k not in named | drop and k in recorded]
+    taken = {k: recorded[k] for k in keys if recorded[k] != values.get(k)}
+    if not taken:
+        return None
+    values.update(taken)
+    said = " ".join(f"--{k} {_said(v)}" for k, v in taken.items())
+    return (f"resume: {said} from {path} (the run's data; not on the command line); its image "
+            "size, classes and mean/std follow the checkpoint")

@@ -44,6 +44,7 @@ class TrainState:
     run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
     epoch_train: dict | None = None  # the epoch's training numbers once reduced over ranks, until its row is recorded
     schedule_since: int = 0  # the lr has followed this run's schedule since this step (before: steps.jsonl's lr)
+    epoch_sums: dict | None = None  # mid-epoch: its training sums so far (EpochMeter.sums)
 
 
 def _state_dict_cpu(module: torch.nn.Module) -> dict:
@@ -86,9 +87,15 @@ class Checkpointer:
         self.saved_at, self.write_s = time.perf_counter(), None  # (a checkpoint by time: preempt.AgreedChecks)
         self.writing = False  # a save in progress: the survivor's signal watch does not save beside it
         self.buffers_shared = None  # (step): every rank holds rank 0's buffers (survivor.py)
+        self.meter = None  # the epoch's metrics.EpochMeter (the loop's)
 
     def save(self, state: TrainState) -> Path:
         self.watch.check(self.accelerator, state.step, self.model)
+        # mid-epoch (its row not yet made): the epoch's training sums so far, reduced here, where
+        # the ranks meet anyway, so that a resume's row of this epoch is the uninterrupted run's
+        mid_epoch = self.meter is not None and state.batch_in_epoch > 0 \
+            and state.epoch_train is None
+        state.epoch_sums = self.meter.sums(self.accelerator) if mid_epoch else None
         start = time.perf_counter()
         self.writing = True
         try:
@@ -266,7 +273,8 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     accelerator.step = 0
     return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
                       run_id=meta.get("run_id", "legacy"), epoch_train=meta.get("epoch_train"),
-                      schedule_since=meta.get("schedule_since", meta["step"]))
+                      schedule_since=meta.get("schedule_since", meta["step"]),
+                      epoch_sums=meta.get("epoch_sums"))
 
 
 class _DropRngLoadNotice(logging.Filter):

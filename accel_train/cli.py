@@ -19,6 +19,7 @@ import typing
 import yaml
 
 from . import __version__
+from .changes import run_data
 from .config import TrainConfig, fields
 from .flag_types import base_type
 from .status import status_of
@@ -106,7 +107,10 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     if ":" in str(file.get("model", "")) and "model" not in flags:  # code named by a file: the command line trusts it
         from .user import allow_import
         allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
-    return TrainConfig(**seed_data_alias(values, flags, file))
+    said = run_data(values, flags | set(file), load_yaml)  # a resume's data: the run's (unnamed)
+    cfg = TrainConfig(**seed_data_alias(values, flags, file))
+    cfg.notes = [said] if said else []  # (said by the main process once the run starts: setup)
+    return cfg
 
 
 def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

@@ -46,6 +46,10 @@ class TrainConfig:
                                     "spaced files; random data: its size, default 50000)", "data")
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its size, "
                                    "default 10000)", "data")
+    val_split: float | None = opt(None, "an image folder without val/: hold out this fraction of "
+                                  "each class of train/ as the evaluation split (chosen by --seed: "
+                                  "the same files on every rank, machine and resume; evaluate and "
+                                  "predict --held_out read them)", "data")
     pipeline: str = opt("auto", "'device': uint8 images live on the accelerator, batches are gathered and "
                         "augmented there; 'cpu': image decoding and augmentation in DataLoader workers; 'cache': "
                         "the cpu pipeline reading an image folder decoded once per machine; 'auto': device when the "
@@ -253,6 +257,12 @@ class TrainConfig:
         if self.num_workers and self.pipeline == "device":
             raise ConfigError(f"--num_workers {self.num_workers} needs --pipeline cpu (the device pipeline has "
                               "no DataLoader workers); add --pipeline cpu or drop --num_workers")
+        if self.val_split is not None and not 0 < self.val_split < 1:
+            raise ConfigError("--val_split is the fraction of each class held out, in (0, 1); got "
+                              f"{self.val_split:g}")
+        if self.val_split is not None and self.data != "imagefolder":
+            raise ConfigError("--val_split holds out part of an image folder's train/; "
+                              f"{self.data} data has a test split of its own: drop --val_split")
         if self.pipeline == "cache" and self.data != "imagefolder":
             raise ConfigError(f"--pipeline cache decodes an image folder once; {self.data} needs no decoding: use "
                               "--pipeline cpu or auto")

@@ -54,7 +54,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
             while not run.done:
                 epoch, only_evaluation = state.epoch, state.batch_in_epoch >= run.batches_per_epoch  # (resumed so)
                 model.train()
-                meter = EpochMeter(accelerator.device)
+                meter = checkpoints.meter = epoch_meter(run, cfg, only_evaluation)
                 window_loss = torch.zeros((), device=accelerator.device)  # sum of the micro-batch losses of this step
                 tick = time.perf_counter()
                 for batch in epoch_batches(run, epoch):
@@ -95,11 +95,28 @@ def train(cfg: TrainConfig, given=None) -> dict:
         return finish(run, cfg, metrics, best, time.perf_counter() - run_start, stop)  # outputs; trackers, stop closed
 
 
+def epoch_meter(run: Run, cfg: TrainConfig, only_evaluation: bool) -> EpochMeter:
+    """The epoch's meter; resumed into the middle of the epoch, with the checkpoint's sums of the
+    batches before it (TrainState.epoch_sums), or, where it keeps none, said partial in one line
+    and in its row."""
+    state = run.state
+    resumed = 0 < state.batch_in_epoch and not only_evaluation
+    partial = resumed and state.epoch_sums is None
+    if partial:
+        survivor = (run.decision.meta or {}).get("survivor")
+        why = "a survivor's save after a lost peer" if survivor else "an earlier accel_train's"
+        logger.warning(f"epoch {state.epoch + 1}'s row covers its batches from "
+                       f"{state.batch_in_epoch + 1} on only (train_partial): the checkpoint "
+                       f"({why}) keeps no training sums of the batches before",
+                       main_process_only=not cfg.log_all_ranks)
+    return EpochMeter(run.accelerator.device, state.epoch_sums if resumed else None, partial)
+
+
 def next_epoch(run: Run, epoch: int, lock) -> None:
     """After an epoch's row: the next epoch starts, unless --max_steps stopped this one (epoch and batch change
     together: the survivor reads them under `lock`)."""
     with lock:
-        run.state.epoch_train = None  # (recorded in the row)
+        run.state.epoch_train = run.state.epoch_sums = None  # (recorded in the row)
         if run.state.batch_in_epoch >= run.batches_per_epoch:
             run.state.epoch, run.state.batch_in_epoch = epoch + 1, 0
 

@@ -14,14 +14,23 @@ from .ranks import rank0s
 
 
 class EpochMeter:
-    """Sums that stay on the device during an epoch (no sync per step) and step timing."""
+    """Sums that stay on the device during an epoch (no sync per step) and step timing.
 
-    def __init__(self, device):
+    `resumed`: a resume into the middle of the epoch: the sums of its batches before the checkpoint
+    (TrainState.epoch_sums, reduced over the ranks that trained them, whatever their number), so
+    that the epoch's row is the uninterrupted run's; None where the checkpoint keeps none (a
+    survivor's save, an older accel_train): the row then covers the batches since the resume and
+    says so (`partial`)."""
+
+    def __init__(self, device, resumed: dict | None = None, partial: bool = False):
         self.loss_sum = torch.zeros((), device=device, dtype=torch.float64)
         self.correct = torch.zeros((), device=device, dtype=torch.long)
         self.samples = 0
         self.data_time = 0.0
         self.start = time.perf_counter()
+        self.before = resumed or {}  # all ranks' sums of the epoch's batches before this start
+        self.partial = partial
+        self.reduced = None  # (the global sums at `samples` local samples, once reduced)
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """`labels`: class indices, or --mixup/--cutmix's soft targets, whose largest share is the label counted (the
@@ -31,20 +40,39 @@ class EpochMeter:
         self.loss_sum += loss.detach().double() * n
         self.correct += (logits.detach().argmax(1) == labels).sum()
         self.samples += n
+        self.reduced = None  # (every rank updates alike: the ranks reduce again together)
+
+    def sums(self, accelerator) -> dict:
+        """The epoch's sums so far over every rank, the resumed part's included (a collective:
+        every rank calls it at the same batch; a checkpoint, where the ranks meet anyway); JSON
+        numbers, what a checkpoint keeps."""
+        if self.reduced is None or self.reduced[0] != self.samples:
+            count = torch.tensor(float(self.samples), device=self.loss_sum.device,
+                                 dtype=torch.float64)
+            sums = torch.stack([self.loss_sum, self.correct.double(), count])
+            loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
+            self.reduced = self.samples, (loss_sum, correct, samples)
+        loss_sum, correct, samples = self.reduced[1]
+        before = self.before
+        return {"loss_sum": before.get("loss_sum", 0.0) + loss_sum,
+                "correct": int(before.get("correct", 0) + correct),
+                "samples": int(before.get("samples", 0) + samples),
+                "process_samples": before.get("process_samples", 0) + self.samples,
+                "seconds": before.get("seconds", 0.0) + max(time.perf_counter() - self.start, 1e-9),
+                "data_time": before.get("data_time", 0.0) + self.data_time}
 
     def result(self, accelerator) -> dict:
         """Reduce over ranks (a collective: every rank calls it) and read back once."""
-        sums = torch.stack([self.loss_sum, self.correct.double(),
-                            torch.tensor(float(self.samples), device=self.loss_sum.device, dtype=torch.float64)])
-        loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        data_share = self.data_time / seconds  # both measured on one clock over the same epoch: <= 1
+        total = self.sums(accelerator)
+        samples, seconds = total["samples"], total["seconds"]
+        data_share = min(total["data_time"] / seconds, 1.0)  # (one clock, the same epoch)
         return {
-            "train_loss": loss_sum / max(samples, 1),
-            "train_acc": correct / max(samples, 1),
-            "train_samples": int(samples),
+            "train_loss": total["loss_sum"] / max(samples, 1),
+            "train_acc": total["correct"] / max(samples, 1),
+            "train_samples": samples,
+            **({"train_partial": True} if self.partial else {}),
             "images_per_sec": samples / seconds,
-            "images_per_sec_per_process": self.samples / seconds,
+            "images_per_sec_per_process": total["process_samples"] / seconds,
             "data_wait_frac": data_share,
             "compute_frac": 1.0 - data_share,
             "epoch_seconds": seconds,

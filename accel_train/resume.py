@@ -27,8 +27,8 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .changes import check_changes
-from .files import (CKPT_DIR, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete, nothing_to_resume, resumed_from,
-                    step_dir)
+from .files import (CKPT_DIR, MODEL_CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete,
+                    nothing_to_resume, resumed_from, step_dir)
 from .config import TrainConfig
 from .defaults import BATCH_SIZE
 from .errors import ConfigError
@@ -277,8 +277,19 @@ def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
     return meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"] // (batch_size * num_processes)
 
 
-def check_data(meta: dict, train_size: int) -> None:
+def check_data(meta: dict, train_size: int, classes=None, checkpoint: Path | None = None) -> None:
+    """The data's size and (where the checkpoint records them: its model_config.json) its classes
+    are the run's."""
     old = (meta.get("run") or {}).get("train_size")
     if old is not None and old != train_size:
         raise ConfigError(f"the checkpoint was trained on {old} training samples, this data has {train_size}; resume "
                           "with the same data (--train_samples / --data_dir) or start a fresh run")
+    try:
+        facts = json.loads((checkpoint / MODEL_CONFIG_FILE).read_text()) if checkpoint else {}
+        then = facts["classes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        then = None
+    if classes is not None and then is not None and list(classes) != list(then):
+        raise ConfigError(f"the data's classes ({', '.join(classes)}) differ from the "
+                          f"checkpoint's ({', '.join(then)}); resume with the run's --data_dir or "
+                          "start a fresh run")

@@ -23,7 +23,7 @@ from .recipes import RECIPE_FLAGS
 # size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
 # the checkpoint's.
 RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip", "freeze",
-            *RECIPE_FLAGS)
+            "val_split", *RECIPE_FLAGS)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
 LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends

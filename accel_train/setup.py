@@ -137,6 +137,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
 def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     """The memory format, a writable --output_dir on every rank, and one resume decision (flags agree, who
     writes, which checkpoint, copied to machines that lack it; a resume that would change the run refused)."""
+    for note in getattr(cfg, "notes", ()):  # what the command line took from the run (cli.py)
+        log(note)
     if cfg.channels_last is None:  # the memory format where it is measured faster (hardware.channels_last_default)
         cfg.channels_last, why = channels_last_default(accelerator.device_facts.kind)  # (in place: the run's value)
         log(f"memory format {why}")
@@ -188,7 +190,7 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
     with said_once(accelerator):
         check_mixing(cfg)
         if decision.meta:
-            check_data(decision.meta, data.train_size)
+            check_data(decision.meta, data.train_size, data.info.classes, decision.resume_from)
         if data.train_size < cfg.batch_size * accelerator.num_processes:
             raise ConfigError(f"{data.train_size} training samples cannot fill one batch of {cfg.batch_size} on each "
                               f"of {accelerator.num_processes} processes; lower --batch_size or add data")
@@ -283,7 +285,8 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
                 grad_accum=cfg.grad_accum, epochs=cfg.epochs, seed=cfg.seed, model=cfg.model, stem=cfg.stem,
                 model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
                 image_size=cfg.image_size, mean=listed(data.info.mean), std=listed(data.info.std), augment=cfg.augment,
-                hflip=cfg.hflip, freeze=cfg.freeze, settings=settings(cfg, accelerator.mixed_precision),
+                hflip=cfg.hflip, freeze=cfg.freeze, val_split=cfg.val_split,
+                settings=settings(cfg, accelerator.mixed_precision),
                 **{key: getattr(cfg, key) for key in RECIPE_FLAGS})
 
 

@@ -197,7 +197,9 @@ class Survivor:
 
     def _save(self, failure: str) -> str:
         run, start = self.run, time.perf_counter()
-        state = replace(run.state)
+        # no collective here: this rank's sums are not the epoch's, so none are kept (the resumed
+        # row says it is partial)
+        state = replace(run.state, epoch_sums=None)
         k = run.accelerator.gradient_accumulation_steps
         state.batch_in_epoch -= state.batch_in_epoch % k  # the start of the accumulation window in flight
         if readable_step(run.accelerator.device) is not None:

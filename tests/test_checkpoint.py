@@ -58,11 +58,22 @@ def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, o
     rows_part = [json.loads(r) for r in (part / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows_part] == [1, 2, 3] and rows_part[-1]["step"] == rows_full[-1]["step"] == 24
     assert rows_part[-1]["test_acc"] == rows_full[-1]["test_acc"]
+    assert_same_train_rows(rows_full, rows_part)
     steps_full = [json.loads(r) for r in (full / "steps.jsonl").read_text().splitlines()]
     steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps_part] == list(range(1, 25))
     for a, b in zip(steps_full, steps_part):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["lr"] == b["lr"]
+
+
+def assert_same_train_rows(rows_full, rows_part):
+    """Every epoch's training numbers are the uninterrupted run's, the interrupted epoch's too (its checkpoint kept
+    the sums of the batches before the stop; they covered 5 of its 8 steps only)."""
+    train = ("train_loss", "train_acc", "train_samples")
+    assert len(rows_full) == len(rows_part)
+    for a, b in zip(rows_full, rows_part):
+        assert {k: b[k] for k in train} == pytest.approx({k: a[k] for k in train}, abs=1e-6), (a, b)
+        assert "train_partial" not in b and b["epoch_seconds"] > 0
 
 
 def test_checkpoints_are_complete_and_only_the_newest_k_are_kept(tmp_path):

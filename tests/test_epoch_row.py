@@ -45,3 +45,25 @@ def test_a_peer_lost_at_the_epoch_end_leaves_the_real_row_or_none(tmp_path, monk
         assert "epoch 1's training numbers are not in the checkpoint (a peer was lost in their reduce, or an older " \
             "accel_train wrote it): no row for it" in proc.stderr, proc.stderr[-3000:]
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_survivor_save_mid_epoch_gives_a_row_that_says_it_is_partial(tmp_path, monkeypatch,
+                                                                      every_step):  # noqa: F811
+    # the survivor saves without a collective: its own sums are not the epoch's, so it keeps none, and the resumed
+    # epoch's row covers the batches after the save, marked so (a row as if whole understated the epoch in silence)
+    from accel_train import metrics
+    out = tmp_path / "out"
+    lose_peer_at(monkeypatch, metrics.MetricsLog, "log_step", lambda self, acc, s, *a: s == 5)
+    monkeypatch.setattr(survivor.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    proc = run_cli([*ONE, "--output_dir", out])
+    assert proc.returncode == 3 and SAVED.search(proc.stderr).group(1) == "5", proc.stderr[-3000:]
+    saved = json.loads((out / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
+    assert (saved["batch_in_epoch"], saved["epoch_sums"]) == (10, None)
+    monkeypatch.undo()
+    proc = run_cli([*ONE, "--output_dir", out, "--resume", "auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "epoch 1's row covers its batches from 11 on only (train_partial): the checkpoint (a survivor's save " \
+        "after a lost peer) keeps no training sums of the batches before" in proc.stderr, proc.stderr[-3000:]
+    (row,) = rows(out)
+    assert (row["train_samples"], row["train_partial"]) == (6 * 4, True) and rows(every_step)[0]["train_samples"] == 64
+    assert "train_partial" not in rows(every_step)[0]

@@ -535,6 +535,9 @@ def test_image_folder_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_p
     a, b = load_file(full / "model.safetensors"), load_file(part / "model.safetensors")
     assert max((a[k].double() - b[k].double()).abs().max().item() for k in a) <= 1e-6
     assert rows(part)[-1]["test_acc"] == rows(full)[-1]["test_acc"]
+    for a, b in zip(rows(full), rows(part)):  # epoch 2's row too: the sums of its step before the stop were kept
+        assert (b["train_samples"], b["train_acc"]) == (a["train_samples"], a["train_acc"])
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-6)
     steps_full = [json.loads(r) for r in (full / "steps.jsonl").read_text().splitlines()]
     steps_part = [json.loads(r) for r in (part / "steps.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps_part] == list(range(1, 7))

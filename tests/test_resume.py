@@ -17,6 +17,7 @@ from accel_train.model import create_model
 from accel_train.resume import check_data, reconcile
 
 from conftest import TINY, clean_env, launch, reference_args, run_cli
+from test_checkpoint import assert_same_train_rows
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +65,15 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, t
         assert worst(ref, got) <= 1e-5, (ranks, worst(ref, got))
         steps = [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()]
         assert steps == list(range(1, 25))
+        # epoch 2's row is the uninterrupted run's: the 2 ranks' sums before the stop, kept, plus these ranks'
+        assert_same_train_rows(rows(full), rows(out))
+    # the sums a checkpoint taken mid-epoch reduces (--checkpoint_every's step 10; 11 was where --max_steps stopped,
+    # after the row), continued on 1 rank
+    out = shutil.copytree(part, tmp_path / "from10")
+    assert json.loads((out / "checkpoints" / "step_00000010" / "trainer_state.json").read_text())["epoch_sums"][
+        "samples"] == 2 * 32
+    launch("cpu.yaml", reference_args(2, out, "--resume", out / "checkpoints" / "step_00000010"))
+    assert_same_train_rows(rows(full), rows(out))
     # and 1e-5 means something: training moved the weights far more than that
     init = create_model(TINY[1], "imagenet", norm_layer="groupnorm1").state_dict()
     assert worst(ref, init) > 1e-3
@@ -90,6 +100,10 @@ def test_two_rank_cpu_pipeline_continues_on_one_rank_exactly(tmp_path, two_rank_
     assert "step 11, " in proc.stderr and "pipeline cpu" in proc.stderr, proc.stderr[-3000:]
     # (1e-4: the two pipelines normalise in another order, ~1e-7 apart per input; frozen augmentation was 5e-3 away)
     assert worst(load_file(full / "model.safetensors"), load_file(out / "model.safetensors")) <= 1e-4
+
+
+def rows(out):
+    return [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def refuses(meta, args, num_processes=1, train_size=None):

@@ -22,6 +22,7 @@ REFUSED = {  # the run's math: one line naming the flag, exit 2
     "model_kwargs": '{"drop_rate": 0.1}', "seed": "7", "batch_size": "16", "grad_accum": "2", "train_samples": "224",
     # the optimizer's state is its optimizer's; layer decay on (or off) and --freeze change its parameter groups
     "optimizer": "adamw", "layer_decay": "0.5", "freeze": "layer1",
+    "val_split": "0.2",  # (random data: refused; an image folder's: its training files)
     "train_crop": "random_resized", "scale": "0.2,1", "ratio": "1/2,2", "train_interpolation": "bicubic",
     "color_jitter": "0.4", "aa": "rand-m9-mstd0.5", "reprob": "0.25",
 }

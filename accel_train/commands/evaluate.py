@@ -3,6 +3,7 @@ with the data set's facts from its model_config.json; on several ranks under acc
 
     accel-train evaluate --checkpoint output_dir --data cifar10 --data_dir input_dir
     accel-train evaluate --checkpoint output_dir --data imagefolder --data_dir my_images   # reads val/ only
+    accel-train evaluate --checkpoint output_dir   # a --val_split run: the train/ files held out
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml -m accel_train evaluate \\
         --checkpoint output_dir ...
 """
@@ -144,8 +145,14 @@ def main_evaluate(argv: list[str]) -> int:
                           "--data imagefolder or cifar10 with --data_dir for files to evaluate it on (read as "
                           "accel_train reads them: shorter side resized, centre crop, the recorded mean/std)")
     data_dir = args.data_dir or (run.get("data_dir") if run.get("data") == data_name else None) or defaults.data_dir
-    cfg = TrainConfig(data=data_name, data_dir=data_dir, test_samples=args.test_samples, seed=args.seed,
-                      batch_size=args.batch_size or run.get("batch_size") or EVAL_BATCH, pipeline=args.pipeline, num_workers=args.num_workers,
+    # the run's own folder: its --val_split's held-out files (by the run's seed), what it evaluated
+    own = Path(data_dir).resolve() == Path(str(run.get("data_dir"))).resolve()
+    own = own and data_name == run.get("data") == "imagefolder"
+    val_split = run.get("val_split") if own else None
+    seed = run.get("seed", args.seed) if val_split else args.seed
+    cfg = TrainConfig(data=data_name, data_dir=data_dir, test_samples=args.test_samples, seed=seed,
+                      batch_size=args.batch_size or run.get("batch_size") or EVAL_BATCH,
+                      pipeline=args.pipeline, num_workers=args.num_workers, val_split=val_split,
                       image_size=info.image_size if data_name != "cifar10" else None)
     accelerator = Accelerator(cpu=not has_accelerator())
     budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks

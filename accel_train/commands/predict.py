@@ -4,6 +4,7 @@ or one of its checkpoints.
     accel-train predict --checkpoint output_dir cat.png ship.jpg
     accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
     accel-train predict --checkpoint output_dir --format json my_photos/   # one JSON object per image (or csv)
+    accel-train predict --checkpoint output_dir --held_out   # the files a --val_split run held out
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def image_paths(args: list[str]) -> list[Path]:
         else:
             out.append(arg)
     return out
+
+
+def held_out_files(checkpoint, info) -> list[Path]:
+    """The files of train/ that the run which wrote `checkpoint` held out (--val_split), as it
+    chose them."""
+    from ..config import TrainConfig
+    from ..data.images import held_out, image_folder_splits, scan_split
+    from .evaluate import recorded_run
+    run = recorded_run(checkpoint)
+    if not run.get("val_split"):
+        raise ConfigError(f"--held_out: the run of {checkpoint} held nothing out (its config.yaml "
+                          "has no --val_split); pass image files or folders")
+    train = image_folder_splits(run["data_dir"], True, run["val_split"])[0]
+    classes, files, labels = scan_split(train, info.classes)
+    seed = run.get("seed", TrainConfig.seed)
+    return held_out(train, classes, files, labels, run["val_split"], seed)[1][0]
 
 
 def predict_lines(model, info, paths: list[Path], top: int, batch: int = 64):
@@ -107,15 +124,21 @@ def main_predict(argv: list[str]) -> int:
                    help="text: 'file: class p%%, ...' per image; json: one object per line ({\"file\", \"top\": "
                         "[{\"class\", \"probability\"}, ...]} or {\"file\", \"error\"}); csv: a header, then a row "
                         "per image (file, class_1, probability_1, ..., error), quoted where a field needs it")
-    p.add_argument("images", nargs="+", help="image files or folders of them (resized to the model's input size, "
-                   "centre crop); an unreadable file is named and the others are still predicted (exit 2 at the end)")
+    p.add_argument("images", nargs="*", help="image files or folders of them (resized to the "
+                   "model's input size, centre crop); an unreadable file is named and the others "
+                   "are still predicted (exit 2 at the end)")
+    p.add_argument("--held_out", action="store_true", help="the files a --val_split run held out "
+                   "of its train/ (its config.yaml: folder, fraction, seed), in place of images")
     model_code_flags(p)
     normalisation_flags(p)
     args = p.parse_args(argv)
     from ..data import DataInfo
     model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model, args.best)
     info = DataInfo.from_model_config(meta, *given_normalisation(args))
-    paths = image_paths(args.images)
+    if bool(args.images) == args.held_out:
+        raise ConfigError("pass image files or folders, or --held_out (the files the run held "
+                          "out), one of them")
+    paths = held_out_files(args.checkpoint, info) if args.held_out else image_paths(args.images)
     if not paths:
         raise ConfigError(f"no image files in {' '.join(args.images)}")
     bad, say = [], Printer(args.format, min(args.top, len(meta["classes"])))

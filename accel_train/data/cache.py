@@ -40,11 +40,14 @@ STATS = ".stats.json"   # beside a cache: its images' mean/std (cache_stats)
 ASPECTS = ".aspects"    # beside a cache of whole images: their aspect ratios (cache_aspects)
 
 
-def cache_path(files: list[Path], size: int | Decode, samples: int | None = None) -> Path | None:
+def cache_path(files: list[Path], size: int | Decode, samples: int | None = None,
+               part: str | None = None) -> Path | None:
     """Where the decoded `files` at `size` px (a Decode: its crop or the whole image) are cached on this machine (None:
     no home for caches). `samples`: the
     --train_samples/--test_samples that chose `files` from a larger folder, part of the name (not only of the key): a
     subset's cache and the whole folder's are not stale versions of each other (write_cache's removal by name).
+    `part`: which part of the folder `files` are (--val_split's training or held-out files), in
+    the name for the same reason: two parts of one train/ and the whole are three caches.
     The key holds Pillow's version (an upgrade may decode differently), and each file's inode and change time besides
     its size and mtime: a file replaced by one of the same size and mtime (cp -p, rsync -a, tar x, touch -r keep the
     mtime) has a new ctime, which none of them can set."""
@@ -59,7 +62,8 @@ def cache_path(files: list[Path], size: int | Decode, samples: int | None = None
         stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
         key.update(f"{os.path.abspath(f)}\0{stamp}\n".encode())
     folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
-    part = "" if samples is None else f"_{samples}of"  # (not "-": the whole folder's name would be its prefix)
+    # (not "-": the whole folder's name would be its prefix)
+    part = ("" if samples is None else f"_{samples}of") + ("" if part is None else f"_{part}")
     name = f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-{spec.name()}{part}"
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 

@@ -3,6 +3,7 @@ and decoding the files, the errors that name unreadable ones, and the training i
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from ..config import SIZE_SAMPLE
-from ..errors import Preempted
+from ..errors import Preempted, counted
 from ..preempt import pending_stop
 from .info import DataError
 
@@ -90,19 +91,53 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tupl
     return classes, files, labels
 
 
-def image_folder_splits(data_dir, need_train: bool = True) -> tuple[Path, Path]:
+def image_folder_splits(data_dir, need_train: bool = True, val_split: float | None = None
+                        ) -> tuple[Path, Path | None]:
+    """(train/, the evaluation folder); with `val_split` (--val_split: held out of train/) no
+    evaluation folder."""
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) pointing at the "
                         "folder that holds train/ and val/")
     train = root / "train"
-    if need_train and not train.is_dir():
+    if (need_train or val_split) and not train.is_dir():
         raise DataError(f"{root} has no train/ folder; an image folder is {root}/train/<class>/... and "
                         f"{root}/val/<class>/...")
     evaluation = next((root / d for d in EVAL_DIRS if (root / d).is_dir()), None)
-    if evaluation is None:
-        raise DataError(f"{root} has no evaluation split; add {root}/val/<class>/... (or validation/, valid/ or test/)")
+    if val_split and evaluation is not None:  # two evaluation splits: which one is meant is unsaid
+        raise DataError(f"--val_split {val_split:g} holds out part of {train}, but {evaluation} "
+                        "is an evaluation split already; drop --val_split to evaluate on "
+                        f"{evaluation}, or move it away")
+    if evaluation is None and not val_split:
+        raise DataError(f"{root} has no evaluation split; add {root}/val/<class>/... (or "
+                        "validation/, valid/ or test/), or hold part of train/ out with "
+                        "--val_split 0.1")
     return train, evaluation
+
+
+def held_out(root: Path, classes, files: list[Path], labels: list[int], fraction: float, seed: int
+             ) -> tuple[tuple[list, list], tuple[list, list]]:
+    """--val_split: ((training files, labels), (held-out files, labels)) of train/ (`root`). Each
+    class holds out round(n x fraction) of its n files (stratified), those first in the order of a
+    hash of (seed, the file's path under `root`): the same files on every rank and machine
+    (wherever the folder lies) and on every resume; a file added later moves no other file between
+    the splits. A class left with none in either split is refused."""
+    train, test = [], []
+    for c, name in enumerate(classes):
+        members = [i for i, label in enumerate(labels) if label == c]
+        n, k = len(members), math.floor(len(members) * fraction + 0.5)
+        if n == 1 or not 0 < k < n:
+            fix = (f"raise --val_split to at least {math.ceil(50 / n) / 100:g}" if k == 0 and n > 1
+                   else "lower --val_split" if n > 1 else "add images")
+            none = "none held out" if k == 0 else "none to train on"
+            raise DataError(f"--val_split {fraction:g} leaves class {name} "
+                            f"({counted(n, 'image')} in {root / name}) {none}; {fix}, or add a "
+                            f"val/<class>/ folder beside {root}")
+        rank = sorted(members, key=lambda i: hashlib.blake2b(
+            f"{seed}\0{files[i].relative_to(root).as_posix()}".encode(), digest_size=8).digest())
+        test += sorted(rank[:k])
+        train += sorted(rank[k:])
+    return tuple(([files[i] for i in part], [labels[i] for i in part]) for part in (train, test))
 
 
 SIXTEEN_BIT = ("I", "I;16", "I;16L", "I;16B", "I;16N")  # 16-bit grayscale PNG/TIFF (I: older Pillow, int TIFF)

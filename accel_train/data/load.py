@@ -21,8 +21,8 @@ from ..recipes import default_crop_pct, per_sample, train_crop
 from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
 from .crops import store_size
 from .cifar import read_cifar10
-from .images import (Decode, channel_stats, check_images, decode_all, image_folder_splits, native_size, scan_split,
-                     subset)
+from .images import (Decode, channel_stats, check_images, decode_all, held_out, image_folder_splits,
+                     native_size, scan_split, subset)
 from .info import CIFAR10, DataInfo
 from .synthetic import random_data
 
@@ -134,24 +134,40 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
 
 
 def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None):
-    train_dir, eval_dir = image_folder_splits(cfg.data_dir, need_train="train" in wanted)
+    train_dir, eval_dir = image_folder_splits(cfg.data_dir, "train" in wanted, cfg.val_split)
     classes = info.classes if info else None
     found, limits = {}, {"train": cfg.train_samples, "test": cfg.test_samples}
+    split_off = {}  # --val_split: both splits from train/, each a part of it
+    if cfg.val_split:
+        classes, files, labels = scan_split(train_dir, classes)
+        both = held_out(train_dir, classes, files, labels, cfg.val_split, cfg.seed)
+        split_off = dict(zip(("train", "test"), both))
     for split in wanted:
-        classes, files, labels = scan_split(train_dir if split == "train" else eval_dir, classes)
+        if split in split_off:
+            files, labels = split_off[split]
+        else:
+            folder = train_dir if split == "train" else eval_dir
+            classes, files, labels = scan_split(folder, classes)
         found[split] = subset(files, labels, limits[split])
         limits[split] = limits[split] if len(found[split][0]) < len(files) else None  # (chose fewer: a subset)
+    # the decoded cache's name tells a part of train/ from the whole folder (and its other part)
+    parts = {split: f"{'val' if split == 'test' else 'fit'}{cfg.val_split:g}s{cfg.seed}"
+             for split in split_off}
     size = info.image_size if info else cfg.resolution(native_size(found["train"][0]) if cfg.image_size is None
                                                         and "train" in found else None)
     crop_pct = info.crop_pct if info else default_crop_pct(cfg)
     whole = "train" in found and cfg.augment and train_crop(cfg) == "random_resized"  # (crops.py)
     specs = {"train": Decode(store_size(size), whole=True) if whole else Decode(size), "test": Decode(size, crop_pct)}
     nbytes = {split: len(f) * 3 * specs[split].size ** 2 for split, (f, _) in found.items()}
-    homes = {split: home(f, specs[split], limits[split]) for split, (f, _) in found.items()} \
-        if cfg.pipeline == "auto" else {}
+    homes = {split: home(f, specs[split], limits[split], parts.get(split))
+             for split, (f, _) in found.items()} if cfg.pipeline == "auto" else {}
     pipeline, why = choose_pipeline(cfg, sum(nbytes.values()), device, budget, to_cache=sum(
         n for split, n in nbytes.items() if cfg.pipeline != "auto" or not homes[split][1]))
     splits, notes = {}, [why]
+    if split_off:
+        notes.append(f"test: {len(split_off['test'][0])} files of {train_dir} held out "
+                     f"(--val_split {cfg.val_split:g}, --seed {cfg.seed}; the same on every rank "
+                     "and resume)")
     sampled = info is None and None in cfg.normalisation()  # the training files' mean/std: decoded below
     for split, (files, labels) in found.items():
         labels, spec = torch.tensor(labels, dtype=torch.long), specs[split]
@@ -162,8 +178,9 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
             splits[split] = Split(labels, images=images)
             aspects = check_images(files) if spec.whole else None
         elif pipeline == "cache":
-            splits[split] = Split(labels, files=files, cache=cached(files, spec, split, notes, limits[split], later,
-                                                                    homes.get(split, (None,))[0]))
+            cache = cached(files, spec, split, notes, limits[split], later,
+                           homes.get(split, (None,))[0], parts.get(split))
+            splits[split] = Split(labels, files=files, cache=cache)
             aspects = cache_aspects(splits[split].cache, files) if spec.whole else None
         else:
             aspects = checked(files, spec, later)
@@ -187,10 +204,11 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     return info, splits, pipeline, notes
 
 
-def home(files: list[Path], size: int | Decode, samples: int | None) -> tuple[Path | None, bool]:
+def home(files: list[Path], size: int | Decode, samples: int | None, part: str | None = None
+         ) -> tuple[Path | None, bool]:
     """(Where the split's decoded cache lives on this machine, whether a complete one is there already)."""
     try:
-        path = cache_path(files, size, samples)
+        path = cache_path(files, size, samples, part)
     except OSError:  # (a file gone meanwhile: cached() says so)
         return None, False
     return path, path is not None and open_cache(path, len(files), size) is not None
@@ -209,15 +227,15 @@ def checked(files: list[Path], size: int | Decode, sampled: bool = False) -> tor
 
 
 def cached(files: list[Path], size: int | Decode, split: str, notes: list[str], samples: int | None = None,
-           sampled: bool = False, path: Path | None = None) -> Path | None:
+           sampled: bool = False, path: Path | None = None, part: str | None = None) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
     written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
     --train_samples/--test_samples that chose `files` from more (cache_path); `sampled`: as checked's; `path`: the
-    cache_path already found (home: every file's stat once)."""
+    cache_path already found (home: every file's stat once); `part`: cache_path's."""
     from accelerate import PartialState
     try:
-        path = path or cache_path(files, size, samples)
+        path = path or cache_path(files, size, samples, part)
         if path is None:
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:

@@ -390,14 +390,15 @@ fi
 
 # Precision: one the device has (accel_train/hardware.py; docs/speed.md: Precision and memory format per platform):
 # bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend 910A, fp32 on CPUs without bf16.
-# Our own configs get the device's best; a config the user named keeps its own where the device has it.
+# Our own configs get the device's best; a config the user named keeps its own where the device has it (one that
+# states no mixed_precision, as our CPU configs, leaves it to the device too).
 # Skipped when the trainer's --mixed_precision (or --force_precision) decides, and in --dry-run on GPU/NPU (the probe imports torch)
 # unless ACCEL_TRAIN_DEVICE_FACTS states the facts.
 config_precision="$(sed -nE "s/^mixed_precision: *['\"]?([A-Za-z0-9]+)['\"]?.*/\1/p" "$config_file" | head -n 1)"
 asked_by_flag=0
 for arg in "${trainer_args[@]}"; do [[ "$arg" == --mixed_precision* || "$arg" == --force_precision* ]] && asked_by_flag=1; done
 if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACCEL_TRAIN_DEVICE_FACTS:-}" ]]; then
-  probe=(--config_precision "${config_precision:-no}")
+  probe=(--config_precision "$config_precision")
   [[ "$device" == cpu ]] && probe+=(--cpu)
   [[ -n "$named_config" ]] && probe+=(--keep)
   chosen="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" timeout "${ACCEL_PROBE_TIMEOUT:-60}" \
@@ -408,7 +409,7 @@ if ((asked_by_flag == 0)) && [[ "$device" == cpu || "$dry_run" == 0 || -n "${ACC
     if [[ "$precision" != "${config_precision:-no}" ]]; then launch_args+=(--mixed_precision "$precision"); fi
     # launch.sh's own pick (not a precision the user's named config asked for): the trainer's start-up check may
     # fall back to fp32 where this precision computes wrong gradients for the run's shapes (docs/speed.md: Precision)
-    if [[ -z "$named_config" || "$precision" != "${config_precision:-no}" ]]; then
+    if [[ -z "$named_config" || -z "$config_precision" || "$precision" != "$config_precision" ]]; then
       env_vars+=("ACCEL_TRAIN_AUTO_PRECISION=$precision")
     fi
   else

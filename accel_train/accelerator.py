@@ -26,16 +26,82 @@ from .ranks import said_once
 logger = get_logger("accel_train")
 
 
-def asked_precision(cfg: TrainConfig, env=os.environ) -> tuple[str | None, str]:
-    """The precision asked for and where: the trainer's flag, else the launcher's config, else nothing."""
+def asked_precision(cfg: TrainConfig, env=os.environ, launch=None) -> tuple[str | None, str]:
+    """The precision asked for and where: the trainer's flag, else the launcher's config, else
+    nothing. Where nothing is asked, the second value names the rule that leaves the precision to
+    the device. `launch`: parent_launch()'s answer (tests state it)."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
-    launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config (or its flag)
+    launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config
     if launched and launched.lower() == env.get("ACCEL_TRAIN_AUTO_PRECISION", "").lower():
-        return None, ""  # launch.sh's own pick from the device's facts: nothing asked
+        return None, "launch.sh's pick"  # launch.sh's own pick from the device's facts
+    if launched and launched.lower() == "no":
+        # accelerate launch writes 'no' for a config without mixed_precision too: only its command
+        # line and its config file tell a stated fp32 from none stated
+        unstated = config_without_precision(parent_launch() if launch is None else launch)
+        if unstated:
+            return None, f"{unstated} states no mixed_precision"
     if launched:
         return launched.lower(), f"the accelerate config's mixed_precision: '{launched.lower()}'"
-    return None, ""
+    return None, "neither --mixed_precision nor a launcher's config states one"
+
+
+LAUNCH_ENTRY = ("accelerate.commands.launch", "accelerate-launch")
+
+
+def launch_options(cmdline: bytes) -> list[str] | None:
+    """The options an `accelerate launch` command line gives accelerate itself (up to its -m or
+    script), or None where it is no such command line (`accelerate launch`, `python -m
+    accelerate.commands.launch`)."""
+    argv = cmdline.decode(errors="replace").split("\0")
+    for i, arg in enumerate(argv):
+        name = os.path.basename(arg)
+        if name in LAUNCH_ENTRY or (name == "accelerate" and argv[i + 1:i + 2] == ["launch"]):
+            rest = argv[i + (2 if name == "accelerate" else 1):]
+            ends = [j for j, a in enumerate(rest) if a in ("-m", "--module") or a.endswith(".py")]
+            return rest[:ends[0] if ends else len(rest)]
+    return None
+
+
+def parent_launch() -> tuple[list[str], Path] | None:
+    """(accelerate launch's options, its working directory) where this process's parent is
+    `accelerate launch` (it starts every rank itself, torchrun's agent included); None where it is
+    not, or cannot be read (not Linux)."""
+    parent = Path(f"/proc/{os.getppid()}")
+    try:
+        options = launch_options((parent / "cmdline").read_bytes())
+        return (options, (parent / "cwd").resolve()) if options is not None else None
+    except OSError:
+        return None
+
+
+def config_without_precision(launch: tuple[list[str], Path] | None) -> str | None:
+    """The config `accelerate launch` read, named, where neither it nor the command line states
+    mixed_precision (accelerate then passes 'no'); None where one of them states it, or where that
+    cannot be told."""
+    if launch is None:
+        return None
+    options, cwd = launch
+    named = None
+    for i, arg in enumerate(options):
+        key, _, value = arg.partition("=")
+        if key == "--mixed_precision":
+            return None
+        if key == "--config_file":
+            named = value or (options[i + 1] if i + 1 < len(options) else None)
+    if named is None:  # accelerate launch reads its default config then, if there is one
+        from accelerate.commands.config import default_config_file
+        if "--cpu" in options or not os.path.isfile(default_config_file):
+            return "accelerate launch without a config file"
+        named = default_config_file
+    try:
+        import yaml
+        settings = yaml.safe_load((cwd / named).read_text())  # (JSON is YAML too)
+    except Exception:
+        return None
+    if not isinstance(settings, dict) or "mixed_precision" in settings:
+        return None
+    return f"the accelerate config {named}"
 
 
 def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
@@ -51,7 +117,9 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
                           f"{', '.join(LoggerType.list())}")
     facts = facts or device_facts(cpu=True if cpu else None)
-    choice = choose_precision(facts, *asked_precision(cfg), force=cfg.force_precision)  # docs/speed.md: Precision
+    asked, source = asked_precision(cfg)
+    # docs/speed.md: Precision and memory format per platform
+    choice = choose_precision(facts, asked, source, force=cfg.force_precision)
     refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
     accelerator = Accelerator(
         cpu=cpu,
@@ -75,7 +143,8 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     if accelerator.num_processes > 1:
         note_backend(accelerator.state.backend)  # how launch.sh reads this rank's SIGABRT, if it dies of one
     accelerator.device_facts = facts
-    accelerator.precision_source = "" if choice.precision == "no" else asked_precision(cfg)[1]  # "": not asked
+    asked_for = choice.precision != "no" and asked is not None
+    accelerator.precision_source = source if asked_for else ""  # "": not asked
     logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
     threads, why = intra_op_threads(cfg)
     if threads:

@@ -61,15 +61,16 @@ def load_yaml(path) -> dict:
 
 
 def train_parser() -> Parser:
-    p = Parser(prog="accel-train", allow_abbrev=False,
+    p = Parser(prog="accel-train", allow_abbrev=False,  # (argparse's usage would list every flag: 45 lines)
+               usage="accel-train [--config YAML] [--flag value ...] (the flags below, by group)",
                description="Train a timm model on CIFAR-10, an image folder or random data with Hugging Face "
-                           "Accelerate. "
-                           "Start it with `accelerate launch --config_file accelerate_configs/<platform>.yaml "
-                           "-m accel_train ...` or launch.sh; devices and ranks come from that config.",
+                           "Accelerate. Start it with `python -m accel_train ...` (one process: a GPU if there "
+                           "is one, else the CPU); on several processes or machines with `accelerate launch "
+                           "--config_file accelerate_configs/<platform>.yaml -m accel_train ...` or launch.sh, "
+                           "whose config gives the devices and ranks.",
                epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each has --help). "
                       f"An unknown flag is an error; to let a platform's own extra arguments through, name them "
-                      f"in the environment: {IGNORE_ARGS}=--flag1,--flag2 (or '*' for any).",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      f"in the environment: {IGNORE_ARGS}=--flag1,--flag2 (or '*' for any).")
     p.add_argument("--version", action="version", version=f"accel_train {__version__}")
     p.add_argument("--config", metavar="YAML", help="start from a config.yaml written by an earlier run; "
                    "flags given here override it")

@@ -37,7 +37,9 @@ class TrainConfig:
                            "<class>/* and val|valid|validation|test/<class>/*, 'random' random images (by --seed); "
                            "default: what --data_dir holds", "data", choices=("cifar10", "imagefolder", "random"))
     data_dir: str = opt("input_dir", "directory that holds cifar-10-batches-py/ (cifar10) or train/ and val/ "
-                        "(imagefolder)", "data", aliases=("--data_url",))
+                        "(imagefolder); the default input_dir is ./input_dir, read only with --data "
+                        "cifar10|imagefolder (neither --data nor --data_dir: random data)", "data",
+                        aliases=("--data_url",))
     image_size: int | None = opt(None, "training and evaluation resolution (square); default 32 for cifar10 and "
                                  "random; for imagefolder the training images' own size (the median shorter side "
                                  f"of up to {SIZE_SAMPLE} of them), at most {MAX_AUTO_SIZE} (images are resized, "
@@ -58,8 +60,9 @@ class TrainConfig:
     device_data_mb: float | None = opt(None, "most MiB of decoded uint8 images the device pipeline may keep on "
                                        "the device; default: a quarter of its free memory (a CPU's: shared by "
                                        "the machine's processes; none where torch cannot measure it)", "data")
-    augment: bool = opt(True, "random crop (zero padding of image_size/8 pixels: 4 at 32) + horizontal flip "
-                        "on training images", "data")
+    augment: bool = opt(True, "augment the training images: --train_crop's random crop (RandomResizedCrop for "
+                        "imagefolder, the zero-padded crop for cifar10 and random), --hflip's mirror and "
+                        "--color_jitter/--aa/--reprob where given; false: none of them", "data")
     hflip: bool = opt(True, "mirror half the training images (with --augment); false for digits, text and "
                       "other data that is not mirror-invariant", "data")
     train_crop: str = opt("auto", "'random_resized': timm's RandomResizedCrop from the whole image (--scale, --ratio); "

@@ -98,10 +98,12 @@ def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "", fo
 
     asked: None (nothing asked: the best the device has), or no|fp16|bf16 from `source` (a short phrase
     naming where it was asked, e.g. "--mixed_precision bf16" or "the accelerate config's mixed_precision").
-    A precision the device lacks is refused (Choice.error, naming what to use), unless `force`."""
+    A precision the device lacks is refused (Choice.error, naming what to use), unless `force`.
+    Nothing asked: `source` names the rule that left it to the device (the start line says it)."""
     best, why = best_precision(facts)
     if asked in (None, "auto"):
-        return Choice(best, f"precision {NAMES[best]}: {why}")
+        rule = f"; the device's fastest: {source}" if source else ""
+        return Choice(best, f"precision {NAMES[best]}: {why}{rule}")
     if asked not in PRECISIONS:
         return Choice("no", "", f"mixed precision {asked!r} is not one of {', '.join(PRECISIONS)}")
     ok, lacks = has(facts, asked)
@@ -225,16 +227,21 @@ def compile_problem(facts_kind: str) -> str | None:
 
 
 def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tuple[str, str]:
-    """What launch.sh passes to accelerate launch: the best precision the device has, or (keep: a config the
-    user named) the config's own where the device has it."""
-    config_precision = config_precision or "no"
-    if keep and config_precision in PRECISIONS and has(facts, config_precision)[0]:
-        return config_precision, f"precision {NAMES[config_precision]}, as the config asks"
+    """What launch.sh passes to accelerate launch: the best precision the device has, or (keep: a
+    config the user named) the config's own where the device has it. config_precision "": the config
+    states none, which leaves it to the device as launch.sh does for its own configs."""
     best, why = best_precision(facts)
+    if not config_precision:
+        return best, f"precision {NAMES[best]}: {why}; the device's fastest: the config states " \
+                     "no mixed_precision"
+    if keep and config_precision in PRECISIONS and has(facts, config_precision)[0]:
+        return config_precision, f"precision {NAMES[config_precision]}, as the config's " \
+                                 f"mixed_precision: '{config_precision}' asks"
     if keep and config_precision != best:
         lacks = has(facts, config_precision)[1] if config_precision in PRECISIONS else "unknown precision"
         return best, f"precision {NAMES[best]}, not the config's {config_precision}: {lacks}"
-    return best, f"precision {NAMES[best]}: {why}"
+    return best, f"precision {NAMES[best]}: {why}; the device's fastest: launch.sh's pick for " \
+                 "its own config"
 
 
 def main(argv=None) -> int:
@@ -243,7 +250,8 @@ def main(argv=None) -> int:
     import argparse
     p = argparse.ArgumentParser(prog="python -m accel_train.hardware")
     p.add_argument("--cpu", action="store_true", help="the job runs on the CPU")
-    p.add_argument("--config_precision", default="no", help="the accelerate config's mixed_precision")
+    p.add_argument("--config_precision", default="",
+                   help="the accelerate config's mixed_precision (empty: it states none)")
     p.add_argument("--keep", action="store_true", help="the user named the config: keep its precision if the "
                    "device has it")
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ class StopRequest:
         """The stop's exception: a preemption (4), or where a launcher is gone a lost launcher (3: relaunched)."""
         e = Preempted(text)
         e.status = EXIT_LOST_PEER if self.any_launcher_gone or self.launcher_gone else EXIT_PREEMPTED
+        e.signal = self.signal
         return e
 
     def uninstall(self) -> None:
@@ -88,6 +89,19 @@ class StopRequest:
         if self.any_launcher_gone and not self.signal:
             return "the end of another machine's launcher"
         return signal.Signals(self.signal).name if self.signal else "a signal on another rank"
+
+
+def launcher_status(signum: int | None, status: int, env=os.environ) -> str:
+    """What the stop line adds after a Ctrl-C that reached the ranks through `accelerate launch`'s
+    torchrun agent (torchrun starts each rank in a session of its own: the terminal's SIGINT comes
+    to them from the agent): the launcher exits 130 (128 + SIGINT, its launch.py: for any signal it
+    got), whatever the ranks' own status, which is 4 here: a checkpoint written, not the second
+    Ctrl-C's 130."""
+    torchrun = LAUNCHED_BY in env and "TORCHELASTIC_RUN_ID" in env
+    if status != EXIT_PREEMPTED or signum != signal.SIGINT or not torchrun:
+        return ""
+    return (f" (exit status {status} on every rank; `accelerate launch` exits {128 + signum} "
+            f"after a Ctrl-C all the same, launch.sh {status})")
 
 
 # A launcher (`accelerate launch`: torchrun's agent, or its one-process launcher) whose ranks run on without it:

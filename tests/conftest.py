@@ -177,8 +177,10 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     from accel_train.cli import main
 
     env = env or clean_env()
+    launched = None  # what the trainer reads of its parent `accelerate launch` (accelerator.parent_launch)
     if config:
         env = launcher_env(config, env)
+        launched = (["--config_file", str(CONFIGS / config)], Path(cwd))
     out, err = io.StringIO(), io.StringIO()
     log = logging.StreamHandler(err)
     log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))  # as cli.main's
@@ -203,7 +205,8 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     signal.setitimer(signal.ITIMER_REAL, ours)
     try:
         with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err), warnings.catch_warnings():
+                contextlib.redirect_stderr(err), warnings.catch_warnings(), \
+                mock.patch("accel_train.accelerator.parent_launch", lambda: launched):
             warnings.simplefilter("default")
             warnings.showwarning = warn
             os.chdir(cwd)

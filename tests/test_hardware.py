@@ -10,7 +10,7 @@ import pytest
 from accel_train import hardware
 from accel_train.config import TrainConfig
 from accel_train.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
-from conftest import ROOT, clean_env, run_cli
+from conftest import CONFIGS, ROOT, clean_env, launch, run_cli
 from test_launch import BF16_CPU, PLAIN_CPU, dry_run, hw, parse  # noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)
 
 
@@ -96,6 +96,13 @@ def test_launcher_choice_best_for_our_configs_kept_for_named_ones():
     assert launcher_choice(gpu((8, 0)), "bf16", keep=False)[0] == "bf16"
 
 
+def test_launcher_choice_a_named_config_that_states_no_precision_gets_the_best():
+    precision, reason = launcher_choice(cpu("avx512_bf16"), "", keep=True)  # (2proc_cpu.yaml, named)
+    assert precision == "bf16" and "the config states no mixed_precision" in reason
+    precision, reason = launcher_choice(cpu("avx512_bf16"), "no", keep=True)
+    assert precision == "no" and "as the config's mixed_precision: 'no' asks" in reason
+
+
 X86 = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8480+
@@ -173,7 +180,35 @@ def test_asked_precision_flag_then_launcher_then_nothing():
         ("fp16", "--mixed_precision fp16")
     asked, source = asked_precision(TrainConfig(), {"ACCELERATE_MIXED_PRECISION": "bf16"})
     assert asked == "bf16" and "accelerate config" in source
-    assert asked_precision(TrainConfig(), {}) == (None, "")
+    asked, source = asked_precision(TrainConfig(), {})
+    assert asked is None and "neither --mixed_precision nor a launcher's config states one" in source
+
+
+def test_a_launch_config_without_mixed_precision_leaves_it_to_the_device(tmp_path):
+    """accelerate launch passes ACCELERATE_MIXED_PRECISION=no for a config that states no mixed_precision too (our
+    CPU configs): its command line and config file tell the two apart."""
+    from accel_train.accelerator import asked_precision, launch_options
+    launched = {"ACCELERATE_MIXED_PRECISION": "no"}
+    ours = ["--config_file", "accelerate_configs/2proc_cpu.yaml"]
+    asked, source = asked_precision(TrainConfig(), launched, launch=(ours, ROOT))
+    assert asked is None and source == "the accelerate config accelerate_configs/2proc_cpu.yaml states no " \
+                                      "mixed_precision"
+    choice = choose_precision(cpu("avx512_bf16"), asked, source)
+    assert choice.precision == "bf16" and choice.reason.endswith("; the device's fastest: " + source)
+    stated = tmp_path / "fp32.yaml"
+    stated.write_text((ROOT / ours[1]).read_text() + "mixed_precision: 'no'\n")
+    assert asked_precision(TrainConfig(), launched, launch=(["--config_file", str(stated)], ROOT))[0] == "no"
+    assert asked_precision(TrainConfig(), launched, launch=([*ours, "--mixed_precision", "no"], ROOT))[0] == "no"
+    assert asked_precision(TrainConfig(), launched, launch=([f"--config_file={stated}"], ROOT))[0] == "no"
+    assert asked_precision(TrainConfig(), {**launched, "ACCELERATE_MIXED_PRECISION": "bf16"},
+                           launch=(ours, ROOT))[0] == "bf16"
+    # the launcher's own options, up to its -m: the trainer's --mixed_precision is not accelerate's
+    cmd = b"/venv/bin/python\0/venv/bin/accelerate\0launch\0--config_file\0c.yaml\0-m\0accel_train\0" \
+          b"--mixed_precision\0no"
+    assert launch_options(cmd) == ["--config_file", "c.yaml"]
+    assert launch_options(b"python\0-m\0accelerate.commands.launch\0--num_processes=2\0train.py\0--x") == \
+        ["--num_processes=2"]
+    assert launch_options(b"python\0-m\0pytest\0-k\0launch") is None  # no launcher: a 'no' is taken as asked
 
 
 # ---- the trainer, one process without a launcher (python -m accel_train) ------------------------------
@@ -243,10 +278,11 @@ def test_launch_sh_on_ascend_fp16_on_910a(hw, soc, expected):
 
 def test_launch_sh_keeps_a_named_config_and_the_trainer_flag(tmp_path):
     config = tmp_path / "mine.yaml"
-    config.write_text((ROOT / "accelerate_configs" / "cpu.yaml").read_text())
+    ours = (ROOT / "accelerate_configs" / "cpu.yaml").read_text()
+    config.write_text(ours + "mixed_precision: 'no'\n")
     precision, _, _ = precision_of(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": BF16_CPU}, ["--accel_config", str(config)]))
     assert precision is None  # a by-hand 'no' stays (the trainer's log names the faster mode)
-    config.write_text(config.read_text().replace("mixed_precision: 'no'", "mixed_precision: 'bf16'"))
+    config.write_text(ours + "mixed_precision: 'bf16'\n")
     precision, _, err = precision_of(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU}, ["--accel_config", str(config)]))
     assert precision == "no" and "not the config's bf16" in err
     precision, _, _ = precision_of(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": PLAIN_CPU},
@@ -254,6 +290,30 @@ def test_launch_sh_keeps_a_named_config_and_the_trainer_flag(tmp_path):
     assert precision is None  # the trainer runs the config's bf16 anyway, as asked
     _, opts, trainer = parse(dry_run({"ACCEL_TRAIN_DEVICE_FACTS": BF16_CPU}, ["--mixed_precision", "no"]))
     assert "--mixed_precision" not in opts and trainer[-2:] == ["--mixed_precision", "no"]
+
+
+@pytest.mark.parametrize("name", ["2proc_cpu", "cpu"])
+def test_launch_sh_a_named_cpu_config_leaves_the_precision_to_the_device(name):
+    """Our CPU configs state no mixed_precision: named with --accel_config they train as launch.sh's own pick does
+    (before, `--accel_config 2proc_cpu` kept fp32 'as the config asks' on a CPU with native bf16)."""
+    proc = dry_run({"ACCEL_TRAIN_DEVICE_FACTS": BF16_CPU}, ["--accel_config", name])
+    env, _, _ = parse(proc)
+    precision, config, err = precision_of(proc)
+    assert (precision, config) == ("bf16", f"{name}.yaml"), err
+    assert "launch.sh: precision bf16: " in err and "the config states no mixed_precision" in err
+    assert env["ACCEL_TRAIN_AUTO_PRECISION"] == "bf16"  # nothing asked: the start-up check may fall back to fp32
+
+
+@pytest.mark.slow
+def test_accelerate_launch_of_2proc_cpu_trains_the_devices_best(tmp_path):
+    """The README's multi-process command on a CPU with native bf16 trains bf16, as `python -m accel_train` does
+    (before: fp32 'as the config asks', though the config states no precision); the start line names the rule."""
+    proc = launch("2proc_cpu.yaml", [*TINY, "--output_dir", tmp_path / "out", "--plot", "false"],
+                  env=clean_env(ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU), timeout=300)
+    rule = f"the device's fastest: the accelerate config {CONFIGS / '2proc_cpu.yaml'} states no mixed_precision"
+    lines = [ln for ln in proc.stderr.splitlines() if "precision bf16: this CPU (mocked) has native bf16" in ln]
+    assert len(lines) == 1 and rule in lines[0], proc.stderr[-3000:]
+    assert ", bf16] on 1 machine" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("entry", ["runpy.run_module('accel_train', run_name='__main__')",  # python -m accel_train

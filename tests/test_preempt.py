@@ -190,3 +190,19 @@ def test_a_ctrl_c_during_start_up_is_answered_by_the_start_up_check_not_by_every
         assert stop.signal == signal.SIGINT and "accel-train: Ctrl-C" not in capfd.readouterr().err
     finally:
         stop.uninstall()
+
+
+def test_the_stop_line_says_what_accelerate_launchs_130_after_one_ctrl_c_means():
+    """accelerate launch exits 128 + the signal it got (130 after a Ctrl-C) although one Ctrl-C wrote a checkpoint
+    and every rank exits 4; docs/failures.md's table said 130 meant "a second Ctrl-C, no checkpoint"."""
+    from accel_train.preempt import launcher_status
+    torchrun = {"ACCELERATE_MIXED_PRECISION": "no", "TORCHELASTIC_RUN_ID": "none"}
+    said = launcher_status(signal.SIGINT, 4, torchrun)
+    assert said == " (exit status 4 on every rank; `accelerate launch` exits 130 after a Ctrl-C all the same, " \
+                   "launch.sh 4)"
+    assert launcher_status(signal.SIGINT, 4, {}) == ""  # python -m accel_train: its own 4 is the process's status
+    assert launcher_status(signal.SIGTERM, 4, torchrun) == ""  # (a SIGTERM may have come to the rank alone)
+    assert launcher_status(signal.SIGINT, 3, torchrun) == ""  # a lost launcher: its own line
+    docs = " ".join((ROOT / "docs" / "failures.md").read_text().split())
+    row = docs[docs.index("| 130 |"):docs.index("| 137 |")]
+    assert "accelerate launch" in row and "checkpoint" in row and "exit status 4 on every rank" in row, row

@@ -10,7 +10,6 @@ with the data set's facts from its model_config.json; on several ranks under acc
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -108,7 +107,7 @@ def model_code_flags(p) -> None:
 
 
 def main_evaluate(argv: list[str]) -> int:
-    p = Parser(prog="accel-train evaluate", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(prog="accel-train evaluate",
                description="Accuracy and per-class accuracy of a finished run's model on the evaluation split "
                            "only; classes, input size and mean/std come from its model_config.json; runs on "
                            "several ranks under accelerate launch (gather_for_metrics).")

@@ -9,7 +9,6 @@ or one of its checkpoints.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -114,7 +113,7 @@ class Printer:
 
 
 def main_predict(argv: list[str]) -> int:
-    p = Parser(prog="accel-train predict", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(prog="accel-train predict",
                description="Top-5 classes (the names of the data set the model was trained on) with "
                            "probabilities for each image, from a finished run's model.")
     p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "

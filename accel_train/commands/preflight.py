@@ -12,7 +12,6 @@ Each failure is one line naming what to set. Exit 0 when every check passed, 1 o
 
 from __future__ import annotations
 
-import argparse
 import errno
 import socket
 import sys
@@ -130,7 +129,7 @@ def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> lis
 
 
 def main_preflight(argv: list[str]) -> int:
-    p = Parser(prog="accel-train preflight", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(prog="accel-train preflight",
                description="Check, within a time bound, that the rank-0 host resolves and its rendezvous port is "
                            "usable (rank 0) or reachable (other nodes).")
     p.add_argument("--host", required=True, help="rank-0 host (MASTER_ADDR)")

@@ -71,8 +71,8 @@ class TrainConfig:
                           choices=("auto", "random_resized", "pad"))
     scale: str = opt("0.08,1", "RandomResizedCrop: range of the crop's area, a fraction of the image's", "data")
     ratio: str = opt("3/4,4/3", "RandomResizedCrop: range of the crop's aspect ratio (log-uniform)", "data")
-    train_interpolation: str = opt("bilinear", "RandomResizedCrop's resampling: bilinear (roi_align, batched, "
-                                   "area-averaged), bicubic (per crop, antialiased) or random (either, per "
+    train_interpolation: str = opt("bilinear", "RandomResizedCrop's resampling: bilinear (antialiased; "
+                                   "uint8 in the workers), bicubic (per crop, antialiased) or random (either, per "
                                    "sample: timm train.py's default)", "data", choices=("bilinear", "bicubic", "random"))
     crop_pct: float | None = opt(None, "image folders' evaluation: shorter side resized to image_size / crop_pct, "
                                  "centre crop; default: the weights' pretrained_cfg crop_pct, else timm's 0.875",

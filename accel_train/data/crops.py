@@ -8,11 +8,17 @@ image's coordinates, exactly as timm's RandomResizedCropAndInterpolation.get_par
 height: the same fractions of the squashed store are the same region of the image. Its randomness is a hash of (seed,
 epoch, sample index) computed on the CPU in float64 (rrc_boxes): every pipeline, world size and resume crops alike.
 
-The crop is resampled to image_size x image_size by torchvision.ops.roi_align (bilinear, an adaptive number of
-samples per output pixel: area-averaged when the crop shrinks, so no aliasing), batched, on whatever device holds the
-batch: the device pipeline's on the accelerator, the cpu and cache pipelines' in their DataLoader workers.
---train_interpolation bicubic resizes each crop by itself (F.interpolate, antialiased), on the same device; random
-(timm train.py's default) picks bilinear or bicubic per sample, half each, from the same hash.
+The box is snapped to whole pixels of the store (at most half a stored pixel per edge: 0.15% of the side at
+L = 336), and that region is resampled to image_size x image_size, antialiased, by one of two kernels that agree
+(tests/test_train_recipe.py states by how much: mean |difference| ~0.25 of 255, bilinear):
+- the device pipeline's: torchvision.ops.roi_align on floats, batched, on the accelerator (bilinear with an adaptive
+  number of samples per output pixel: area-averaged when the crop shrinks), no host sync;
+- the cpu and cache pipelines': torch's uint8 antialiased resize, per image, in the DataLoader workers, the kernel
+  torchvision's v2 resize takes for uint8 on a CPU (~10x roi_align's time saved there, and no float conversion:
+  bench/RESULTS.md), writing uint8 straight into the batch.
+--train_interpolation bicubic resizes each crop by itself (antialiased bicubic; the device pipeline on floats, the
+workers on uint8); random (timm train.py's default) picks bilinear or bicubic per sample, half each, from the same
+hash.
 """
 
 from __future__ import annotations
@@ -73,34 +79,65 @@ def rrc_bicubic(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     return (sample_hash(idx.cpu(), epoch, seed) >> 21) & 1
 
 
+def pixel_boxes(boxes: torch.Tensor, hgt: int, wid: int) -> torch.Tensor:
+    """Boxes as fractions (rrc_boxes) -> float32 (x0, y0, x1, y1) whole pixels of a hgt x wid store, at least one
+    pixel each way, on boxes' device: the same integers on every device (float32 products, round half to even)."""
+    scale = torch.tensor([wid, hgt, wid, hgt], dtype=torch.float32, device=boxes.device)
+    px = (boxes.float() * scale).round()
+    return torch.cat([px[:, :2], torch.maximum(px[:, 2:], px[:, :2] + 1)], 1)
+
+
 def resized_crop(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int,
                  interpolation: str = "bilinear", bicubic: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 (N, 3, L, L) stores -> uint8 (N, 3, size, size): each box (fractions, rrc_boxes) resampled to size x size
-    and mirrored where flips says, on images' device. Bilinear: one batched roi_align, no host sync; bicubic: per
-    image; random: bicubic where `bicubic` (rrc_bicubic) is 1. A per-image resize needs its box on the host: small
-    copies a batch where the boxes are on an accelerator (the device pipeline's), the price of bicubic there."""
+    and mirrored where flips says, on images' device: the device pipeline's. Bilinear: one batched roi_align, no host
+    sync; bicubic: per image; random: bicubic where `bicubic` (rrc_bicubic) is 1. A per-image resize needs its box on
+    the host: small copies a batch where the boxes are on an accelerator, the price of bicubic there."""
     n, _, hgt, wid = images.shape
-    scale = torch.tensor([wid, hgt, wid, hgt], dtype=torch.float32)
-    if interpolation == "bilinear":
-        each = None
-    elif interpolation == "bicubic":
-        each = torch.ones(n, dtype=torch.bool)
-    elif bicubic is None:
-        raise ValueError(f"interpolation {interpolation!r} needs its per-sample choice (rrc_bicubic)")
-    else:
-        each = bicubic.bool().cpu()
+    each = _bicubic_each(n, interpolation, bicubic)
     if each is not None and each.all():
         out = torch.empty((n, images.shape[1], size, size), device=images.device)
     else:
         from torchvision.ops import roi_align
-        px = boxes.to(images.device, torch.float32) * scale.to(images.device)
+        px = pixel_boxes(boxes.to(images.device), hgt, wid)
         rois = torch.cat([torch.arange(n, device=images.device, dtype=torch.float32)[:, None], px], 1)
         out = roi_align(images.float(), rois, output_size=size, sampling_ratio=-1, aligned=True)
     if each is not None and each.any():
-        host = (boxes.cpu().float() * scale).round().long()
+        host = pixel_boxes(boxes.cpu(), hgt, wid).long()
         for k in each.nonzero().flatten().tolist():
             x0, y0, x1, y1 = host[k].tolist()
-            crop = images[k:k + 1, :, y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)].float()
-            out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+            crop = images[k:k + 1, :, y0:y1, x0:x1].float()
+            out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True,
+                                         align_corners=False)
     out = torch.where(flips.to(images.device).view(-1, 1, 1, 1).bool(), out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def resized_crop_each(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, out: torch.Tensor,
+                      interpolation: str = "bilinear", bicubic: torch.Tensor | None = None) -> torch.Tensor:
+    """The cpu and cache pipelines' resized_crop: uint8 stores (N, 3, L, L; a mapped array's rows too) on a CPU ->
+    `out`, uint8 (N, 3, S, S) in any memory format, each crop resized by itself on uint8 (torchvision's v2 resize:
+    torch's antialiased uint8 kernel where torch has one for this CPU, as torchvision decides) and written into its
+    row, mirrored where flips says. The same boxes and interpolation as resized_crop; no floats."""
+    from torchvision.transforms.v2.functional import InterpolationMode, resize
+    n, _, hgt, wid = images.shape
+    size = list(out.shape[-2:])
+    each = _bicubic_each(n, interpolation, bicubic)
+    modes = [InterpolationMode.BILINEAR] * n if each is None else \
+        [InterpolationMode.BICUBIC if b else InterpolationMode.BILINEAR for b in each.tolist()]
+    host = pixel_boxes(boxes.cpu(), hgt, wid).long().tolist()
+    for k, ((x0, y0, x1, y1), flip, mode) in enumerate(zip(host, flips.tolist(), modes)):
+        crop = resize(images[k, :, y0:y1, x0:x1], size, interpolation=mode, antialias=True)
+        out[k].copy_(crop.flip(-1) if flip else crop)
+    return out
+
+
+def _bicubic_each(n: int, interpolation: str, bicubic: torch.Tensor | None) -> torch.Tensor | None:
+    """Which of n samples are resized bicubic (bool, on the CPU); None: all bilinear."""
+    if interpolation == "bilinear":
+        return None
+    if interpolation == "bicubic":
+        return torch.ones(n, dtype=torch.bool)
+    if bicubic is None:
+        raise ValueError(f"interpolation {interpolation!r} needs its per-sample choice (rrc_bicubic)")
+    return bicubic.bool().cpu()

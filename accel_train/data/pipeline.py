@@ -121,7 +121,7 @@ class TransformDataset(Dataset):
         idx = torch.as_tensor(indices, dtype=torch.long)
         out = _batch_zeros((len(idx), 3, self.size, self.size), self.memory_format)
         if self.augment is not None:
-            self.augment.crop_batch(images, idx, self.epoch, self.split.aspects, out=out)
+            self.augment.crop_batch(images, idx, self.epoch, self.split.aspects, out=out, per_image=True)
             if self.augment.per_sample is not None:
                 self.augment.per_sample(out, idx, self.epoch, self.augment.seed)
         else:

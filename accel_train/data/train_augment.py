@@ -1,7 +1,8 @@
 """The training augmentation as one picklable plan (`TrainAugment`) that every pipeline applies alike.
 
 - the crop: 'pad' (random crop with zero padding, CIFAR's: augment.crop_flip) or 'random_resized' (RandomResizedCrop
-  from the stored whole image: crops.py), then the horizontal flip; batched, on the batch's device;
+  from the stored whole image: crops.py), then the horizontal flip; batched, on the batch's device (the workers'
+  RandomResizedCrop: per image, on uint8);
 - timm's per-sample transforms (`SampleTransforms`: --color_jitter, --aa, --reprob), on PIL images, which only the cpu
   and cache pipelines' DataLoader workers run (load.choose_pipeline leaves the device pipeline out for them).
 
@@ -21,7 +22,7 @@ import torch
 
 from ..recipes import TRIVIAL, parse_pair, train_crop
 from .augment import crop_flip_each, crop_flip_params, mix32, sample_hash
-from .crops import resized_crop, rrc_bicubic, rrc_boxes, rrc_flips
+from .crops import resized_crop, resized_crop_each, rrc_bicubic, rrc_boxes, rrc_flips
 
 SAMPLE_STREAM = 0x5BD1E995  # xor'ed into the crop's hash: the per-sample transforms' own seeds
 
@@ -120,11 +121,15 @@ class TrainAugment:
                 rrc_flips(idx, epoch, self.seed, self.hflip), rrc_bicubic(idx, epoch, self.seed))
 
     def crop_batch(self, images: torch.Tensor, idx: torch.Tensor, epoch: int, aspects=None, boxes=None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, per_image: bool = False) -> torch.Tensor:
         """uint8 stores (whole images, or the images themselves for 'pad') -> uint8 crops of `size`, into `out` (zeros
-        of that shape, any memory format) where given. `boxes`: this batch's from .boxes, where already made."""
+        of that shape, any memory format) where given. `boxes`: this batch's from .boxes, where already made.
+        RandomResizedCrop: one batched resample on the images' device (the device pipeline's), or with `per_image`
+        (the workers', on a CPU, into `out`) each crop resized on uint8 (crops.py: the two agree)."""
         if self.resized:
             boxes, flips, bicubic = boxes if boxes is not None else self.boxes(idx, epoch, aspects)
+            if per_image:
+                return resized_crop_each(images, boxes, flips, out, self.interpolation, bicubic)
             crops = resized_crop(images, boxes, flips, self.size, self.interpolation, bicubic)
             return crops if out is None else out.copy_(crops)
         params = crop_flip_params(idx, epoch, self.seed, self.pad, self.hflip)

@@ -34,6 +34,7 @@ def train(config: TrainConfig | None = None, *, model=None, train_set=None, test
     stop by a signal raises Preempted (the checkpoint is written: run again with resume="auto"); divergence raises
     Diverged."""
     cfg = config if config is not None else TrainConfig()
+    cfg.validate()  # (a config changed after it was made: checked again before anything is touched)
     if (train_set is None) != (test_set is None):
         raise ConfigError("pass train_set and test_set together (or neither: config.data)")
     if isinstance(model, str):  # a timm name or module.path:callable, as config.model takes it

@@ -24,6 +24,7 @@ MAX_AUTO_SIZE = 224    # largest image size --image_size auto picks (timm's resn
 SIZE_SAMPLE = 256      # image-folder files whose header is read to find the images' own size
 MAX_WORKERS = 8        # most DataLoader workers per process that --num_workers auto starts
 AUTO = (None, "auto")  # the values that stand for an automatic default
+SEED_MAX = 2**32 - 1    # the largest seed numpy takes (accelerate's set_seed seeds numpy with it)
 
 
 def opt(default, help, group, **extra):
@@ -150,7 +151,7 @@ class TrainConfig:
     warmup_epochs: float = opt(1.0, "linear warmup length in epochs, then cosine decay", "optimisation")
     grad_accum: int = opt(1, "gradient accumulation steps per optimizer step", "optimisation")
     clip_grad: float | None = opt(None, "clip the gradient norm to this value", "optimisation")
-    seed: int = opt(42, "random seed (weights, data order, augmentation, random data)", "optimisation")
+    seed: int = opt(42, "random seed, 0..2**32-1 (weights, data order, augmentation, random data)", "optimisation")
     ema: bool = opt(False, "keep an exponential moving average of the weights (timm ModelEmaV3), "
                     "evaluated alongside", "optimisation")
     ema_decay: float = opt(0.999, "EMA decay per optimizer step", "optimisation")
@@ -235,6 +236,8 @@ class TrainConfig:
         at_least(self, 0, "checkpoint_minutes", "checkpoint_every", "num_workers", "threads", "warmup_epochs",
                  "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup", "cutmix", "device_data_mb",
                  "heartbeat_timeout_s", "hang_report_s")
+        if not 0 <= self.seed <= SEED_MAX:  # (numpy's generators take no other: set_seed would raise mid-start)
+            raise ConfigError(f"--seed must be in 0..{SEED_MAX}, got {self.seed}")
         if not self.heartbeat_s > 0 or 0 < self.heartbeat_timeout_s < 3 * self.heartbeat_s:
             raise ConfigError(f"--heartbeat_s must be > 0 and --heartbeat_timeout_s 0 (off) or at least 3x it (a lost "
                               f"datagram is no lost peer), got {self.heartbeat_s:g} and {self.heartbeat_timeout_s:g}")

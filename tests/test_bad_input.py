@@ -153,3 +153,38 @@ def test_rendezvous_port_already_in_use(tmp_path, existing_run):
     failures = [line for line in proc.stderr.splitlines() if "FAILED" in line or "error" in line.lower()]
     assert len(failures) == 1 and f"port {port} is already in use" in failures[0], proc.stderr
     assert snapshot(existing_run) == before
+
+
+SEEDS = {"negative": ["--seed", "-1"], "two_to_the_32": ["--seed", str(2**32)], "in_config": "yaml"}
+
+
+@pytest.mark.parametrize("case", sorted(SEEDS))
+def test_a_seed_out_of_numpys_range_is_one_line_and_leaves_no_output_dir(case, tmp_path):
+    """numpy seeds 0..2**32-1 only: a seed outside it was accelerate's set_seed traceback (exit 1) after the
+    output dir and its lock file were made. Refused where the flags are read, before anything is touched."""
+    out = tmp_path / "out"
+    args = ["--data", "random", "--train_samples", "64", "--test_samples", "16", "--epochs", "1",
+            "--batch_size", "16", "--output_dir", out]
+    if SEEDS[case] == "yaml":
+        (tmp_path / "c.yaml").write_text(f"seed: {2**70}\n")
+        args += ["--config", tmp_path / "c.yaml"]
+    else:
+        args += SEEDS[case]
+    proc = run_cli(args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("accel-train: error: --seed must be in 0..4294967295"), errors
+    assert not out.exists(), sorted(out.rglob("*"))
+
+
+def test_a_seed_out_of_range_is_refused_by_the_api_before_the_output_dir(tmp_path):
+    from accel_train import TrainConfig, train
+    from accel_train.errors import ConfigError
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"^--seed must be in 0\.\.4294967295"):
+        TrainConfig(data="random", seed=-1, output_dir=str(out))
+    cfg = TrainConfig(data="random", train_samples=64, test_samples=16, epochs=1, batch_size=16, output_dir=str(out))
+    cfg.seed = 2**32  # (a config changed after it was made: train() checks it again)
+    with pytest.raises(ConfigError, match=r"^--seed must be in 0\.\.4294967295"):
+        train(cfg)
+    assert not out.exists(), sorted(out.rglob("*"))

@@ -56,9 +56,13 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
     the same bytes the way every other output is written (mode from the umask), atomically."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(save(tensors, metadata=metadata))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(save(tensors, metadata=metadata))
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no half-written file left beside the outputs
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _file_mode() -> int:

@@ -197,6 +197,17 @@ def note_bad_input(output_dir, error: Exception) -> None:
             pass
 
 
+def clear_notes(output_dir) -> None:
+    """The notes of earlier runs (note_bad_input), removed by a writer of the directory once it holds
+    it: they are read only by the peers of the run that wrote them, at its end."""
+    for note in Path(output_dir).glob(".bad_input.*"):
+        try:
+            if note.stat().st_mtime < STARTED - 1:
+                note.unlink()
+        except OSError:
+            pass
+
+
 def bad_input_of_peer(output_dir, pids=()) -> str | None:
     """A peer's note of this run (note_bad_input): of one of `pids` on this machine, or (none given) any."""
     names = [f".bad_input.{socket.gethostname()}.{pid}" for pid in pids] if pids else None

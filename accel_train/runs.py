@@ -26,7 +26,7 @@ RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean
             "val_split", *RECIPE_FLAGS)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
-LOCK_FILE = ".accel_train.lock"  # in --output_dir: held (flock) by the job writing it, released when its process ends
+LOCK_FILE = ".accel_train.lock"  # in --output_dir: locked (lockf) by its writer, until that process ends
 HELD: dict[str, tuple] = {}      # output dir -> (the open lock file of this process, whether this process made it)
 
 
@@ -124,39 +124,83 @@ def check_output_dir_free(out: Path) -> None:
 
 
 def hold_output_dir(out: Path) -> None:
-    """Each writer of an --output_dir (rank 0 for a shared one, else each machine's local main process) holds an
-    exclusive lock on it for the run: two jobs never write one output directory at once (issue 33 item 3: a
-    relaunch into the directory of a killed launcher's ranks, which trained on, had both delete each other's
-    checkpoint writes). The second gets one line naming the holder. The lock is the kernel's (flock): it ends with
-    the process that holds it, however that process ends, so it never goes stale."""
+    """Each writer of an --output_dir (rank 0 for a shared one, else each machine's local main
+    process) holds an exclusive lock on it for the run: two jobs never write one output directory at
+    once (a relaunch into the directory of a killed launcher's ranks, which trained on, had both
+    delete each other's checkpoint writes). The second gets one line naming the holder.
+
+    The lock is a POSIX record lock (fcntl.lockf) on LOCK_FILE: the kernel's, owned by this process
+    alone, so it ends with the process however the process ends; the processes it forks (DataLoader
+    workers, which outlive a killed trainer by seconds) hold nothing through the descriptor they
+    inherit, as they would with flock. Any close of that file in this process drops such a lock:
+    HELD keeps its one descriptor, and nothing else in accel_train opens the file. Only a lock on
+    the file at the path counts: a release may delete the file a refused start made, so a lock taken
+    on a file deleted meanwhile (opened before the delete) is let go and the path opened again."""
     key = str(out.resolve())
     if key in HELD:
         return
-    made = not (out / LOCK_FILE).exists()
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = {}
-        for _ in range(20):  # (its holder writes who it is right after it locked)
-            try:
-                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-                break
-            except ValueError:
-                time.sleep(0.05)
-        os.close(fd)
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"])) if "since" in holder else "?"
-        raise ConfigError(f"--output_dir {out} is being written by another job (host {holder.get('host', '?')}, pid "
-                          f"{holder.get('pid', '?')}, since {since}); wait for it to end or stop it, or pass another "
-                          "--output_dir") from None
+    path = out / LOCK_FILE
+    while True:
+        fd, made = open_lock_file(path)
+        if fd is None:  # (deleted between the looks: open again)
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            refuse(out, fd)
+        if same_file(fd, path):
+            break
+        os.close(fd)  # (deleted by its holder after this open: the lock that counts is on the new one)
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
+    facts = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    os.pwrite(fd, json.dumps(facts).encode(), 0)
     HELD[key] = fd, made
+
+
+def refuse(out: Path, fd: int) -> None:
+    """The one line naming the job that holds `out` (read from its lock file, open at `fd`)."""
+    holder = {}
+    for _ in range(20):  # (its holder writes who it is right after it locked)
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            break
+        except ValueError:
+            time.sleep(0.05)
+    os.close(fd)
+    since = "?" if "since" not in holder else \
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
+    raise ConfigError(f"--output_dir {out} is being written by another job (host "
+                      f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}); wait "
+                      "for it to end or stop it, or pass another --output_dir") from None
+
+
+def open_lock_file(path: Path) -> tuple[int | None, bool]:
+    """(A descriptor of the lock file, whether this open made it); (None, False) where the file was
+    deleted between the two looks."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        pass
+    try:
+        return os.open(path, os.O_RDWR), False
+    except FileNotFoundError:
+        return None, False
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open at `fd` (not deleted, nor replaced by a new one)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def release_output_dir(out, refused: bool = False) -> None:
     """The end of a run in this process (a script may start another one in the same directory). A refused start
-    leaves the directory as it was: the lock file removed if it made it, else emptied as it was."""
+    leaves the directory as it was: the lock file removed if it made it (while still locked: a job
+    waiting for it then finds the path gone and opens it again), else emptied as it was."""
     fd, made = HELD.pop(str(Path(out).resolve()), (None, False))
     if fd is not None:
         if refused and made:

@@ -26,7 +26,7 @@ from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
 from .data.info import listed
 from .defaults import dropped_note
-from .errors import ConfigError, counted
+from .errors import ConfigError, clear_notes, counted
 from .files import CONFIG_FILE
 from .freeze import freeze
 from .gradcheck import check_run_precision, first_batch
@@ -150,6 +150,7 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     with said_once(accelerator):
         decision = decide(accelerator, cfg, out, log)
         on_every_rank(accelerator, lambda: decision.writer and hold_output_dir(out))  # one job writes it at a time
+        on_every_rank(accelerator, lambda: decision.writer and clear_notes(out))  # (earlier runs' notes)
         if decision.meta:
             reconcile(decision.meta, cfg, accelerator.num_processes, log)  # may derive the per-process batch
     return decision

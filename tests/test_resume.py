@@ -2,7 +2,11 @@
 
 import json
 import os
+import select
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.resume import check_data, reconcile
 
-from conftest import TINY, clean_env, launch, reference_args, run_cli
+from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 from test_checkpoint import assert_same_train_rows
 
 pytestmark = pytest.mark.slow
@@ -304,3 +308,90 @@ def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_
     finally:
         release_output_dir(out)
     launch("cpu.yaml", small(out, "--max_steps", "1", "--overwrite", "true"))  # the holder gone: the directory free
+
+
+# A second job whose look at the lock file comes between its open and its lock: it opens the file, waits for a line
+# on stdin (the moment the first job's release deletes that file), then locks; "held" or "refused ..." says how its
+# hold_output_dir ended, and it keeps what it holds until its stdin closes.
+LATE_LOCKER = """
+import os, sys
+from pathlib import Path
+import accel_train.runs as runs
+real, waited = os.open, []
+def late_open(path, *args, **kwargs):
+    fd = real(path, *args, **kwargs)
+    if str(path).endswith(runs.LOCK_FILE) and not waited:
+        waited.append(fd)
+        print("opened", flush=True)
+        sys.stdin.readline()
+    return fd
+os.open = late_open
+try:
+    runs.hold_output_dir(Path(sys.argv[1]))
+    print("held", flush=True)
+except runs.ConfigError as e:
+    print("refused", e, flush=True)
+sys.stdin.readline()
+"""
+
+
+def read_line(proc, timeout: float = 60) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no line from the second job in {timeout}s"
+    return proc.stdout.readline().strip()
+
+
+def test_a_job_that_opened_the_lock_file_before_its_release_deleted_it_is_never_a_second_holder(tmp_path):
+    """The lock file a refused start made is deleted on release; a second job that had opened it just before
+    locked the deleted file, and the first job's next hold made a new one: both held the directory. Only the lock
+    on the file at the path counts."""
+    from accel_train.runs import LOCK_FILE, hold_output_dir, release_output_dir
+    out = tmp_path / "out"
+    out.mkdir()
+    hold_output_dir(out)  # (this look made the lock file: a refused start deletes it)
+    second = subprocess.Popen([sys.executable, "-c", LATE_LOCKER, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=clean_env(PYTHONPATH=str(ROOT)), cwd=ROOT)
+    try:
+        assert read_line(second) == "opened"
+        release_output_dir(out, refused=True)
+        assert not (out / LOCK_FILE).exists()
+        second.stdin.write("\n")
+        second.stdin.flush()
+        assert read_line(second) == "held"  # (the directory is free: the second job holds it)
+        with pytest.raises(ConfigError, match=f"being written by another job .*pid {second.pid},"):
+            hold_output_dir(out)
+    finally:
+        release_output_dir(out)
+        second.kill()
+        second.communicate(timeout=30)
+
+
+def test_an_immediate_resume_after_kill_9_is_not_refused_by_the_dead_trainers_dataloader_workers(tmp_path):
+    """The lock ends with the process that holds it, however it ends: kill -9 of a trainer leaves its DataLoader
+    workers running for seconds (they notice their parent gone every 5 s); an flock they inherited refused the
+    resume started at once, naming the dead pid. The workers are stopped here, so they outlive the resume."""
+    import psutil
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    args = ["--model", "tests_pkg.mod:build", "--data", "random", "--train_samples", "256", "--test_samples", "8",
+            "--batch_size", "8", "--epochs", "1", "--log_every", "1", "--checkpoint_every", "2", "--pipeline", "cpu",
+            "--num_workers", "2", "--output_dir", out]
+    env = clean_env(TESTS_PKG_DELAY="0.1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    with open(log, "w") as f:
+        trainer = subprocess.Popen([sys.executable, "-m", "accel_train", *map(str, args)], stdout=f,
+                                   stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for(lambda: steps_logged(out) >= 3 or trainer.poll() is not None, timeout=240, interval=0.02)
+        assert trainer.poll() is None, log.read_text()[-3000:]
+        workers = psutil.Process(trainer.pid).children(recursive=True)
+        assert workers, "no DataLoader workers"
+        for worker in workers:
+            worker.suspend()
+        trainer.kill()
+        trainer.wait(timeout=30)
+        resumed = run_cli([*args, "--resume", "auto"], timeout=240)
+        assert all(w.is_running() for w in workers)  # (the resume ran beside the dead trainer's workers)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "another job" not in resumed.stderr and (out / "model.safetensors").is_file()
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)  # (the workers: in the trainer's session)
+        trainer.wait(timeout=30)

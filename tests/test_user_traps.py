@@ -5,6 +5,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import types
 from pathlib import Path
 
@@ -166,8 +167,13 @@ def test_an_export_that_cannot_be_written_is_one_line_and_resume_auto_writes_it(
     assert f"cannot write the run's outputs in {out} (Is a directory)" in line and "--resume auto" in line, line
     (out / "model.safetensors" / "in_the_way").rmdir()
     (out / "model.safetensors").rmdir()
+    assert not list(out.glob(".tmp-*")), list(out.iterdir())  # (no half-written export left)
+    note = out / ".bad_input.elsewhere.1"  # an earlier run's note to its peers (errors.note_bad_input)
+    note.write_text("bad input of an earlier run")
+    os.utime(note, (time.time() - 60, time.time() - 60))
     proc = run_cli([*run, "--resume", "auto"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not note.exists()  # removed by the next run that writes the directory
     assert (out / "model.safetensors").is_file() and "train loss" not in proc.stderr  # nothing trained again
 
 

@@ -81,7 +81,7 @@ MUTANTS = [
            "overflowed = -1",
            ("tests/test_divergence.py::test_a_finite_weight_whose_norm_overflows_stops_the_run",)),
     Mutant("output_dir_lock", "two jobs never write one output directory at once", "accel_train/runs.py",
-           "        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n", "        pass\n",
+           "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n", "            pass\n",
            ("tests/test_resume.py::test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder",)),
     Mutant("export_local_main", "the model and the run's outputs are written by the main process only",
            "accel_train/ranks.py",

@@ -99,6 +99,25 @@ def complete(path: Path) -> bool:
         return False
 
 
+def damage(path: Path) -> str | None:
+    """Why the checkpoint folder `path` is not complete (None: it is)."""
+    try:
+        meta = json.loads((Path(path) / STATE_FILE).read_text())
+        files = meta.get("files", {})
+    except (OSError, ValueError) as e:
+        return f"its {STATE_FILE} does not read ({getattr(e, 'strerror', None) or e})"
+    if not isinstance(files, dict):
+        return f"its {STATE_FILE} lists no files"
+    for name, size in files.items():
+        try:
+            found = (Path(path) / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if found != size:
+            return f"{name} has {found} bytes, {size} when it was written"
+    return None
+
+
 def _run_of(path: Path) -> str | None:
     try:
         return json.loads((path / STATE_FILE).read_text()).get("run_id", "legacy")

@@ -27,7 +27,7 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .changes import check_changes
-from .files import (CKPT_DIR, MODEL_CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete,
+from .files import (CKPT_DIR, MODEL_CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete, damage,
                     nothing_to_resume, resumed_from, step_dir)
 from .config import TrainConfig
 from .defaults import BATCH_SIZE
@@ -87,9 +87,27 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
-            "listing": listing, "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
+            "listing": listing, "damaged": damaged(out), "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
             "alike": alike and (alike["step"], alike.get("epoch", 0), *([True] if alike["finished"] else [])),
             "launch": os.environ.get(RUN_ID_ENV) or None}
+
+
+def damaged(out: Path) -> list[tuple[int, str]]:
+    """(step, why) of each checkpoint folder in `out` that is not complete (a full disk, a truncated copy)."""
+    root, found = out / CKPT_DIR, []
+    for path in root.glob("step_*") if root.is_dir() else ():
+        if path.name[5:].isdigit() and (why := damage(path)) is not None:
+            found.append((int(path.name[5:]), why))
+    return sorted(found)
+
+
+def say_damaged(reports: list[dict], out: Path, step: int | None, log) -> None:
+    """--resume auto takes the newest complete checkpoint: one line for each newer one it skips."""
+    skipped = {(s, why) for r in reports for s, why in r["damaged"] if step is None or s > step}
+    for s, why in sorted(skipped):
+        then = f"resuming from {step_dir(out, step).name}" if step is not None else "none is complete"
+        log(f"--resume auto: skipping checkpoint {step_dir(out, s)}: damaged ({why}); {then} (a "
+            "save of that step replaces the folder)")
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -165,6 +183,8 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
     _check_flags(reports)
     writer, shared, machines = _storage(reports, rank)
     target, runs = _choose(cfg, reports)
+    if cfg.resume == "auto":
+        say_damaged(reports, out, target[0] if target else None, log)
 
     if target is None:
         if cfg.resume == "auto" and not runs:  # (an --overwrite relaunch: the earlier run's are set aside, said then)

@@ -100,8 +100,14 @@ def test_two_rank_cpu_pipeline_continues_on_one_rank_exactly(tmp_path, two_rank_
     out = tmp_path / "out"
     cpu = ["--pipeline", "cpu", "--num_workers", "1"]
     launch("2proc_cpu.yaml", reference_args(2, out, *cpu, "--max_steps", "11"))
+    damaged = out / "checkpoints" / "step_00000012"  # a newer copy cut short (a crash, a full disk): skipped, said
+    shutil.copytree(out / "checkpoints" / "step_00000011", damaged)
+    with open(damaged / "model.safetensors", "r+b") as f:
+        f.truncate(40)
     proc = launch("cpu.yaml", reference_args(2, out, *cpu, "--resume", "auto"))
     assert "step 11, " in proc.stderr and "pipeline cpu" in proc.stderr, proc.stderr[-3000:]
+    assert f"--resume auto: skipping checkpoint {damaged}: damaged (model.safetensors has 40 bytes, " \
+        in proc.stderr and "resuming from step_00000011" in proc.stderr, proc.stderr[-3000:]
     # (1e-4: the two pipelines normalise in another order, ~1e-7 apart per input; frozen augmentation was 5e-3 away)
     assert worst(load_file(full / "model.safetensors"), load_file(out / "model.safetensors")) <= 1e-4
 

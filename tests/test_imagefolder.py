@@ -576,3 +576,21 @@ def test_a_valid_folder_is_the_evaluation_split(tmp_path):
     root = write_image_folder(tmp_path / "d", train=2, val=1, eval_dir="valid")
     data = build_data(TrainConfig(data_dir=str(root), image_size=16, batch_size=2), "cpu")  # (--data: inferred)
     assert data.test_size == 3 and data.train_size == 6
+
+
+def test_an_image_past_the_pixel_limit_is_named_with_its_size_before_it_is_decoded(tmp_path, monkeypatch):
+    """A 20 KB 1-bit PNG of 169 M pixels (under Pillow's own limit) took 1.6 GB to decode; past the project's limit
+    it is an unreadable file like any other, named with its size, at the header read of the cpu pipeline too. A
+    JPEG counts as its reduced-scale decode."""
+    from accel_train.data import images
+    from accel_train.data.images import UnreadableImage, check_images, decode_all
+    monkeypatch.setattr(images, "MAX_DECODED_PIXELS", 1_000_000)  # (the real limit: 64 M, as the message says)
+    big, ok, photo = tmp_path / "big.png", tmp_path / "ok.png", tmp_path / "photo.jpg"
+    Image.new("1", (1250, 1000)).save(big)  # 1.25 M pixels
+    Image.new("RGB", (1000, 1000)).save(ok)
+    Image.new("RGB", (4000, 3000)).save(photo)  # 12 M pixels, decoded at 1/8 scale: 0.19 M
+    for read in (check_images, lambda files: decode_all(files, 32)):
+        with pytest.raises(UnreadableImage, match=rf"{big} is not a readable image \(1250x1000, 1 M pixels to "
+                           r"decode, over accel_train's limit of 1 M: downscale it\); replace or remove it"):
+            read([ok, big, photo])
+    assert decode_image(photo, 32).shape == (3, 32, 32) and len(check_images([ok, photo])) == 2

@@ -33,6 +33,21 @@ class UnreadableImage(DataError):
         self.path, self.reason = (None, None) if reason is None else (path, reason)
 
 
+# Pixels an image may need decoded (a JPEG's after its reduced-scale draft): Pillow refuses only from 179 M, and a
+# 20 KB 1-bit PNG of 169 M pixels took 1.6 GB to decode; 64 M is a 50 MP photo with room to spare
+MAX_DECODED_PIXELS = 64_000_000
+
+
+def too_large(path, img) -> None:
+    """An image past MAX_DECODED_PIXELS (as it would be decoded now: a JPEG at the least scale its draft allows
+    unless `draft` already ran) is refused as unreadable, named with its size."""
+    w, h = img.size
+    least = 64 if img.format == "JPEG" and getattr(img, "decoderconfig", ()) == () else 1
+    if w * h / least > MAX_DECODED_PIXELS:
+        raise UnreadableImage(path, f"{w}x{h}, {w * h / 1e6:.0f} M pixels to decode, over accel_train's limit of "
+                              f"{MAX_DECODED_PIXELS // 1_000_000} M: downscale it")
+
+
 def why_unreadable(path, error: Exception) -> str:
     """Pillow's reason in a few words; an empty file is called one (Pillow says "cannot identify image file")."""
     try:
@@ -183,6 +198,7 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torc
     try:
         with Image.open(path) as img:
             img.draft("RGB", (short, short))  # JPEG: decode at the smallest scale that is still >= the size
+            too_large(path, img)
             ImageOps.exif_transpose(img, in_place=True)  # (no copy of an image without an orientation)
             img = to_rgb(img)
             w, h = img.size
@@ -197,6 +213,8 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torc
             left, top = (w - size) // 2, (h - size) // 2
             img = img.crop((left, top, left + size, top + size))
             array = np.asarray(img, dtype=np.uint8)
+    except UnreadableImage:
+        raise
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
         raise UnreadableImage(path, why_unreadable(path, e)) from None
     # (numpy's transposing copy: torch's permute().contiguous() of a small uint8 image took 0.2 ms on one thread and
@@ -253,9 +271,12 @@ def check_images(files: list[Path]) -> torch.Tensor:
     def one(path):
         try:
             with Image.open(path) as img:
+                too_large(path, img)
                 w, h = img.size
                 turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
             return h / w if turned else w / h
+        except UnreadableImage as e:
+            return e
         except Exception as e:  # Pillow raises many kinds for a broken file
             return UnreadableImage(path, why_unreadable(path, e))
 

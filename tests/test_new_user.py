@@ -153,7 +153,8 @@ def test_predict_names_bad_files_predicts_the_rest_and_fails_at_the_end(tmp_path
     printed = capsys.readouterr()
     assert code == 2
     assert len(printed.out.splitlines()) == 6 and all(", " in line for line in printed.out.splitlines())
-    assert "broken.png is not a readable image" in printed.err and "missing.jpg" in printed.err
+    assert "broken.png is not a readable image" in printed.err
+    assert f"{tmp_path / 'missing.jpg'} does not exist; check the path" in printed.err  # (not "[Errno 2] ...")
     assert "2 of 8 images could not be read" in printed.err
 
 
@@ -297,3 +298,25 @@ def test_resolved_mean_std_round_trip_exactly():
                     32)
     cfg.resolve(clip, "device")
     assert cfg.normalisation() == (clip.mean, clip.std)  # config.yaml -> resume compares equal values
+
+
+def test_predict_json_keeps_class_names_as_written_and_evaluate_aligns_wide_names(tmp_path, capsys):
+    """Chinese class names: predict's JSON printed "\\u72d7" for 狗, and evaluate's per-class table was shifted
+    by one column per wide character."""
+    from accel_train.commands.evaluate import columns, main_evaluate
+    classes = {"狗": 60, "猫咪": 120, "apple": 180}
+    data = write_image_folder(tmp_path / "d", train=1, val=2, classes=classes)
+    out = tmp_path / "out"
+    out.mkdir()
+    export_model(create_model("resnet18", "cifar", num_classes=3), out,
+                 {**facts(), **DataInfo("imagefolder", tuple(sorted(classes)), (0.5,) * 3, (0.25,) * 3, 16)
+                  .model_config()})
+    assert main_predict(["--checkpoint", str(out), "--format", "json", str(data / "val")]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(printed) == 6 and {t["class"] for p in printed for t in p["top"]} <= set(classes)
+    assert main_predict(["--checkpoint", str(out), "--format", "json", str(data / "val" / "狗")]) == 0
+    assert "狗" in capsys.readouterr().out  # (as written: not escaped)
+    assert main_evaluate(["--checkpoint", str(out), "--data_dir", str(data)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.split()[0] in (*classes, "class")]
+    assert len(table) == 4 and len({columns(line) for line in table}) == 1, table  # (right-aligned numbers)
+    assert columns("狗 a") == 4

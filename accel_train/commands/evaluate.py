@@ -11,6 +11,7 @@ with the data set's facts from its model_config.json; on several ranks under acc
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 import torch
@@ -106,6 +107,11 @@ def model_code_flags(p) -> None:
                    "import as --trust_model_code does (where model_config.json names none: the code that builds it)")
 
 
+def columns(text: str) -> int:
+    """The columns `text` takes in a terminal: a wide character (CJK, fullwidth forms) takes two."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
 def main_evaluate(argv: list[str]) -> int:
     p = Parser(prog="accel-train evaluate",
                description="Accuracy and per-class accuracy of a finished run's model on the evaluation split "
@@ -162,7 +168,7 @@ def main_evaluate(argv: list[str]) -> int:
     preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)
     log = get_logger("accel_train")
     acc = (preds == labels).float().mean().item()
-    width = max(12, *(len(c) for c in info.classes))
+    width = max(12, *(columns(c) for c in info.classes))
     lines = [f"{meta['architecture'] or args.model} ({meta['stem']} stem) from {args.checkpoint}"
              + (" [EMA]" if args.ema else "") + (" [best epoch]" if args.best else "")
              + (" [flip TTA]" if args.tta else "")
@@ -172,7 +178,7 @@ def main_evaluate(argv: list[str]) -> int:
         mask = labels == c
         n = int(mask.sum())
         accuracy = f"{(preds[mask] == c).float().mean().item():9.2%}" if n else f"{'-':>9s}"
-        lines.append(f"{name:{width}s} {n:8d} {accuracy}")
+        lines.append(f"{name}{' ' * (width - columns(name))} {n:8d} {accuracy}")
     if accelerator.is_main_process:
         print("\n".join(lines), flush=True)
     log.info(f"evaluated {labels.numel()} samples, {cfg.batch_size} per process and batch"

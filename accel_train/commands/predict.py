@@ -105,7 +105,7 @@ class Printer:
         elif self.form == "json":
             record = {"error": error} if error else {"top": [{"class": name, "probability": round(p, 6)}
                                                              for name, p in top]}
-            print(json.dumps({"file": str(path), **record}), flush=True)
+            print(json.dumps({"file": str(path), **record}, ensure_ascii=False), flush=True)  # (狗, not \u72d7)
         else:
             cells = [c for name, p in (top or []) for c in (name, f"{p:.6f}")]
             self.csv.writerow([str(path), *cells, *[""] * (2 * self.top - len(cells)), error or ""])

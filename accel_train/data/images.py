@@ -28,8 +28,8 @@ class UnreadableImage(DataError):
     one argument, its message (a DataLoader worker's: DataError), it has neither."""
 
     def __init__(self, path, reason: str | None = None):
-        super().__init__(str(path) if reason is None else f"{path} is not a readable image ({reason}); replace or "
-                         "remove it")
+        super().__init__(str(path) if reason is None else f"{path} does not exist; check the path"
+                         if reason == MISSING else f"{path} is not a readable image ({reason}); replace or remove it")
         self.path, self.reason = (None, None) if reason is None else (path, reason)
 
 
@@ -48,8 +48,13 @@ def too_large(path, img) -> None:
                               f"{MAX_DECODED_PIXELS // 1_000_000} M: downscale it")
 
 
+MISSING = "no such file"
+
+
 def why_unreadable(path, error: Exception) -> str:
     """Pillow's reason in a few words; an empty file is called one (Pillow says "cannot identify image file")."""
+    if isinstance(error, FileNotFoundError):
+        return MISSING
     try:
         if os.path.getsize(path) == 0:
             return "empty file, 0 bytes"

@@ -88,8 +88,15 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
     return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
             "listing": listing, "damaged": damaged(out), "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
-            "alike": alike and (alike["step"], alike.get("epoch", 0), *([True] if alike["finished"] else [])),
+            "alike": alike and (alike["step"], reached(alike), *([True] if alike["finished"] else [])),
             "launch": os.environ.get(RUN_ID_ENV) or None}
+
+
+def reached(meta: dict) -> str:
+    """Where a checkpoint's trainer_state.json stands, in words: its epoch (0-based) is the next one at an
+    epoch's end."""
+    epoch, batch = meta.get("epoch", 0), meta.get("batch_in_epoch", 0)
+    return f"the end of epoch {epoch}" if batch == 0 and epoch > 0 else f"in epoch {epoch + 1}"
 
 
 def damaged(out: Path) -> list[tuple[int, str]]:

@@ -44,15 +44,15 @@ def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
     if not shared:
         where = f"on rank {holder['rank']}'s machine, {where}"
     if holder["alike"] and len(holder["alike"]) > 2:  # the user's own finished run, the same command run again
-        step, epoch, _ = holder["alike"]
+        step, reached, _ = holder["alike"]
         raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} written, last "
-                          f"checkpoint step {step}, epoch {epoch + 1}); to train it longer pass --resume auto with a "
+                          f"checkpoint step {step}, {reached}); to train it longer pass --resume auto with a "
                           "larger --epochs, to train it again from the start --overwrite true (or another "
                           "--output_dir)")
     if holder["alike"]:  # most often the user's own interrupted run, started again with the same command
-        step, epoch = holder["alike"]
-        raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, epoch "
-                          f"{epoch + 1}); continue it with --resume auto (or start over: --overwrite true deletes its "
+        step, reached = holder["alike"]
+        raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, "
+                          f"{reached}); continue it with --resume auto (or start over: --overwrite true deletes its "
                           "checkpoints, or another --output_dir)")
     raise ConfigError(f"{where} already holds checkpoints of another run; pass --resume auto to continue it, another "
                       "--output_dir, or --overwrite true to delete them")

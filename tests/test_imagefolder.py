@@ -594,3 +594,33 @@ def test_an_image_past_the_pixel_limit_is_named_with_its_size_before_it_is_decod
                            r"decode, over accel_train's limit of 1 M: downscale it\); replace or remove it"):
             read([ok, big, photo])
     assert decode_image(photo, 32).shape == (3, 32, 32) and len(check_images([ok, photo])) == 2
+
+
+def test_an_image_far_smaller_than_its_decoded_size_is_said_once_with_the_smallest_named(tmp_path, caplog):
+    """A 1-pixel image was upscaled to the training size without a word."""
+    from accel_train.data.images import Decode, check_images, decode_all
+    files = []
+    for name, side in (("dot", 1), ("small", 7), ("fine", 12), ("big", 40)):
+        files.append(tmp_path / f"{name}.png")
+        Image.new("RGB", (side, side + 1)).save(files[-1])
+    for read in (lambda: check_images(files, Decode(32)), lambda: decode_all(files, 32, say_small=True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="accel_train"):
+            read()
+        said = [r.getMessage() for r in caplog.records if "far smaller" in r.getMessage()]
+        assert said == [f"2 images of 4 are far smaller than the 32 px they are decoded at (shorter side under 8 px; "
+                        f"the smallest: {files[0]}, 1x2): upscaled, with little detail to learn from; remove them, "
+                        "or pass a smaller --image_size"], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="accel_train"):
+        check_images(files), decode_all(files, 32), check_images(files[2:], 32)  # (no size, not asked, none small)
+    assert not [r for r in caplog.records if "far smaller" in r.getMessage()]
+
+
+def test_classes_far_apart_in_size_are_said_at_start():
+    """Classes of 1 and 200 images trained without a note."""
+    from accel_train.data.load import imbalance
+    said = imbalance(["狗", "cat", "cow"], [0] + [1] * 200 + [2] * 50)
+    assert said == ("unbalanced classes: '狗' has 1 training image, 'cat' 200; the loss weighs every image alike, so "
+                    "the accuracy is mostly the large classes' (evaluate's per-class table shows each)")
+    assert imbalance(["a", "b"], [0] * 10 + [1] * 99) is None and imbalance(["a", "b"], [0] * 10 + [1] * 100)

@@ -229,15 +229,17 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
     (ckpt / "trainer_state.json").write_text(json.dumps(meta))
     args = ["--train_samples", "32", "--test_samples", "8", "--batch_size", "8", "--output_dir", out]
     line = one_error_line(run_cli(args).stderr)
-    assert "holds an unfinished run with these settings (newest checkpoint: step 6, epoch 2); continue it with " \
+    assert "holds an unfinished run with these settings (newest checkpoint: step 6, in epoch 2); continue it with " \
            "--resume auto" in line, line
     line = one_error_line(run_cli([*args, "--seed", "7"]).stderr)  # another run's: the message as before
     assert "already holds checkpoints of another run" in line
     assert sorted(p.name for p in out.rglob("*")) == ["checkpoints", "step_00000006", "trainer_state.json"]
     # issue 40 item 7: the quick start's command run twice is your own finished run, not "another run"
     (out / "model.safetensors").write_bytes(b"w")
-    line = one_error_line(run_cli(args).stderr)
-    assert "holds your finished run with these settings (model.safetensors written, last checkpoint step 6, epoch 2)"\
+    (ckpt / "trainer_state.json").write_text(json.dumps({**meta, "batch_in_epoch": 0}))  # (an epoch's end)
+    line = one_error_line(run_cli(args).stderr)  # (the epoch done, not the next: said "epoch 2")
+    assert "holds your finished run with these settings (model.safetensors written, last checkpoint step 6, the end " \
+        "of epoch 1)"\
         in line and "--resume auto with a larger --epochs" in line and "--overwrite true" in line, line
 
 

@@ -221,7 +221,7 @@ def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
     mib = n * 3 * side * side / 2**20
     if open_cache(path, n, size) is not None:
         return f"decoded cache {path} ({mib:.0f} MiB), written by an earlier run: read, not decoded"
-    aspects = check_images(files)  # every unreadable file named before the long decode
+    aspects = check_images(files, size)  # every unreadable file named before the long decode
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     keep, header, row, rates, done = False, _header(n, side), 3 * side * side, [], 0

@@ -4,6 +4,7 @@ and decoding the files, the errors that name unreadable ones, and the training i
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -191,7 +192,7 @@ def as_decode(size) -> Decode:
     return size if isinstance(size, Decode) else Decode(int(size))
 
 
-def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torch.Tensor:
+def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: list | None = None) -> torch.Tensor:
     """An image file (any mode Pillow reads) -> 3 x size x size uint8: turned upright as its EXIF orientation says
     (phone photos), RGB, shorter side resized to floor(size / crop_pct) (bilinear, antialiased), centre crop; or
     (`whole`) the whole image resized to size x size. Training, evaluate and predict all see images through this.
@@ -202,6 +203,8 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torc
     short = size if whole else max(size, math.floor(size / crop_pct))
     try:
         with Image.open(path) as img:
+            if small is not None and min(img.size) * SMALL < size:  # (for note_small)
+                small.append((path, *img.size))
             img.draft("RGB", (short, short))  # JPEG: decode at the smallest scale that is still >= the size
             too_large(path, img)
             ImageOps.exif_transpose(img, in_place=True)  # (no copy of an image without an orientation)
@@ -227,7 +230,7 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False) -> torc
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 
-def decode_all(files: list[Path], size) -> tuple[torch.Tensor, float]:
+def decode_all(files: list[Path], size, say_small: bool = False) -> tuple[torch.Tensor, float]:
     """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s); `size`:
     an int or a Decode. A stop signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once:
     Preempted."""
@@ -235,11 +238,13 @@ def decode_all(files: list[Path], size) -> tuple[torch.Tensor, float]:
     spec = as_decode(size)
     out = torch.empty((len(files), 3, spec.size, spec.size), dtype=torch.uint8)
 
+    small = []
+
     def one(i):
         if pending_stop() is not None:  # (the rest of the pool's files are passed over)
             return None
         try:
-            out[i] = decode_image(files[i], spec)
+            out[i] = decode_image(files[i], spec, small=small)
         except UnreadableImage as e:
             return e
 
@@ -249,6 +254,8 @@ def decode_all(files: list[Path], size) -> tuple[torch.Tensor, float]:
         raise Preempted(f"stopped by {stop} while decoding {len(files)} images at start-up")
     if errors:
         raise unreadable_images(errors)
+    if say_small:  # (where no check_images said it)
+        note_small(small, len(files), spec)
     return out, len(files) / max(time.perf_counter() - start, 1e-9)
 
 
@@ -266,12 +273,14 @@ def native_size(files: list[Path], limit: int = SIZE_SAMPLE) -> int | None:
     return int(np.median(sides)) if sides else None
 
 
-def check_images(files: list[Path]) -> torch.Tensor:
+def check_images(files: list[Path], size=None) -> torch.Tensor:
     """The cpu pipeline decodes later, in workers: read every file's header now (cheap, no decoding) so that
     a file that is not an image stops the run before it starts, named. (A file whose header is fine but
     whose pixel data is truncated is only found, and named, when a worker decodes it.) Returns each image's aspect
-    ratio, width / height upright (EXIF orientations 5-8 turn it): float64, what RandomResizedCrop needs (crops.py)."""
+    ratio, width / height upright (EXIF orientations 5-8 turn it): float64, what RandomResizedCrop needs (crops.py).
+    `size` (an int or a Decode): the size they are decoded at, for note_small."""
     from PIL import Image
+    small = []
 
     def one(path):
         try:
@@ -279,6 +288,8 @@ def check_images(files: list[Path]) -> torch.Tensor:
                 too_large(path, img)
                 w, h = img.size
                 turned = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+            if size is not None and min(w, h) * SMALL < as_decode(size).size:
+                small.append((path, w, h))
             return h / w if turned else w / h
         except UnreadableImage as e:
             return e
@@ -290,7 +301,22 @@ def check_images(files: list[Path]) -> torch.Tensor:
     errors = [e for e in found if isinstance(e, UnreadableImage)]
     if errors:
         raise unreadable_images(errors)
+    note_small(small, len(files), size)
     return torch.tensor(found, dtype=torch.float64)
+
+
+SMALL = 4  # an image whose shorter side is under 1/SMALL of the size it is decoded at is noted: mostly interpolation
+
+
+def note_small(small: list[tuple], n: int, size) -> None:
+    """One line for the images far smaller than the size they are decoded at (upscaled: little to learn from)."""
+    if small:
+        side = as_decode(size).size
+        path, w, h = min(small, key=lambda s: (min(s[1], s[2]), str(s[0])))
+        logging.getLogger("accel_train").warning(
+            f"{counted(len(small), 'image')} of {n} are far smaller than the {side} px they are decoded at (shorter "
+            f"side under {side / SMALL:g} px; the smallest: {path}, {w}x{h}): upscaled, with little detail to learn "
+            "from; remove them, or pass a smaller --image_size")
 
 
 def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, counted
 from ..recipes import default_crop_pct, per_sample, train_crop
 from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
 from .crops import store_size
@@ -168,12 +168,14 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
         notes.append(f"test: {len(split_off['test'][0])} files of {train_dir} held out "
                      f"(--val_split {cfg.val_split:g}, --seed {cfg.seed}; the same on every rank "
                      "and resume)")
+    if "train" in found and (said := imbalance(classes, found["train"][1])):
+        notes.append(said)
     sampled = info is None and None in cfg.normalisation()  # the training files' mean/std: decoded below
     for split, (files, labels) in found.items():
         labels, spec = torch.tensor(labels, dtype=torch.long), specs[split]
         later, aspects = sampled and split == "train", None
         if pipeline == "device":
-            images, rate = decode_all(files, spec)
+            images, rate = decode_all(files, spec, say_small=True)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
             aspects = check_images(files) if spec.whole else None
@@ -204,6 +206,21 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
     return info, splits, pipeline, notes
 
 
+IMBALANCE = 10  # the largest class this many times the smallest: said at start
+
+
+def imbalance(classes: list[str], labels: list[int]) -> str | None:
+    """The start line's note of classes far apart in size (no weighting is applied: the accuracy is the
+    large classes' mostly), or None."""
+    counts = torch.bincount(torch.tensor(labels, dtype=torch.long), minlength=len(classes))
+    small, large = int(counts.argmin()), int(counts.argmax())
+    if counts[small] * IMBALANCE > counts[large]:
+        return None
+    return (f"unbalanced classes: {classes[small]!r} has {counted(int(counts[small]), 'training image')}, "
+            f"{classes[large]!r} {int(counts[large])}; the loss weighs every image alike, so the accuracy is mostly "
+            "the large classes' (evaluate's per-class table shows each)")
+
+
 def home(files: list[Path], size: int | Decode, samples: int | None, part: str | None = None
          ) -> tuple[Path | None, bool]:
     """(Where the split's decoded cache lives on this machine, whether a complete one is there already)."""
@@ -219,7 +236,7 @@ def checked(files: list[Path], size: int | Decode, sampled: bool = False) -> tor
     decoded (a few seconds), unless `sampled` (the mean/std's sample decodes all of it anyway), so that a file whose
     header reads but whose pixels end early is named now, alike on every rank, not by one rank's DataLoader worker
     mid-run (that rank exits 2; the others lose a peer). Returns the images' aspect ratios (check_images)."""
-    aspects = check_images(files)
+    aspects = check_images(files, size)
     if len(files) <= STATS_SAMPLE and not sampled:
         for start in range(0, len(files), 256):
             decode_all(files[start:start + 256], size)

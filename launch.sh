@@ -243,9 +243,11 @@ if [[ -n "$master_port" ]]; then
     die "MASTER_PORT must be a port number, got '$master_port'"
   fi
 fi
+rank0_at=""  # (the start line's: one machine needs no rendezvous address, and ModelArts gives it no port)
 if ((nnodes > 1)); then
   [[ -n "$master_addr" ]] || die "$nnodes machines but no rank-0 host: set MASTER_ADDR (or VC_WORKER_HOSTS, --init_method tcp://HOST:PORT, SLURM_STEP_NODELIST)"
   master_port="${master_port:-29500}"
+  rank0_at=", rank 0 at $master_addr:$master_port"
 fi
 
 named_config="$accel_config"  # a config the user named keeps its precision where the device has it
@@ -656,7 +658,7 @@ printf -v run_id '%08x%04x' "${SRANDOM:-$((RANDOM << 15 | RANDOM))}" "$RANDOM"  
 attempt=0
 while true; do
   run_preflight
-  echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${master_addr:+, rank 0 at $master_addr:$master_port} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
+  echo "launch.sh: machine $node_rank of $nnodes, $nproc process(es) here, config $(basename "$config_file")${rank0_at} (attempt $((attempt + 1)) of $((max_restarts + 1)))" >&2
   stopped_before_start || true
   status_dir="$(mktemp -d "${TMPDIR:-/tmp}/accel_train_status.XXXXXX")"
   status=0

@@ -604,3 +604,19 @@ def test_a_python_without_accelerate_is_named_not_the_config(tmp_path):
     env["PYTHON"] = str(tmp_path / "no-such-python")
     proc = subprocess.run(["bash", str(LAUNCH), "--epochs", "1"], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "no-such-python" in proc.stderr and "invalid" not in proc.stderr, proc.stderr
+
+
+def test_the_start_line_of_a_one_machine_modelarts_job_names_no_rank_0_address(tmp_path):
+    """ModelArts sets VC_WORKER_HOSTS on one machine too, with no port: the line said "rank 0 at localhost:". The
+    launcher here is a stub that ends at once (PYTHON: the real one for everything else)."""
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\ncase \"$*\" in *accelerate.commands.launch*) exit 0 ;; esac\n"
+                    f"exec {shlex.quote(sys.executable)} \"$@\"\n")
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS}
+    env.update(PATH=tool_path(), PYTHON=str(stub), ACCEL_TRAIN_DEVICE_FACTS=PLAIN_CPU, XDG_CACHE_HOME=str(tmp_path),
+               MA_NUM_HOSTS="1", VC_TASK_INDEX="0", VC_WORKER_HOSTS="localhost")
+    proc = subprocess.run(["bash", str(LAUNCH), "--epochs", "1", "--preflight", "off"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    line = next((s for s in proc.stderr.splitlines() if s.startswith("launch.sh: machine 0 of 1")), proc.stderr)
+    assert line == "launch.sh: machine 0 of 1, 1 process(es) here, config cpu.yaml (attempt 1 of 1)", proc.stderr

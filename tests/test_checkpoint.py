@@ -124,7 +124,7 @@ def test_resume_errors_are_one_line(tmp_path, four_steps):
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     proc = run_cli(small_run(out, "--batch_size", "32", "--resume", ckpt))
     assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line.lower()]  # (the tmp path says "errors")
     assert len(lines) == 1 and "is corrupt or incompatible" in lines[0] and "Traceback" not in proc.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 

@@ -37,7 +37,7 @@ FREE = {  # leave the weights' math alone: paths, logging, checkpointing, perfor
     # the checkpoint's weights win; max_steps: where this run stops
     "data_dir", "test_samples", "pipeline", "device_data_mb", "num_workers", "channels_last", "init_from", "compile",
     "compile_mode", "max_steps", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
-    "timeout_s", "heartbeat_s", "heartbeat_timeout_s", "threads", "log_with", "tracker_project", "run_name", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
+    "timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_report_s", "stop_on_hang", "threads", "log_with", "tracker_project", "run_name", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
     "force_precision", "enable_gpu", "init_method", "rank", "world_size", "checkpoint_minutes", "trust_model_code",
     "pretrained", "pretrained_path",  # (as init_from)
     "crop_pct",  # (an image folder's evaluation only)

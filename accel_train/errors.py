@@ -199,13 +199,10 @@ def note_bad_input(output_dir, error: Exception) -> None:
 
 def clear_notes(output_dir) -> None:
     """The notes of earlier runs (note_bad_input), removed by a writer of the directory once it holds
-    it: they are read only by the peers of the run that wrote them, at its end."""
+    it, at start-up: they are read only by the peers of the run that wrote them, at its end, and this
+    run's ranks write theirs only once training has started."""
     for note in Path(output_dir).glob(".bad_input.*"):
-        try:
-            if note.stat().st_mtime < STARTED - 1:
-                note.unlink()
-        except OSError:
-            pass
+        note.unlink(missing_ok=True)
 
 
 def bad_input_of_peer(output_dir, pids=()) -> str | None:

@@ -65,7 +65,7 @@ class EpochMeter:
         """Reduce over ranks (a collective: every rank calls it) and read back once."""
         total = self.sums(accelerator)
         samples, seconds = total["samples"], total["seconds"]
-        data_share = min(total["data_time"] / seconds, 1.0)  # (one clock, the same epoch)
+        data_share = total["data_time"] / seconds  # both on one clock over the same epoch: <= 1
         return {
             "train_loss": total["loss_sum"] / max(samples, 1),
             "train_acc": total["correct"] / max(samples, 1),

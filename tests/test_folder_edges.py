@@ -14,7 +14,7 @@ from accel_train.config import TrainConfig
 from accel_train.data import build_data, decode_image
 from accel_train import cores
 from accel_train.data import cache
-from accel_train.data.images import scan_split, subset
+from accel_train.data.folders import scan_split, subset
 from conftest import clean_env, launch, run_cli
 from test_imagefolder import SMALL, write_image_folder
 
@@ -412,7 +412,7 @@ def test_a_stop_signal_during_the_device_pipelines_decode_ends_it_at_once(tmp_pa
     root = write_image_folder(tmp_path / "d", train=40, val=2)
     decode, calls = images.decode_image, []
 
-    def signalled(path, size):
+    def signalled(path, size, **kwargs):
         calls.append(path)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGTERM)

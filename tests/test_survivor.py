@@ -552,7 +552,7 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
     seen = []
     ckpt = object.__new__(Checkpointer)
     ckpt.accelerator, ckpt.output_dir, ckpt.run_math, ckpt.model, ckpt.ema, ckpt.keep = None, None, {}, None, None, 2
-    ckpt.facts, ckpt.history, ckpt.writing = None, dict, False
+    ckpt.facts, ckpt.history, ckpt.writing, ckpt.meter, ckpt.buffers_shared = None, dict, False, None, None
     ckpt.decision = types.SimpleNamespace(writer=True, shared=True)
     ckpt.watch = types.SimpleNamespace(check=lambda *a: None)
     monkeypatch.setattr("accel_train.checkpoint.save_checkpoint", lambda *a, **k: seen.append(ckpt.writing) or "p")

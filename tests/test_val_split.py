@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from accel_train.data.images import held_out, scan_split
+from accel_train.data.folders import held_out, scan_split
 from conftest import TINY, clean_env, launch, run_cli
 
 COUNTS = {"dark": 10, "mid": 6, "light": 8}  # unbalanced: 0.25 holds out 3 (2.5 rounded half up), 2 and 2

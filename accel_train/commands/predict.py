@@ -34,7 +34,7 @@ def load_image(path, info) -> torch.Tensor:
 
 def image_paths(args: list[str]) -> list[Path]:
     """Files as given; a folder gives its image files (extensions Pillow claims, recursively, sorted)."""
-    from ..data.images import _image_extensions
+    from ..data.folders import _image_extensions
     extensions, out = _image_extensions(), []
     for arg in map(Path, args):
         if arg.is_dir():
@@ -49,7 +49,7 @@ def held_out_files(checkpoint, info) -> list[Path]:
     """The files of train/ that the run which wrote `checkpoint` held out (--val_split), as it
     chose them."""
     from ..config import TrainConfig
-    from ..data.images import held_out, image_folder_splits, scan_split
+    from ..data.folders import held_out, image_folder_splits, scan_split
     from .evaluate import recorded_run
     run = recorded_run(checkpoint)
     if not run.get("val_split"):

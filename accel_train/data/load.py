@@ -21,8 +21,8 @@ from ..recipes import default_crop_pct, per_sample, train_crop
 from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
 from .crops import store_size
 from .cifar import read_cifar10
-from .images import (Decode, channel_stats, check_images, decode_all, held_out, image_folder_splits,
-                     native_size, scan_split, subset)
+from .folders import held_out, image_folder_splits, scan_split, subset
+from .images import Decode, channel_stats, check_images, decode_all, native_size
 from .info import CIFAR10, DataInfo
 from .synthetic import random_data
 

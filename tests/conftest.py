@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
+import hashlib
 import io
 import json
 import logging
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -354,6 +357,54 @@ def trainer_pids(tag: str) -> dict[int, int]:
     return {rank: pid for pid, (rank, parent) in found.items() if parent not in found}
 
 
+# ---------------------------------------------------------------------------------------------
+# The fault harness: launch.sh started in the background, a wait for a step, a fault, the relaunch, the end.
+# ---------------------------------------------------------------------------------------------
+
+class Job:
+    """launch.sh on this machine's `ranks` processes, its output in `log`, tagged (ACCEL_TEST_TAG) so that its
+    ranks can be found; use as a context manager: the whole group is killed if the test leaves before the end."""
+
+    def __init__(self, args: list, out: Path, log: Path, ranks: int = 2, env: dict | None = None):
+        self.out, self.log, self.tag = Path(out), Path(log), uuid.uuid4().hex
+        env = clean_env(NPROC_PER_NODE=str(ranks), ACCEL_TEST_TAG=self.tag, ACCEL_RESTART_DELAY="1", **(env or {}))
+        self.ranks = ranks
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(["bash", ROOT / "launch.sh", *map(str, args), "--output_dir", str(out)],
+                                         stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                         start_new_session=True)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def steps(self, n: int, timeout: float = 240) -> int:
+        """Wait until the run has logged n steps (its steps.jsonl: --log_every 1); the count then."""
+        wait_for(lambda: steps_logged(self.out) >= n, timeout=timeout, interval=0.01)
+        return steps_logged(self.out)
+
+    def pids(self, timeout: float = 30) -> dict[int, int]:
+        """{rank: pid} of the attempt's ranks, once all of them are there."""
+        return wait_for(lambda: len(trainer_pids(self.tag)) == self.ranks and trainer_pids(self.tag), timeout=timeout)
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> int:
+        pid = self.pids()[rank]
+        os.kill(pid, sig)
+        return pid
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def end(self, timeout: float = 300) -> int:
+        """launch.sh's exit status (relaunches included)."""
+        return self.proc.wait(timeout=timeout)
+
+
 def steps_logged(out: Path) -> int:
     """Rows in a run's steps.jsonl so far (what a signal test waits on before it signals)."""
     path = Path(out) / "steps.jsonl"
@@ -412,43 +463,131 @@ TINY = ["--model", "test_resnet"]
 TINY_GN = [*TINY, "--model_kwargs", '{"norm_layer": "groupnorm1"}']
 
 
-# The reference runs several tests compare with, launched once per session (read-only: copy before resuming):
-# TINY_GN (comparable across process counts), 256 random samples, global batch 32 (8 steps an epoch), 3 epochs,
-# a checkpoint every 2 steps; "full" runs to the end, "part" is the same run stopped at step 11 (3 steps into
-# epoch 2: a resume finishes that epoch, then runs a whole fresh one). test_checkpoint resumes part on 1 and 2
-# ranks, test_resume the 2-rank part on 1 and 4, test_equivalence compares the two full runs.
-def reference_args(ranks: int, out, *extra) -> list:
+# ---------------------------------------------------------------------------------------------
+# The reference registry: the uninterrupted runs that the "ends equal to the uninterrupted run" tests compare with,
+# each distinct one (how it is launched, its processes, flags and environment) trained once per session, whichever
+# test process asks first: the others wait for it on a lock in the session's common temporary folder, so the
+# tests that share a reference need not share a test process. References are read-only: copy one to resume it.
+# ---------------------------------------------------------------------------------------------
+
+class References:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, how: str, ranks: int, args, env: dict | None = None, timeout: float = 400) -> Path:
+        """The output dir of `args` run to its end: how is an accelerate config (accelerate_configs/, through
+        `launch`) or "launch.sh" (NPROC_PER_NODE=ranks); env: variables added to clean_env()'s."""
+        key = json.dumps([how, ranks, [str(a) for a in args], sorted((env or {}).items())])
+        folder = self.root / hashlib.sha1(key.encode()).hexdigest()[:16]
+        with open(f"{folder}.lock", "w") as lock:
+            deadline = time.monotonic() + timeout + 60
+            while True:  # (bounded: a test never hangs)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"no reference after {timeout + 60} s: {key}"
+                    time.sleep(0.2)
+            if not (folder / "done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                (folder / "key.json").write_text(key)
+                out = folder / "out"
+                if how == "launch.sh":
+                    proc = run(["bash", ROOT / "launch.sh", *args, "--output_dir", out], timeout,
+                               clean_env(NPROC_PER_NODE=str(ranks), **(env or {})), ROOT)
+                    assert proc.returncode == 0, f"reference {key}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+                else:
+                    assert ranks == (yaml.safe_load((CONFIGS / how).read_text()).get("num_processes") or 1), key
+                    launch(how, [*args, "--output_dir", out], timeout, env=clean_env(**env) if env else None)
+                (folder / "done").touch()
+        return folder / "out"
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory) -> References:
+    base = tmp_path_factory.getbasetemp()  # (under xdist, each test process's own; its parent is the session's)
+    return References((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "references")
+
+
+# The reference pair several tests compare with: TINY_GN (comparable across process counts), 256 random samples,
+# global batch 32 (8 steps an epoch), 3 epochs, a checkpoint every 2 steps; "full" runs to the end, "part" is the
+# same run stopped at step 11 (3 steps into epoch 2: a resume finishes that epoch, then runs a whole fresh one).
+# test_checkpoint resumes part on 1 and 2 ranks, test_resume the 2-rank part on 1 and 4, test_equivalence compares
+# the two full runs.
+def reference_flags(ranks: int) -> list:
     return [*TINY_GN, "--train_samples", "256", "--test_samples", "40", "--epochs", "3", "--batch_size", 32 // ranks,
-            "--log_every", "1", "--checkpoint_every", "2", "--output_dir", out, *extra]
+            "--log_every", "1", "--checkpoint_every", "2"]
 
 
-def reference_pair(root: Path, config: str, ranks: int) -> tuple[Path, Path]:
-    launch(config, reference_args(ranks, root / "full"))
-    launch(config, reference_args(ranks, root / "part", "--max_steps", "11"))
-    return root / "full", root / "part"
+def reference_args(ranks: int, out, *extra) -> list:
+    return [*reference_flags(ranks), "--output_dir", out, *extra]
 
 
-@pytest.fixture(scope="session")
-def one_process_reference(tmp_path_factory) -> tuple[Path, Path]:
-    return reference_pair(tmp_path_factory.mktemp("one_process_reference"), "cpu.yaml", 1)
+def reference_pair(references: References, config: str, ranks: int) -> tuple[Path, Path]:
+    return (references.get(config, ranks, reference_flags(ranks)),
+            references.get(config, ranks, [*reference_flags(ranks), "--max_steps", "11"]))
 
 
-@pytest.fixture(scope="session")
-def two_rank_reference(tmp_path_factory) -> tuple[Path, Path]:
-    return reference_pair(tmp_path_factory.mktemp("two_rank_reference"), "2proc_cpu.yaml", 2)
+@pytest.fixture
+def one_process_reference(references) -> tuple[Path, Path]:
+    return reference_pair(references, "cpu.yaml", 1)
+
+
+@pytest.fixture
+def two_rank_reference(references) -> tuple[Path, Path]:
+    return reference_pair(references, "2proc_cpu.yaml", 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages by cost. The README's command, `python -m pytest` with no test paths and no -m, runs the in-process tests
+# and the `core` launches: one short multi-rank proof of each core promise. Every other test that starts real
+# processes is in one stage, run by .ci/run after the README's command (`python -m pytest -m <stage>`;
+# docs/tests.md lists them): `launches` (ranks for flags, pipelines, outputs, own models), `faults` (kills, signals,
+# frozen and hung ranks, relaunches), `hosts` (two network hosts) and `campaign` (the fault campaign and its
+# checker). Each of these is also `slow`: `-m "not slow"` is the in-process subset. Named paths or node ids run
+# whole (what a developer or tools/mutate.py asks for is never deselected by cost).
+# ---------------------------------------------------------------------------------------------
+
+STAGES = ("core", "launches", "faults", "hosts", "campaign")
+
+
+def stage_of(item) -> str | None:
+    """The stage a test is marked with (None: an in-process test); a usage error where a test that starts real
+    processes (marked slow, or a two-host job) has none or the wrong one, or where it has two (`-m` selects by any
+    of a test's marks, its module's included: a test in two stages would run twice), so that every test runs in
+    exactly one run of CI."""
+    marked = sorted({mark.name for mark in item.iter_markers() if mark.name in STAGES})
+    if len(marked) > 1 or ("two_hosts" in item.fixturenames and marked != ["hosts"]) or (
+            item.get_closest_marker("slow") and not marked):
+        raise pytest.UsageError(f"{item.nodeid}: stages {marked}; a test that starts real processes is marked with "
+                                f"one of {', '.join(STAGES)} (a two-host job: hosts), its own or its module's")
+    return marked[0] if marked else None
 
 
 # ---------------------------------------------------------------------------------------------
 # Two test processes (pytest-xdist, `-n 2` in pyproject.toml). Most of a test's time is interpreters starting
 # and one-threaded in-process runs, which leave a core idle; two workers fill both. Tests that share an expensive
-# fixture of ours (a session or module fixture: a reference run, a trained output) go to one worker, which builds
-# it once (xdist_group), and the long tests start before the fast ones, so the run does not end on one long test:
-# xdist's loadgroup sends the groups first (by their number of tests), then the two-host jobs (the longest), the
-# other multi-process tests and the fast ones in that order.
+# fixture of ours (a session or module fixture: a trained output; not the reference registry, which serves both
+# workers) go to one worker, which builds it once (xdist_group), and the long tests start before the fast ones, so
+# the run does not end on one long test: xdist's loadgroup sends the groups first (by their number of tests), then
+# the two-host jobs (the longest), the other multi-process tests and the fast ones in that order.
 # ---------------------------------------------------------------------------------------------
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    later = []
+    for item in items:
+        stage = stage_of(item)
+        if stage:
+            item.add_marker(pytest.mark.slow)
+        if stage not in (None, "core"):
+            later.append(item)
+    if later and not config.option.markexpr and not config.option.file_or_dir:  # the README's command
+        config.hook.pytest_deselected(items=later)
+        later = set(later)
+        items[:] = [item for item in items if item not in later]
     parent: dict[str, str] = {}
 
     def find(key):
@@ -460,7 +599,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         keys = [f"{d.baseid or 'conftest'}::{name}" for name, defs in (info.name2fixturedefs.items() if info else ())
-                for d in defs[-1:] if d.scope in ("module", "session") and is_ours(d.func)]
+                for d in defs[-1:] if d.scope in ("module", "session") and is_ours(d.func) and name != "references"]
         for key in keys[1:]:
             parent[find(key)] = find(keys[0])
         shared[item] = keys

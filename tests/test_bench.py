@@ -6,7 +6,7 @@ import pytest
 from conftest import ROOT, clean_env
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_bench_prints_its_table_and_ratio_line(tmp_path):
     proc = subprocess.run([sys.executable, "bench/bench.py", "--batch_size", "8", "--rounds", "2", "--steps", "1",
                            "--warmup", "1", "--no_scaling", "--decode_images", "16", "--output_dir", str(tmp_path)],
@@ -27,7 +27,7 @@ def test_bench_prints_its_table_and_ratio_line(tmp_path):
     assert float(lines[-1].split("=")[1]) == pytest.approx(ours / bare, rel=0.05 / ours + 0.05 / bare + 2e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path):
     """bench/data_bench.py: --make writes the JPEG folder; a run times each case (a cache written under
     $XDG_CACHE_HOME) and ends with the ratios the issue asks for, from the table's per-core figures."""
@@ -52,7 +52,7 @@ def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path
     assert set(ratio) == {"cache/timm", "reduced/full"}
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_gradcheck_memory_prints_the_step_and_both_checks():
     # bench/gradcheck_memory.py (issue 34 item 6's measurement), small: a batch of 64 is checked on a slice of 32
     proc = subprocess.run([sys.executable, "bench/gradcheck_memory.py", "--model", "test_resnet", "--image_size", "32",

@@ -55,7 +55,7 @@ def campaign_with(tmp_path, workdir, hook):
     return Campaign(workdir, None, hooks=str(hooks))
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_the_checker_catches_an_epoch_trained_twice_after_a_resume(tmp_path, workdir):
     """--resume auto after a stop mid-epoch, with the resumed start training its epoch from the first batch again
     (the batches before the stop twice): steps.jsonl and the weights differ from the uninterrupted run, and the
@@ -65,7 +65,7 @@ def test_the_checker_catches_an_epoch_trained_twice_after_a_resume(tmp_path, wor
     assert "steps.jsonl: step " in fails and "model.safetensors: " in fails, result
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_the_checker_catches_a_process_left_behind(tmp_path, workdir):
     """A rank that leaves a process of the job alive (here rank 1 forks one into a session of its own) is caught:
     the scenario fails, naming it, and the campaign kills it. Nothing else differs from the uninterrupted run."""
@@ -146,7 +146,7 @@ def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
 CI_SEEDS = [20, 2818]
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_a_short_fixed_campaign_passes(tmp_path, capsys):
     code = main(["--scenario_seed", *map(str, CI_SEEDS), "--workdir", str(tmp_path / "campaign")])
     out = capsys.readouterr().out
@@ -197,7 +197,7 @@ def sigterm_then_wait(proc, ready, sig=signal.SIGTERM):
             proc.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_sigterm_to_launch_sh_of_one_process_is_a_preemption_not_a_lost_launcher(tmp_path):
     """The simple launcher dies of the SIGTERM at once, and the trainer's launcher watch saw it before the ranks'
     agreed check: the run stopped as 'by the end of its launcher', status 3, where the README promises a preemption
@@ -221,7 +221,7 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
     """Seed 89765507: `kill -9` of launch.sh (its job runs on and ends by itself, as documented) left launch.sh's
     background watch for stopped ranks (a fork of launch.sh, in its session) looping for ever."""
@@ -237,7 +237,7 @@ def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_one_ctrl_c_to_launch_sh_of_one_process_is_one_ctrl_c(tmp_path):
     """Seed 1463180775: launch.sh passed the Ctrl-C to the job's whole group; accelerate 1.15's simple launcher answers
     it by SIGTERMing the trainer (and SIGKILLing it 5 s later), which the trainer took for a second Ctrl-C: stopped
@@ -249,7 +249,7 @@ def test_one_ctrl_c_to_launch_sh_of_one_process_is_one_ctrl_c(tmp_path):
     assert "accel-train: preempted: stopped by SIGINT at step" in text and "second Ctrl-C" not in text
 
 
-@pytest.mark.slow
+@pytest.mark.campaign
 def test_sigterm_while_the_outputs_are_written_lets_the_finished_run_end_with_status_0(tmp_path):
     """The stop handlers were uninstalled before the final outputs: a SIGTERM then ended the trainer by its default
     action, mid-write, with no status (launch.sh: 'killed by SIGKILL ... exit status 137')."""

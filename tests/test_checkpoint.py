@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 
-pytestmark = pytest.mark.slow
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
 
@@ -38,11 +37,10 @@ def assert_same_weights(a, b, atol):
     assert worst <= atol, f"max weight difference {worst}"
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.core)])
 def test_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path, ranks, one_process_reference,
                                                               two_rank_reference):
-    # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch (both references named, not
-    # looked up: the tests that share a fixture run in one test process, conftest.pytest_collection_modifyitems)
+    # stopped after step 3 of epoch 2 (global step 8 + 3), then resumed in a new launch
     full, stopped = {1: one_process_reference, 2: two_rank_reference}[ranks]
     part = tmp_path / "part"
     shutil.copytree(stopped, part)
@@ -142,6 +140,7 @@ if b"accel_train" in open("/proc/self/cmdline", "rb").read():
 """
 
 
+@pytest.mark.faults
 def test_tensorboard_steps_stay_increasing_after_a_kill_and_resume_auto(tmp_path):
     # steps.jsonl is cut back to the checkpoint on resume; the event files were not (no purge_step), so TensorBoard
     # drew ...12, 13, 14, 11, 12, 13... for step/train_loss

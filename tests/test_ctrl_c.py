@@ -20,8 +20,6 @@ import pytest
 
 from conftest import CONFIGS, ROOT, TINY, clean_env, steps_logged, wait_for
 
-pytestmark = pytest.mark.slow
-
 
 def start(tmp_path, args, **env):
     status = tmp_path / "status"
@@ -79,6 +77,7 @@ def assert_no_trainer_traceback(text):
     assert text.count("Traceback (most recent call last)") <= 2, text[-3000:]
 
 
+@pytest.mark.core
 def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
     out = tmp_path / "out"
     proc, status = start(tmp_path, ["--model", "test_resnet", "--stem", "imagenet", "--train_samples", "4000",
@@ -135,6 +134,7 @@ if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
 """
 
 
+@pytest.mark.faults
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     out, hooks, marks = tmp_path / "out", tmp_path / "hooks", tmp_path / "marks"
     hooks.mkdir()

@@ -70,7 +70,7 @@ def test_divergence_one_process_exit_5(tmp_path):
     assert step > 2  # the checkpoint of step 2 was finite and stays
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_divergence_two_ranks_stop_together(tmp_path):
     out = tmp_path / "out"
     proc = launch("2proc_cpu.yaml", [*ARGS, "--batch_size", "8", "--output_dir", out], check=False)

@@ -16,8 +16,6 @@ from accel_train.model import create_model
 
 from conftest import TINY_GN, launch
 
-pytestmark = pytest.mark.slow
-
 
 def steps_and_weights(out):
     steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
@@ -31,6 +29,7 @@ def run(out, config, batch, *extra, samples="192", max_steps="8"):
     return steps_and_weights(out)
 
 
+@pytest.mark.core
 def test_two_ranks_batch_b_equal_one_rank_batch_2b(one_process_reference, two_rank_reference):
     # the session's reference runs (conftest.reference_args): 1 rank x 32 and 2 ranks x 16, the same flags
     steps1, w1 = steps_and_weights(one_process_reference[0])
@@ -48,6 +47,7 @@ def test_two_ranks_batch_b_equal_one_rank_batch_2b(one_process_reference, two_ra
     assert abs(steps1[0]["loss"] - steps1[-1]["loss"]) > 1e-3
 
 
+@pytest.mark.launches
 def test_two_ranks_batch_b_grad_accum_2_equal_one_rank_batch_4b(tmp_path):
     # 224 samples: 1 rank x 64 takes 3 steps an epoch; 2 ranks x 16 have 7 micro-batches each, i.e. 3 whole
     # accumulation windows and one left over, which is dropped (a partial window would weigh less).

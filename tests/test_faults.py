@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from conftest import CONFIGS, ROOT, TINY, clean_env, launch, steps_logged, wait_all, wait_for
 
-pytestmark = pytest.mark.slow
 # (a rank signalled, then one killed outright, each relaunched by launch.sh and resumed: test_preempt.py, in one run
 # with a SIGTERM to launch.sh)
 
@@ -23,20 +22,23 @@ pytestmark = pytest.mark.slow
 SAVED = r"step (\d+) saved by the survivor in (\S+) in ([\d.]+) s"
 
 
+@pytest.mark.hosts
 def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_within_a_minute(two_hosts, tmp_path):
-    # the default --timeout_s (300 s), an output dir both share, launch.sh --max_restarts on each machine (issue 37):
+    # the default --timeout_s (300 s), an output dir both share, launch.sh --max_restarts on each machine (issue 37);
+    # test-only heartbeat timings (a beat every 0.5 s, a peer silent 4 s is lost; the defaults are 2 s and 15 s):
     # 1. machine 1 frozen (every process SIGSTOPped: a paused VM, a hung host) mid-epoch: machine 0 hears no heartbeat
-    #    for 15 s, its survivor writes the last step it completed, in one line, exit 3, and relaunches; machine 1 runs
+    #    for 4 s, its survivor writes the last step it completed, in one line, exit 3, and relaunches; machine 1 runs
     #    again (the VM resumes), finds its peer gone and relaunches too;
     # 2. then the link between them cut (ip link set ... down): each side's survivor saves, both relaunch once the
     #    link is back. Each fault: the survivor's save within ~30 s, the relaunch's first step within 60 s;
     # 3. then machine 1's only rank frozen (SIGSTOP), nothing else there: machine 0's survivor saves as in 1, and
     #    machine 1's launch.sh, whose rank has no local peer to write a status, kills it once it has been stopped as
-    #    longer than the heartbeat waits (15 s + 3) and relaunches (issue 36, campaign seed 1856883070: it waited for
+    #    longer than the heartbeat waits (4 s + 3) and relaunches (issue 36, campaign seed 1856883070: it waited for
     #    ever).
     out = tmp_path / "shared_out"
     procs, logs = two_hosts.launch_plain([*TINY, "--train_samples", "1024", "--test_samples", "20", "--epochs", "1",
                                           "--batch_size", "4", "--log_every", "1", "--output_dir", out,
+                                          "--heartbeat_s", "0.5", "--heartbeat_timeout_s", "4",
                                           "--max_restarts", "3"], tmp_path)
     texts = lambda: [path.read_text() for path in logs]  # noqa: E731
     took = {}
@@ -56,10 +58,15 @@ def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_with
         took["frozen machine: first new step"] = time.monotonic() - frozen
 
         wait_for(lambda: steps_logged(out) >= step + 6, timeout=120, interval=0.01)
+        # each side's own word on the cut, counted from here (machine 1 spoke of the frozen machine already; the link
+        # comes back only once both have found the loss themselves, by their heartbeat)
+        def said():
+            return [len(re.findall(SAVED + "|was already saved|by another survivor|nothing new to save", t))
+                    for t in texts()]
+        before = said()
         two_hosts.sh("ip", "-n", two_hosts.ns[0], "link", "set", two_hosts.ifname[0], "down")
         cut = time.monotonic()
-        wait_for(lambda: all(len(re.findall(SAVED + "|was already saved|by another survivor|nothing new to save", t))
-                             >= 2 - node for node, t in enumerate(texts())), timeout=60, interval=0.02)
+        wait_for(lambda: all(n > b for n, b in zip(said(), before)), timeout=60, interval=0.02)
         took["cut link: saved"] = time.monotonic() - cut
         two_hosts.sh("ip", "-n", two_hosts.ns[0], "link", "set", two_hosts.ifname[0], "up")
         cut_step = steps_logged(out)
@@ -82,15 +89,16 @@ def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_with
     text = texts()
     print(", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     assert codes == [0, 0], "\n\n".join(t[-3000:] for t in text)
-    assert all(13 <= took[k] < 30 for k in took if k.endswith(("saved", "killed"))), took
+    assert all(3.5 <= took[k] < 20 for k in took if k.endswith(("saved", "killed"))), took
     assert all(took[k] < 60 for k in took if k.endswith("step")), took
     causes = [line for line in text[0].splitlines() if line.startswith("accel-train: error: lost contact with peer")]
     assert "rank 1 on " in causes[0] and "sent no heartbeat" in causes[0], causes
     assert step >= logged - 1 and state["step"] == step, (step, logged)
     assert state["survivor"]["rank"] == 0 and state["survivor"]["failure"].startswith("heartbeat: rank 1")
-    assert any("sent no heartbeat" in line for line in text[1].splitlines() if "lost contact" in line), text[1][-3000:]
+    lost = [line for line in text[1].splitlines() if "lost contact" in line]
+    assert any("sent no heartbeat" in line for line in lost), (lost, text[1][-3000:])
     assert text[0].count("relaunching to resume") == 3 and text[1].count("relaunching to resume") == 3
-    assert f"rank process {rank[0]} of this attempt has been stopped (state T) for 18 s" in text[1]  # (15 + 3)
+    assert f"rank process {rank[0]} of this attempt has been stopped (state T) for 7 s" in text[1]  # (4 + 3)
     assert [json.loads(r)["step"] for r in (out / "steps.jsonl").read_text().splitlines()] == list(range(1, 129))
 
 
@@ -130,6 +138,7 @@ if os.environ.get("ACCEL_TEST_HOLD_SAVE"):
 """
 
 
+@pytest.mark.faults
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     out, hooks, holding = tmp_path / "out", tmp_path / "hooks", tmp_path / "holding"
     hooks.mkdir()
@@ -193,6 +202,7 @@ def launch_sh(tmp_path, *args, **env_vars):
                           text=True, env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.faults
 def test_launch_sh_does_not_relaunch_an_error(tmp_path):
     # a deterministic bug at the first step (a forward that fails with gradients; a model that fails on any batch is
     # bad input, caught by the one-batch start-up check): traceback kept, exit 1, no relaunch
@@ -204,7 +214,6 @@ def test_launch_sh_does_not_relaunch_an_error(tmp_path):
     assert "lost contact" not in proc.stderr and "relaunching" not in proc.stderr
     assert "not relaunched" in proc.stderr and "(attempt 2 of 3)" not in proc.stderr
     # (bad input, exit 2, is not relaunched either: test_launch.py, and test_multinode.py's start-up refusals)
-
 
 
 MISMATCH_HOOK = """\
@@ -232,6 +241,7 @@ def kill_tagged(tag: str) -> None:
             pass
 
 
+@pytest.mark.faults
 def test_launch_sh_does_not_relaunch_a_collective_mismatch(tmp_path):
     # Two ranks whose all_reduce tensors differ in length: gloo ends rank 0 with SIGABRT ("Received data size doesn't
     # match expected size. Is there a distributed collective mismatch in your code?", an enforce failure in its I/O
@@ -276,6 +286,7 @@ if os.environ.get("RANK") == os.environ.get("ACCEL_TEST_SLOW_RANK"):
 """
 
 
+@pytest.mark.hosts
 def test_a_rank_blocked_on_another_machine_is_named_with_its_stack_and_stop_on_hang_ends_it(two_hosts, tmp_path):
     # machine 1's only rank blocks in its step (both processes alive, heartbeats going on): machine 0's rank reports
     # where both are, rank 1's stack coming over the heartbeat's channel, within --hang_report_s; --stop_on_hang

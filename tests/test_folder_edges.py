@@ -238,7 +238,7 @@ def test_a_truncated_jpeg_found_by_a_dataloader_worker_is_one_line_and_exit_2(tm
     assert "epoch 1/1" not in proc.stderr  # (found by the evaluation's worker, after the epoch's steps)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_truncated_jpeg_is_found_at_start_on_every_rank(tmp_path):
     # item 3 on 2 ranks: a training file with --mean/--std given (no statistics decode) was found by one rank's worker
     # mid-run: that rank's traceback (exit 1), the other rank's survivor save (exit 3); the old tests read headers
@@ -369,7 +369,7 @@ def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp
     assert cache.cache_path(files, 16) != before
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_truncated_jpeg_met_mid_run_by_one_rank_is_exit_2_on_every_rank(tmp_path):
     # item 3, a split too large to decode at start (> 2048 files): one rank's worker meets the file in the evaluation;
     # that rank says it and exits 2, and its peer, which only sees it gone, said "lost contact with a peer" and exited

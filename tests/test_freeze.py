@@ -115,7 +115,7 @@ SMALL = ["--model", "test_resnet", "--data", "random", "--train_samples", "64", 
          "8", "--epochs", "2", "--log_every", "1", "--plot", "false", "--timeout_s", "120"]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_linear_probe_from_cached_pretrained_weights_on_two_ranks_leaves_the_backbone_bit_identical(tmp_path):
     # HF_HUB_OFFLINE=1: the weights come from the cache, nothing is downloaded; bf16 (the precision check runs on
     # the partly frozen model); the backbone and its BatchNorm statistics end exactly as the file had them
@@ -138,7 +138,7 @@ def test_a_linear_probe_from_cached_pretrained_weights_on_two_ranks_leaves_the_b
     assert config["stem"] == "imagenet" and config["mean"] == [0.5, 0.5, 0.5]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_partial_fine_tuning_up_to_a_stage_on_two_ranks(tmp_path):
     # --freeze layer1 from a --pretrained_path file (timm loads it: the classifier of another class count dropped),
     # with lamb, a step schedule and dropout: conv1, bn1 and layer1 end as the file had them, the rest trained; a resume

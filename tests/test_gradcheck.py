@@ -325,7 +325,7 @@ if os.environ.get("RANK") is not None:  # the ranks (torchrun sets RANK), not th
 """
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_two_ranks_agree_when_only_one_sees_wrong_gradients_and_launch_sh_s_pick_falls_back(tmp_path):
     """launch.sh on a CPU with native bf16 picks bf16 (accelerate launch --mixed_precision bf16, marked as its own
     pick); rank 1's kernel is wrong (a hook registers a model whose gradient is garbage there only), rank 0's right:

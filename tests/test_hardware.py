@@ -216,7 +216,7 @@ def test_a_launch_config_without_mixed_precision_leaves_it_to_the_device(tmp_pat
 TINY = ["--train_samples", "16", "--test_samples", "8", "--batch_size", "8", "--epochs", "1", "--max_steps", "1"]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_without_a_launcher_a_bf16_cpu_trains_bf16_channels_last(tmp_path):
     proc = run_cli([*TINY, "--output_dir", tmp_path / "out", "--plot", "false"],
                    env=clean_env(ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU))
@@ -304,7 +304,7 @@ def test_launch_sh_a_named_cpu_config_leaves_the_precision_to_the_device(name):
     assert env["ACCEL_TRAIN_AUTO_PRECISION"] == "bf16"  # nothing asked: the start-up check may fall back to fp32
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_accelerate_launch_of_2proc_cpu_trains_the_devices_best(tmp_path):
     """The README's multi-process command on a CPU with native bf16 trains bf16, as `python -m accel_train` does
     (before: fp32 'as the config asks', though the config states no precision); the start line names the rule."""

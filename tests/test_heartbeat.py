@@ -1,7 +1,8 @@
 """The ranks' heartbeat (accel_train/heartbeat.py), in-process on localhost with short periods. With real ranks: a
-frozen rank (test_survivor.py), a frozen machine and a cut link (test_faults.py), a rank 60 s slow in one step, no alarm
-(test_survivor.py)."""
+frozen rank (test_survivor.py), a frozen machine and a cut link (test_faults.py), a rank slow in one step past the timeout, no
+alarm (test_survivor.py)."""
 
+import ctypes
 import os
 import socket
 import time
@@ -105,3 +106,18 @@ def test_silence_counts_from_the_last_beat_or_a_fresh_window():
     assert silent(seen, since=0.0, now=31.0, timeout_s=20.0) == [1]
     # this process was stopped itself until 25.0: its peers get a fresh window from then
     assert silent(seen, since=25.0, now=31.0, timeout_s=20.0) == []
+
+
+def test_beats_go_on_while_the_main_thread_is_blocked_in_a_c_call():
+    # a long step is the training thread inside torch, a collective or a driver: C code that releases the GIL, as
+    # libc's usleep through ctypes does. The heartbeat's own thread keeps both peers beating for 3x the timeout.
+    (a, b), lost = beats(2)
+    try:
+        ctypes.CDLL(None).usleep(1_800_000)
+        assert lost == [] and not a.closed.is_set() and not b.closed.is_set()
+        b.closed.set()  # (the same watch still finds a peer that stops)
+        wait_for(lambda: lost, timeout=5, interval=0.01)
+        assert lost[0][:2] == (0, 1), lost
+    finally:
+        a.close()
+        b.close()

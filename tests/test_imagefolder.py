@@ -428,7 +428,7 @@ def trained(tmp_path_factory):
     return data, out, proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_one_rank_learns_and_exports_the_data_sets_facts(trained):
     data, out, log = trained
     assert re.search(r"pipeline device: .* fit the .*; train: 24 images decoded once at \d+ images/s", log)
@@ -440,7 +440,7 @@ def test_one_rank_learns_and_exports_the_data_sets_facts(trained):
     assert load_file(out / "model.safetensors")["fc.weight"].shape == (3, 512)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, tmp_path):
     data, out, _ = trained
     shutil.copytree(data / "val", tmp_path / "only_val" / "val")  # evaluate reads the evaluation split only
@@ -459,7 +459,7 @@ def test_evaluate_equals_the_last_epoch_and_predict_names_the_classes(trained, t
         assert top[0][0] == name, line
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     # the two ranks of one machine share one decoded cache per split: written by the local main process only, mapped
     # by the other rank (its workers: the default, one each on 2 cores) without decoding
@@ -493,7 +493,7 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     assert [c.name.split("-")[0] for c in (home / "accel_train" / "decoded").iterdir()] == ["val"]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_init_from_same_classes_loads_everything(trained, tmp_path):
     data, first, _ = trained
     out = tmp_path / "out"
@@ -505,7 +505,7 @@ def test_init_from_same_classes_loads_everything(trained, tmp_path):
     assert torch.allclose(before["layer1.0.conv1.weight"], after["layer1.0.conv1.weight"], atol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_init_from_other_class_count_recreates_the_head_on_the_cpu_pipeline(trained, tmp_path):
     _, first, _ = trained
     data = write_image_folder(tmp_path / "d", train=8, val=4, classes={"dark": 40, "light": 215})
@@ -523,7 +523,7 @@ def test_init_from_other_class_count_recreates_the_head_on_the_cpu_pipeline(trai
     assert (before["conv1.weight"] - after["conv1.weight"]).abs().max() < 0.05  # fine-tuned, not re-drawn
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_image_folder_resume_mid_epoch_ends_with_the_uninterrupted_weights(tmp_path):
     data = write_image_folder(tmp_path / "d", train=8, val=4)
     args = [*SMALL, "--data_dir", data, "--image_size", "20", "--hflip", "false", "--epochs", "2", "--log_every", "1"]

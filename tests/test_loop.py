@@ -47,7 +47,7 @@ def load_into_fresh_model(out: Path):
     return model, cfg
 
 
-@pytest.mark.slow
+@pytest.mark.core
 def test_two_ranks_learn_cifar_files_end_to_end(tmp_path):
     # CIFAR-10 files through `accelerate launch` on 2 ranks; 201 test rows: not a multiple of the world size.
     # The flags one at a time on 1 and 2 ranks: tests/test_matrix.py.

@@ -127,7 +127,7 @@ EVALUATE = ["evaluate", "--data", "random", "--test_samples", "16", "--batch_siz
 COMPILED = re.compile(r"rank (\d+): torch.compile compiled (\d+) graph\(s\) \(train, eval\)")
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
@@ -163,7 +163,7 @@ def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
         assert evaluated(ema.stdout, ranks, 11) == pytest.approx(row["test_acc_ema"], abs=1 / 11 + 1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_run_b_tensorboard_grad_accum_clip_cpu_pipeline(tmp_path, ranks):
     out = tmp_path / "out"
@@ -186,7 +186,7 @@ def test_run_b_tensorboard_grad_accum_clip_cpu_pipeline(tmp_path, ranks):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("trained with --ema")
 
 
-@pytest.mark.slow
+@pytest.mark.hosts
 def test_two_hosts_tensorboard_ema_tta_grad_accum_clip_channels_last_bf16(two_hosts, tmp_path):
     config = bf16_config(tmp_path, "2node_cpu.yaml")
     out = tmp_path / "shared_out"
@@ -223,7 +223,7 @@ def test_unsupported_combinations_are_one_line(tmp_path, args, fragment):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_missing_tracker_on_two_ranks_is_the_same_line_on_every_rank(tmp_path):
     proc = launch("2proc_cpu.yaml", [*SMALL, "--log_with", "wandb", "--output_dir", tmp_path / "out"], check=False)
     assert proc.returncode != 0

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TINY, launch, steps_logged, trainer_pids, wait_all, wait_for, write_cifar
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.hosts
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
 
 

@@ -214,7 +214,7 @@ def timm_validate(out, folder) -> float:
     return right / total
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_vit_fine_tune_trains_on_two_ranks_resumes_exactly_and_evaluates(tmp_path):
     full, part, data = tmp_path / "full", tmp_path / "part", png_folder(tmp_path / "photos")
     args = [*VIT, "--data_dir", data]

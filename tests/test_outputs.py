@@ -17,8 +17,6 @@ from accel_train.data import CIFAR10
 from accel_train.commands.evaluate import load_exported
 from conftest import ROOT, launch, run_cli, write_cifar
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):

@@ -237,7 +237,7 @@ def write_test_images(data, folder):
     return labels.tolist()
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_evaluated(tmp_path):
     # --model tests_pkg.mod:build (GroupNorm, no dropout: comparable across process counts), 256 learnable CIFAR-10
     # samples, 2 ranks x 8 x --grad_accum 2: 8 steps an epoch, 2 epochs, with --ema. The uninterrupted run, then the
@@ -304,7 +304,7 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
     assert "loaded 6 tensors; none missing" in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_model_wrong_on_one_rank_stops_every_rank_with_one_line(tmp_path, existing_run):  # noqa: F811
     # the check on one batch runs on every rank: rank 1's wrong logits are one line (said by the main process), no
     # rank trains, the output dir is untouched
@@ -321,7 +321,7 @@ def test_a_model_wrong_on_one_rank_stops_every_rank_with_one_line(tmp_path, exis
     assert snapshot(existing_run) == before
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_the_examples_train_on_two_ranks(tmp_path):
     # a model in a local file trained with --model (its folder is the working directory), and a script calling
     # train() with its own Dataset under accelerate launch: it returns the run's metrics and outputs
@@ -445,7 +445,7 @@ def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
     # issue 24 item 2's --compile for a model of your own (one fresh process: torch.compile's caches belong to it):
     # the module prepare() made is compiled, two graphs (train, eval) whatever the batches, the EMA follows it and the
@@ -465,7 +465,7 @@ def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
     assert set(ema) == set(weights) and any(not torch.equal(ema[k], weights[k]) for k in weights)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path):
     # issue 34 item 4: every layer frozen but the classifier (requires_grad=False), on a CPU whose default is bf16:
     # the start-up check raised "element 0 of tensors does not require grad" and the run could not start (exit 2,
@@ -483,7 +483,7 @@ def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path
     assert steps_logged(out) >= 1 and (out / "model.safetensors").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_model_with_an_unused_parameter_trains_on_two_ranks(tmp_path):
     # issue 34 item 8: a parameter the forward never uses trained on 1 rank and died on 2 at the second step (DDP's
     # "Expected to have finished reduction in the prior iteration", exit 1, empty metrics files). The start-up pass

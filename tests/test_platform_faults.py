@@ -191,7 +191,7 @@ ABORT_HOOK = textwrap.dedent("""\
     """)
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_rank_ended_by_sigabrt_is_a_lost_peer_and_is_relaunched(tmp_path):
     hooks, out = tmp_path / "hooks", tmp_path / "out"
     hooks.mkdir()
@@ -219,7 +219,7 @@ def worst(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_resume_without_random_state_files_is_exact_with_dropout(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     run = [*TINY, "--train_samples", "128", "--test_samples", "8", "--epochs", "2", "--batch_size", "16", *DROP,
@@ -245,7 +245,7 @@ def test_draw_seed_depends_on_seed_step_micro_batch_and_rank_only():
 
 # ---- 5. evaluation on unequal shards ----------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_evaluation_on_three_unequal_shards_equals_one_process(tmp_path):
     out = tmp_path / "out"
     launch("cpu.yaml", [*TINY, "--train_samples", "64", "--test_samples", "8", "--epochs", "1", "--batch_size", "16",

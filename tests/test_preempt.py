@@ -6,16 +6,14 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 from safetensors.torch import load_file
 
 from accel_train import preempt
-from conftest import ROOT, clean_env, run, steps_logged, trainer_pids, wait_for
+from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
 # kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10 s, twice the longest gap between
@@ -26,38 +24,19 @@ SLOW_STEPS = ["--train_samples", "256", "--test_samples", "32", "--epochs", "2",
 RUN = [*SLOW_STEPS, "--log_every", "1"]
 
 
-def launch_sh(out, tag, log, *extra):
-    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
-    return subprocess.Popen(["bash", ROOT / "launch.sh", *RUN, "--output_dir", out, *extra], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-
-
-def finish(proc, timeout):
-    try:
-        return proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def sigterm_when(proc, ready, sleep=0.0, interval=0.05):
+def sigterm_when(job, ready, sleep=0.0, interval=0.05):
     """SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) once ready(); its exit status and how long
     the job took to stop."""
-    try:
-        wait_for(ready, timeout=240, interval=interval)
-    except AssertionError:
-        finish(proc, 1)
-        raise
+    wait_for(ready, timeout=240, interval=interval)
     time.sleep(sleep)
     sent = time.monotonic()
-    os.kill(proc.pid, signal.SIGTERM)
-    code = finish(proc, 60)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    code = job.end(60)
     return code, time.monotonic() - sent
 
 
-@pytest.mark.slow
-def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrupted_weights(tmp_path):
+@pytest.mark.faults
+def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrupted_weights(tmp_path, references):
     # One run, three interruptions, each resumed, ending with the uninterrupted run's weights. One launch.sh with
     # --max_restarts 2 --restart_on_preempt:
     # 1. SIGUSR1 to rank 1 only, mid epoch 1 (what `scancel --signal=USR1` or SLURM's --signal delivers): every rank
@@ -70,29 +49,22 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     # checkpoint: test_faults.py's kill during a save, test_multinode.py's machines lost with their disks.)
     # 1000 test samples: an evaluation of ~6 s alone (~10 s in the suite), long enough for a signal to land in it
     # (the test set does not change what is trained).
-    ref, out = tmp_path / "ref", tmp_path / "out"
+    out = tmp_path / "out"
     # the uninterrupted run, launched the same way (its own test set and log settings do not change the weights)
-    proc = run(["bash", ROOT / "launch.sh", *SLOW_STEPS, "--output_dir", ref], 400, clean_env(NPROC_PER_NODE="2"), ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = references.get("launch.sh", 2, SLOW_STEPS)
     flags = ["--test_samples", "1000", "--log_all_ranks", "--keep_checkpoints", "3"]  # (the survivor's save is one)
 
-    tag = uuid.uuid4().hex
-    with open(tmp_path / "run.log", "w") as log:
-        proc = launch_sh(out, tag, log, *flags, "--max_restarts", "2", "--restart_on_preempt")
-        try:
-            wait_for(lambda: steps_logged(out) >= 3, timeout=240)
-            first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=30)
-            os.kill(first[1], signal.SIGUSR1)
-            step = int(wait_for(lambda: re.findall(r"stopped by SIGUSR1 at step (\d+)", (tmp_path / "run.log")
-                                                   .read_text()), timeout=60)[0])
-            assert 3 <= step < 28, step  # (room for the kill below within epoch 1)
-            wait_for(lambda: steps_logged(out) >= step + 3, timeout=240)  # the relaunched job, 3 steps on
-            pids = wait_for(lambda: trainer_pids(tag).get(1, first[1]) != first[1] and trainer_pids(tag), timeout=30)
-            os.kill(pids[1], signal.SIGKILL)
-        except BaseException:
-            finish(proc, 1)
-            raise
-        code, elapsed = sigterm_when(proc, lambda: steps_logged(out) >= 32, sleep=1, interval=0.01)
+    with Job([*RUN, *flags, "--max_restarts", "2", "--restart_on_preempt"], out, tmp_path / "run.log") as job:
+        job.steps(3)
+        first = job.pids()
+        os.kill(first[1], signal.SIGUSR1)
+        step = int(wait_for(lambda: re.findall(r"stopped by SIGUSR1 at step (\d+)", job.text), timeout=60)[0])
+        assert 3 <= step < 28, step  # (room for the kill below within epoch 1)
+        job.steps(step + 3)  # the relaunched job, 3 steps on
+        pids = wait_for(lambda: trainer_pids(job.tag).get(1, first[1]) != first[1] and trainer_pids(job.tag),
+                        timeout=30)
+        os.kill(pids[1], signal.SIGKILL)
+        code, elapsed = sigterm_when(job, lambda: steps_logged(out) >= 32, sleep=1, interval=0.01)
     text = (tmp_path / "run.log").read_text()
     assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
     assert (out / "config.yaml").is_file() and not (out / "model.safetensors").exists()  # written at the start
@@ -115,8 +87,8 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     assert not (out / "metrics.jsonl").read_text().strip()  # the epoch's row comes with its evaluation
     assert not (out / "model.safetensors").exists()  # no export of an unfinished run
 
-    with open(tmp_path / "end.log", "w") as log:
-        code = finish(launch_sh(out, uuid.uuid4().hex, log, *flags, "--resume", "auto"), 300)
+    with Job([*RUN, *flags, "--resume", "auto"], out, tmp_path / "end.log") as job:
+        code = job.end(300)
     text = (tmp_path / "end.log").read_text()
     assert code == 0, text[-4000:]
     assert re.findall(r"resumed from .*step_(\d{8})", text) == ["00000032"] * 2

@@ -54,7 +54,7 @@ def test_quick_start_training_command_says_bad_input_in_one_line_with_status_2(t
     assert not [line for block in blocks for line in block.splitlines() if "accelerate_configs/cpu.yaml -m" in line]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_quick_start_training_command_runs(tmp_path):
     install, train = quick_start()[0].split(" && ", 1)
     cmd = shlex.split(train) + ["--output_dir", str(tmp_path / "out")]

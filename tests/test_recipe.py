@@ -55,7 +55,7 @@ def test_flip_tta_recovers_mirrored_images(accelerator):
     assert plain == 0.5 and tta == 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_trainers_ema_is_timms_ema_of_each_optimizer_steps_weights(tmp_path):
     """The trainer's own EMA, from a real run: after every optimizer step (not every micro-batch) it moves
     towards that step's weights by timm's warmup decay, and the exported EMA is the last one."""

@@ -23,8 +23,6 @@ from accel_train.resume import check_data, reconcile
 from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 from test_checkpoint import assert_same_train_rows
 
-pytestmark = pytest.mark.slow
-
 
 def small(out, *extra):
     # 256 random samples, global batch 32: 8 optimizer steps per epoch
@@ -46,6 +44,7 @@ def one_line_error(proc, *needles, status=2):
     return errors[0]
 
 
+@pytest.mark.launches
 def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, two_rank_reference):
     full, part = two_rank_reference  # 2 ranks x 16, stopped at step 11 (3 steps into epoch 2)
     ref = load_file(full / "model.safetensors")
@@ -92,6 +91,7 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, t
     refusals_of_a_real_checkpoint(part)
 
 
+@pytest.mark.launches
 def test_two_rank_cpu_pipeline_continues_on_one_rank_exactly(tmp_path, two_rank_reference):
     # the cpu pipeline (its workers augment per sample) on 2 ranks, stopped 3 steps into epoch 2 and finished on 1
     # rank, ends where the uninterrupted 2-rank run ends (the reference: the device pipeline, which augments alike):
@@ -294,6 +294,7 @@ def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on)
     assert _choose(TrainConfig(resume="auto", overwrite=True), reports) == ((24, "run"), {"run"})
 
 
+@pytest.mark.launches
 def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_path):
     """Issue 33 item 3: two jobs never write one output directory at once. The holder here is this test process
     (as the ranks of a killed launcher were, training on): the second job gets one line with its host and pid,
@@ -347,6 +348,7 @@ def read_line(proc, timeout: float = 60) -> str:
     return proc.stdout.readline().strip()
 
 
+@pytest.mark.launches
 def test_a_job_that_opened_the_lock_file_before_its_release_deleted_it_is_never_a_second_holder(tmp_path):
     """The lock file a refused start made is deleted on release; a second job that had opened it just before
     locked the deleted file, and the first job's next hold made a new one: both held the directory. Only the lock
@@ -372,6 +374,7 @@ def test_a_job_that_opened_the_lock_file_before_its_release_deleted_it_is_never_
         second.communicate(timeout=30)
 
 
+@pytest.mark.launches
 def test_an_immediate_resume_after_kill_9_is_not_refused_by_the_dead_trainers_dataloader_workers(tmp_path):
     """The lock ends with the process that holds it, however it ends: kill -9 of a trainer leaves its DataLoader
     workers running for seconds (they notice their parent gone every 5 s); an flock they inherited refused the

@@ -5,8 +5,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,7 @@ from safetensors.torch import load_file
 
 from accel_train.outputs import exported_best
 
-from conftest import ROOT, TINY, clean_env, run, run_cli, trainer_pids, wait_for
-
-pytestmark = pytest.mark.slow
+from conftest import ROOT, TINY, Job, clean_env, run, run_cli, trainer_pids, wait_for
 
 
 def small(out, *extra):
@@ -148,22 +144,13 @@ def last_step(out):
 def launch_and_kill(args, out, log, victims, lo=18, hi=28):
     """launch.sh on 2 ranks; SIGKILL the ranks `victims` once the run has logged a step in lo..hi; its status and
     output once it ended (with its relaunch)."""
-    tag = uuid.uuid4().hex
-    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *args, "--output_dir", out], stdout=f,
-                                stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    try:
+    with Job(args, out, log) as job:
         wait_for(lambda: lo <= last_step(out) <= hi, timeout=240, interval=0.005)
-        pids = trainer_pids(tag)
+        pids = trainer_pids(job.tag)
         for rank in victims:
             os.kill(pids[rank], signal.SIGKILL)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return code, log.read_text()
+        code = job.end()
+    return code, job.text
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +174,7 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.allclose(a[k].double(), b[k].double(), atol=1e-6) for k in a)
 
 
+@pytest.mark.faults
 def test_a_survivor_save_after_resuming_an_older_step_is_the_step_the_relaunch_continues(tmp_path,
                                                                                           older_and_new_branch):
     """Item 1: the older run's step 32 (another lr) was resumed instead of the survivor's step of the new branch,
@@ -207,6 +195,7 @@ def test_a_survivor_save_after_resuming_an_older_step_is_the_step_the_relaunch_c
     assert not list((out / "checkpoints").glob(".overwritten-*"))  # set aside, then deleted with the new step 32
 
 
+@pytest.mark.faults
 def test_a_relaunch_continues_from_the_given_checkpoint_until_the_run_has_saved_its_own(tmp_path,
                                                                                           older_and_new_branch):
     """Item 2: launch.sh's relaunch passes --resume auto, which looked only in --output_dir: a job started from a
@@ -250,29 +239,22 @@ def test_the_rank_that_speaks_names_its_own_launcher_even_if_a_peer_saw_it_go_fi
     assert stop.name == f"the end of its launcher (pid {os.getppid() + 100000}, killed or crashed)"
 
 
+@pytest.mark.faults
 def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path):
     """Item 3: `kill -9` of the agent left its ranks (each in a session of its own) training while launch.sh
     relaunched into the same directory: two jobs deleted each other's writes. Now the ranks see their launcher
     gone, agree on a stop, checkpoint it and exit 3; launch.sh relaunches only once they have ended. Missed before:
     every fault test killed or stopped ranks, never the process that started them. (A run long enough that the
     agreed stop lands before its end on a loaded machine; the stop's exactness is the preemption tests'.)"""
-    out, log, tag = tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
-    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--train_samples", "4096", "--max_steps", "80",
-                                 "--max_restarts", "1", "--output_dir", out], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT, start_new_session=True)
-    try:
+    out = tmp_path / "out"
+    with Job([*BRANCH, "--train_samples", "4096", "--max_steps", "80", "--max_restarts", "1"], out,
+             tmp_path / "run.log") as job:
         wait_for(lambda: 3 <= last_step(out), timeout=240, interval=0.005)
-        agent, ranks = launcher_pid(tag), trainer_pids(tag)
+        agent, ranks = launcher_pid(job.tag), trainer_pids(job.tag)
         assert agent and len(ranks) == 2
         os.kill(agent, signal.SIGKILL)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
+        code = job.end()
+    text, tag = job.text, job.tag
     assert code == 0, text[-4000:]
     assert not trainer_pids(tag) and launcher_pid(tag) is None  # nothing of the job left running
     stopped = re.search(r"accel-train: error: stopped by the end of its launcher \(pid (\d+), killed or crashed\) "
@@ -283,27 +265,19 @@ def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path):
     assert [r["step"] for r in rows(out / "steps.jsonl")] == list(range(1, 81))  # no step lost or trained twice
 
 
+@pytest.mark.faults
 def test_a_launcher_killed_while_its_ranks_start_leaves_none_behind(tmp_path):
     """The review of item 3: the agent SIGKILLed while its ranks were still importing or in the rendezvous left them
     running unwatched (the watch read its parent too late; launch.sh looked for markers they had not written yet)
     and launch.sh relaunched beside them. Now launch.sh waits for every process of the attempt, the ranks end
     themselves, and the relaunch is the only job."""
-    out, log, tag = tmp_path / "out", tmp_path / "run.log", uuid.uuid4().hex
-    env = clean_env(NPROC_PER_NODE="2", ACCEL_TEST_TAG=tag, ACCEL_RESTART_DELAY="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", ROOT / "launch.sh", *BRANCH, "--max_steps", "4", "--max_restarts", "1",
-                                 "--output_dir", out], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
-    try:
-        first = wait_for(lambda: len(trainer_pids(tag)) == 2 and trainer_pids(tag), timeout=120, interval=0.01)
-        os.kill(launcher_pid(tag), signal.SIGKILL)
+    out = tmp_path / "out"
+    with Job([*BRANCH, "--max_steps", "4", "--max_restarts", "1"], out, tmp_path / "run.log") as job:
+        first = job.pids(timeout=120)
+        os.kill(launcher_pid(job.tag), signal.SIGKILL)
         assert last_step(out) == 0  # (still starting up)
-        code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = log.read_text()
+        code = job.end()
+    text, tag = job.text, job.tag
     assert code == 0 and text.count("relaunching to resume") == 1, text[-4000:]
     assert not set(first.values()) & set(trainer_pids(tag).values()) and not trainer_pids(tag)
     assert all(not Path(f"/proc/{pid}").exists() for pid in first.values()), first

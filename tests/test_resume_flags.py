@@ -13,7 +13,6 @@ from accel_train.config import TrainConfig
 
 from conftest import TINY, run_cli
 
-pytestmark = pytest.mark.slow
 
 # a changed value of each field on resume; a new TrainConfig field without a row here fails the test below
 REFUSED = {  # the run's math: one line naming the flag, exit 2

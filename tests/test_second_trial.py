@@ -43,7 +43,7 @@ def test_resume_auto_that_finds_nothing_says_so_and_that_the_logged_steps_are_lo
 
 
 # Item 3: the stop line after Ctrl-C starts a line of its own, though tqdm's bar is open (a real process, bar on)
-@pytest.mark.slow
+@pytest.mark.faults
 def test_ctrl_c_line_is_not_glued_to_the_progress_bar(tmp_path):
     out, log = tmp_path / "out", tmp_path / "run.log"
     env = clean_env()

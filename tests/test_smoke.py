@@ -22,7 +22,7 @@ def run_smoke(*args, timeout=300):
                           text=True, timeout=timeout, cwd=ROOT, env=clean_env())
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 @pytest.mark.parametrize("config,ranks", [("cpu.yaml", 1), ("2proc_cpu.yaml", 2)])
 def test_smoke_passes_when_every_rank_joined(config, ranks):
     proc = run_smoke("--config_file", CONFIGS / config)
@@ -41,7 +41,7 @@ def test_smoke_passes_when_every_rank_joined(config, ranks):
         "1 machine(s)")
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_what_accelerate_test_calls_a_success_the_smoke_check_calls_a_failure(tmp_path):
     # Exactly what `accelerate test --config_file 2proc_cpu.yaml` runs: no ACCELERATE_USE_CPU, so the two
     # ranks never join one group, and Accelerate's script still exits 0.
@@ -56,7 +56,7 @@ def test_what_accelerate_test_calls_a_success_the_smoke_check_calls_a_failure(tm
     assert "expected process indices 0..1 here, got 0, 0" in problems[1]
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_a_launcher_that_starts_fewer_ranks_fails_the_smoke_check(tmp_path):
     # MULTI_CPU goes to accelerate's simple launcher, which starts one process whatever num_processes says
     config = tmp_path / "multi_cpu.yaml"
@@ -149,7 +149,7 @@ def rank_pid(tag: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_timeout_stops_a_hung_check_and_its_workers(tmp_path):
     # torch elastic starts each worker in a session of its own: killing the launcher's process group left a worker
     # stuck in a collective holding the output pipe, and smoke returned only when it ended (the collective timeout,

@@ -261,7 +261,7 @@ def test_a_resume_refuses_another_recipe():
             keep_run_math(old, TrainConfig(data="random", pipeline="cpu", **{**old, flag: value}))
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_two_ranks_equal_one_rank_with_every_recipe_flag_in_every_pipeline(tmp_path):
     root = write_image_folder(tmp_path / "d", train=16, val=4)
     env = {"XDG_CACHE_HOME": str(tmp_path / "home")}

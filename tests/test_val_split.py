@@ -69,7 +69,7 @@ def test_a_hold_out_that_cannot_be_is_one_line(tmp_path, case):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.launches
 def test_two_ranks_train_on_the_hold_out_and_a_bare_resume_continues_the_run(tmp_path):
     data, out, home = train_only(tmp_path / "d"), tmp_path / "out", tmp_path / "home"
     small = [*TINY, "--image_size", "16", "--batch_size", "4", "--log_every", "1"]

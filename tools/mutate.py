@@ -3,7 +3,8 @@ tests that cover the promise it breaks, and print which survive. A survivor name
 sixteen planted bugs passed the suite). Extend MUTANTS as features land: a promise of the README, the one line of
 code that keeps it, and the tests that must fail without it.
 
-    python tools/mutate.py                  # every mutant; exit 1 if any survives
+    python tools/mutate.py                  # every mutant; exit 1 if any survives; each kill names the run of
+                                            # CI that makes it (readme: the README's command, or a stage)
     python tools/mutate.py resume_newest    # some of them, by name
     python tools/mutate.py --check          # only that every mutant still applies to the tree (tests/test_mutate.py)
 """
@@ -117,8 +118,29 @@ def tree_copy(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run(m: Mutant, timeout: float) -> tuple[str, float]:
-    """'killed' (a covering test failed), 'SURVIVED' (all passed), or 'error: ...'."""
+def stages(nodes) -> dict[str, str]:
+    """The run of CI each test id is in: "readme" (the README's command: the in-process tests and the core
+    launches) or the stage .ci/run runs it in (tests/conftest.py, STAGES)."""
+    found = {}
+    for stage in ("launches", "faults", "hosts", "campaign"):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n",
+                               "0", "-m", stage, *nodes], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        found.update((line.strip(), stage) for line in proc.stdout.splitlines() if "::" in line)
+    return {node: next((stage for test, stage in found.items() if test == node or test.startswith(node + "[")),
+                       "readme") for node in nodes}
+
+
+def failed(stdout: str, m: Mutant) -> str | None:
+    """The mutant's test that failed (as MUTANTS names it), from pytest's short summary."""
+    for line in stdout.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            test = line.split()[1]
+            return next((node for node in m.tests if test == node or test.startswith(node + "[")), test)
+    return None
+
+
+def run(m: Mutant, timeout: float) -> tuple[str, float, str | None]:
+    """'killed' (a covering test failed, named third), 'SURVIVED' (all passed), or 'error: ...'."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
         tree = Path(tmp)
@@ -131,13 +153,13 @@ def run(m: Mutant, timeout: float) -> tuple[str, float]:
                                    "--timeout", str(int(timeout)), *m.tests], cwd=tree, env=env, capture_output=True,
                                   text=True, timeout=timeout + 60)
         except subprocess.TimeoutExpired:
-            return "error: timed out", time.monotonic() - start
+            return "error: timed out", time.monotonic() - start, None
     seconds = time.monotonic() - start
     if proc.returncode == 0:
-        return "SURVIVED", seconds
+        return "SURVIVED", seconds, None
     if proc.returncode == 1:
-        return "killed", seconds
-    return f"error: pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]}", seconds
+        return "killed", seconds, failed(proc.stdout, m)
+    return f"error: pytest exit {proc.returncode}: {proc.stdout.strip().splitlines()[-1:]}", seconds, None
 
 
 def main(argv=None) -> int:
@@ -155,11 +177,13 @@ def main(argv=None) -> int:
         print("\n".join(stale) or f"{len(chosen)} mutants apply")
         return 1 if stale else 0
     survivors = errors = 0
+    where = stages([node for m in chosen for node in m.tests])
     for m in chosen:
-        verdict, seconds = run(m, args.timeout)
+        verdict, seconds, test = run(m, args.timeout)
         survivors += verdict == "SURVIVED"
         errors += verdict.startswith("error")
-        print(f"{m.name:22} {verdict:9} {seconds:5.0f} s  {m.promise}", flush=True)
+        stage = f"by {where.get(test, '?')}" if test else ""
+        print(f"{m.name:22} {verdict:9} {stage:11} {seconds:5.0f} s  {m.promise}", flush=True)
     print(f"{len(chosen)} mutants: {len(chosen) - survivors - errors} killed, {survivors} survived, {errors} errors")
     return 1 if survivors or errors else 0
 

@@ -128,7 +128,13 @@ def epoch_batches(run: Run, epoch: int):
     done = run.state.batch_in_epoch
     if not done:
         return run.train_loader
-    return run.accelerator.skip_first_batches(run.train_loader, done) if done < run.batches_per_epoch else []
+    if done >= run.batches_per_epoch:
+        return []
+    # the rest of the epoch is a new loader, which Accelerate before 1.15 starts at epoch 0 (its `iteration`,
+    # set on each iter: the resumed epoch would take the first epoch's order and augmentation): given it too
+    rest = run.accelerator.skip_first_batches(run.train_loader, done)
+    set_loader_epoch(rest, epoch)
+    return rest
 
 
 def after_step(run: Run, progress, pace) -> None:

@@ -223,9 +223,10 @@ def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     # ... a first step that fails (a model that builds but cannot run): the earlier run is set aside, not deleted,
     # so that a relaunch (launch.sh's: --resume auto added, the same run id) starts afresh as --overwrite asked
     as_launched = clean_env(ACCEL_TRAIN_RUN_ID="0123456789ab")  # (what launch.sh gives every attempt)
-    # (a forward that fails only with gradients: the start-up check of one batch runs without them)
-    crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model", "tests_pkg.mod:build"),
-                    env={**as_launched, "TESTS_PKG_FAIL_WITH_GRAD": "1"})
+    # (a forward that fails only with gradients: the start-up check of one batch runs without them; fp32 stated,
+    # as on a CPU with native bf16 the precision check's own step with gradients would fail first: exit 2)
+    crash = run_cli(small(out, "--batch_size", "32", "--overwrite", "--model", "tests_pkg.mod:build",
+                          "--mixed_precision", "no"), env={**as_launched, "TESTS_PKG_FAIL_WITH_GRAD": "1"})
     assert crash.returncode == 1 and "the first training step fails" in crash.stderr, crash.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".overwritten-step_00000008"]
     # (by hand, the two flags contradict each other: refused in one line)

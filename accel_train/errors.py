@@ -2,8 +2,8 @@
 reported: one line, by the process that should say it.
 
 Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`), because `accelerate launch`
-returns 1 for any failed worker. launch.sh reads those files and acts on the most telling one, in the
-order of STATUS_PRIORITY (tests/test_errors.py checks launch.sh's list is this one). A lost peer is told
+returns 1 for any failed worker. The launcher reads those files and acts on the most telling one, in the
+order of STATUS_PRIORITY (launcher/policy.py). A lost peer is told
 from a bug by the exception's type and origin (`is_lost_peer`), never by its words alone, and a rank's SIGABRT by
 its process group's backend (`note_backend`).
 """
@@ -74,7 +74,7 @@ EXIT_KILLED = 137
 # divergence, a rank of a gloo group ended by SIGABRT: a bug, counted as an error), then a rank aborted by the NCCL
 # watchdog (no status file; counted as a lost peer), then an error, a second Ctrl-C, a preemption, a lost peer (its
 # survivors saved the last step), and last a rank killed outright with no other rank saying more.
-# launch.sh's trainer_status() walks the same list. (A rank's abort note names its backend: note_backend.)
+# The launcher's policy walks this list (launcher/policy.py). (A rank's abort note names its backend: note_backend.)
 CRASHED, ABORTED = "crash", "abort"
 STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, CRASHED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
                    EXIT_LOST_PEER, EXIT_KILLED)

@@ -92,29 +92,22 @@ def test_hccl_exec_timeout_is_clamped_to_canns_upper_bound(hw):
     assert "capped" not in dry_run({}, ["--timeout_s", "7200"], bindir=hw(npus=8)).stderr
 
 
-def test_launch_default_timeout_is_trainconfigs():
-    found = re.search(r"^DEFAULT_TIMEOUT_S=(\d+)", LAUNCH.read_text(), re.M)
-    assert found and int(found.group(1)) == TrainConfig().timeout_s
-    beat = re.search(r"^DEFAULT_HEARTBEAT_TIMEOUT_S=(\d+)", LAUNCH.read_text(), re.M)
-    assert beat and int(beat.group(1)) == TrainConfig().heartbeat_timeout_s
-
-
-def test_launch_sh_reads_the_trainers_seconds_as_argparse_does_rounded_up():
-    """launch.sh's frozen-rank limit (--heartbeat_timeout_s + FROZEN_MARGIN_S) and HCCL timeouts read the trainer's
-    flags: the last one given wins, fractions round up, 08 is decimal (review: '08' broke bash's arithmetic, 2.5 was
-    cut to 2, a rank then killed before its peers gave it up), what bash cannot read falls back to the default."""
-    text = LAUNCH.read_text()
-    body = "\n".join(re.search(rf"^{name}\(\) {{.*?^}}", text, re.M | re.S).group(0)
-                     for name in ("trainer_seconds", "frozen_limit_s"))
+def test_the_launcher_reads_the_trainers_seconds_as_argparse_does_rounded_up():
+    """The frozen-rank limit (--heartbeat_timeout_s + FROZEN_MARGIN_S) and HCCL timeouts read the trainer's flags:
+    the last one given wins, fractions round up, 08 is decimal, what is not a plain number falls back to the
+    default (TrainConfig's own: the launcher reads it from there)."""
+    from accel_train.launcher import __main__ as launcher
+    from accel_train.launcher.options import trainer_seconds
     cases = {"--heartbeat_timeout_s 2.5": 3, "--heartbeat_timeout_s=08": 8, "--heartbeat_timeout_s 15.0": 15,
              "--heartbeat_timeout_s 1e2": 15, "--heartbeat_timeout_s 9 --heartbeat_timeout_s 20": 20, "": 15}
+    default = TrainConfig().heartbeat_timeout_s
     for args, want in cases.items():
-        script = (f"DEFAULT_HEARTBEAT_TIMEOUT_S=15; DEFAULT_TIMEOUT_S=300; FROZEN_MARGIN_S=3; nnodes=2; nproc=1\n"
-                  f"trainer_timeout_s() {{ trainer_seconds --timeout_s $DEFAULT_TIMEOUT_S; }}\n{body}\n"
-                  f"trainer_args=({args}); trainer_seconds --heartbeat_timeout_s 15; frozen_limit_s; nproc=1 nnodes=1 "
-                  f"frozen_limit_s; trainer_args=(--heartbeat_timeout_s 0 --timeout_s 40.2); frozen_limit_s")
-        out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0 and out.stdout.split() == [str(want), str(want + 3), "0", "44"], (args, out)
+        argv = args.split()
+        assert trainer_seconds(argv, "--heartbeat_timeout_s", default) == want, args
+        assert launcher.frozen_limit_s(2, argv) == want + 3 and launcher.frozen_limit_s(1, argv) == 0
+    assert launcher.frozen_limit_s(2, ["--heartbeat_timeout_s", "0", "--timeout_s", "40.2"]) == 44
+    assert launcher.frozen_limit_s(2, ["--heartbeat_timeout_s", "0"]) == TrainConfig().timeout_s + 3
+    assert launcher.trainer_timeout_s([]) == TrainConfig().timeout_s
 
 
 def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(hw):

@@ -1,25 +1,31 @@
-"""Device counting (accel_train/launcher/devices.py), in process, with the tools' outputs mocked: nvidia-smi (its
-GPUs, its failure, MIG instances), CUDA's own count, npu-smi, the visible-device lists, the Ascend preset's
-RANK_SIZE."""
+"""Device counting (accel_train/launcher/devices.py), in process, with the tools' outputs mocked:
+nvidia-smi (its GPUs, its failure, MIG instances), CUDA's own count, npu-smi, the visible-device
+lists, the Ascend preset's RANK_SIZE."""
 
 import pytest
 
 from accel_train.launcher import LaunchError, devices
 
 H100 = "\n".join(f"GPU {i}: NVIDIA H100 (UUID: GPU-{i})" for i in range(4))
-MIG = ("GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0)\n  MIG 3g.20gb     Device  0: (UUID: MIG-a)\n"
-       "  MIG 2g.10gb     Device  1: (UUID: MIG-b)\n  MIG 1g.5gb      Device  2: (UUID: MIG-c)\n")
+MIG = (
+    "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-0)\n  MIG 3g.20gb     Device  0: (UUID: MIG-a)\n"
+    "  MIG 2g.10gb     Device  1: (UUID: MIG-b)\n  MIG 1g.5gb      Device  2: (UUID: MIG-c)\n"
+)
 
 
 @pytest.fixture
 def tools(monkeypatch):
-    """A machine whose tools answer as given: {tool: (status, output)}; absent tools are not on PATH."""
+    """A machine whose tools answer as given: {tool: (status, output)}; absent tools are not on
+    PATH."""
     answers = {}
-    monkeypatch.setattr(devices.shutil, "which", lambda name, path=None: name if name in answers else None)
+    monkeypatch.setattr(
+        devices.shutil, "which", lambda name, path=None: name if name in answers else None
+    )
 
     def run_tool(cmd, env, merge_stderr=False):
         name = "cuda" if cmd[1:2] == ["-c"] else cmd[0]
         return answers.get(name, (127, ""))
+
     monkeypatch.setattr(devices, "run_tool", run_tool)
     return answers
 
@@ -42,10 +48,18 @@ def test_without_nvidia_smi_cuda_counts(tools):
 
 
 def test_a_failing_nvidia_smi_is_said_and_cuda_counts(tools):
-    tools["nvidia-smi"] = (9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n")
+    tools["nvidia-smi"] = (
+        9,
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n",
+    )
     tools["cuda"] = (0, "2\n")
-    assert count(tools) == (2, ["launch.sh: warning: nvidia-smi fails (NVIDIA-SMI has failed because it couldn't "
-                                "communicate with the NVIDIA driver.): counting the 2 GPU(s) CUDA shows"])
+    assert count(tools) == (
+        2,
+        [
+            "launch.sh: warning: nvidia-smi fails (NVIDIA-SMI has failed because it couldn't "
+            "communicate with the NVIDIA driver.): counting the 2 GPU(s) CUDA shows"
+        ],
+    )
     tools["cuda"] = (0, "0\n")
     assert count(tools)[1][0].endswith("CUDA shows no GPU either: a CPU job")
     tools["nvidia-smi"] = (124, "")  # hung past ACCEL_PROBE_TIMEOUT
@@ -54,8 +68,13 @@ def test_a_failing_nvidia_smi_is_said_and_cuda_counts(tools):
 
 def test_mig_instances_are_counted_as_cuda_shows_them(tools):
     tools["nvidia-smi"], tools["cuda"] = (0, MIG), (0, "1\n")
-    assert count(tools) == (1, ["launch.sh: MIG instances here (3 listed by nvidia-smi -L): CUDA shows a process "
-                                "one of them: 1 GPU(s) counted"])
+    assert count(tools) == (
+        1,
+        [
+            "launch.sh: MIG instances here (3 listed by nvidia-smi -L): CUDA shows a process "
+            "one of them: 1 GPU(s) counted"
+        ],
+    )
     tools["cuda"] = (124, "")  # CUDA's count did not come: one instance, as CUDA shows a process
     assert count(tools)[0] == 1
 
@@ -67,8 +86,18 @@ def test_npu_smi(tools):
     assert devices.count_npu({}) == ""
 
 
-@pytest.mark.parametrize("listed,n", [("0,1", 2), ("", 0), ("-1", 0), ("0,1,-1,3", 2), (" 0, 1 ", 2),
-                                      ("GPU-8e6f1c2a-0000-0000-0000-000000000001,MIG-3", 2), ("0,,1", 1)])
+@pytest.mark.parametrize(
+    "listed,n",
+    [
+        ("0,1", 2),
+        ("", 0),
+        ("-1", 0),
+        ("0,1,-1,3", 2),
+        (" 0, 1 ", 2),
+        ("GPU-8e6f1c2a-0000-0000-0000-000000000001,MIG-3", 2),
+        ("0,,1", 1),
+    ],
+)
 def test_a_visible_list_stops_at_its_first_invalid_entry(listed, n):
     assert devices.visible({"CUDA_VISIBLE_DEVICES": listed}, "CUDA_VISIBLE_DEVICES") == n
     assert devices.visible({}, "CUDA_VISIBLE_DEVICES") is None
@@ -76,8 +105,13 @@ def test_a_visible_list_stops_at_its_first_invalid_entry(listed, n):
 
 
 def test_the_ascend_preset_counts_rank_size_over_the_machines():
-    assert devices.ascend_cards_per_node("16", "2") == 8 and devices.ascend_cards_per_node("8", "x") == 8
-    with pytest.raises(LaunchError, match="RANK_SIZE=12 cards cannot be split evenly over 8 machines"):
+    assert (
+        devices.ascend_cards_per_node("16", "2") == 8
+        and devices.ascend_cards_per_node("8", "x") == 8
+    )
+    with pytest.raises(
+        LaunchError, match="RANK_SIZE=12 cards cannot be split evenly over 8 machines"
+    ):
         devices.ascend_cards_per_node("12", "8")
     with pytest.raises(LaunchError, match="RANK_SIZE must be a positive integer, got '0'"):
         devices.ascend_cards_per_node("0", "1")

@@ -1,5 +1,6 @@
-"""The relaunch policy (accel_train/launcher/policy.py), in process: what the ranks reported -> relaunch or exit,
-with which status and line, for every status and the mixes the fault campaign met."""
+"""The relaunch policy (accel_train/launcher/policy.py), in process: what the ranks reported ->
+relaunch or exit, with which status and line, for every status and the mixes the fault campaign met.
+"""
 
 import pytest
 
@@ -18,71 +19,113 @@ def report(*written, notes=None) -> Report:
     return Report(statuses=statuses, notes=notes, anything=bool(statuses or notes))
 
 
-KILLED = {"host-7": "backend: gloo\n"}  # a note that ends without Python's exit, and no status file of that rank
+KILLED = {
+    "host-7": "backend: gloo\n"
+}  # a note that ends without Python's exit, and no status file of that rank
 
 
-@pytest.mark.parametrize("written,notes,expected", [
-    ([4, 4], {}, 4),                                 # every rank preempted
-    ([4, 2], {}, 2),                                 # bad input on one rank wins over the others' preemption
-    ([1, 5], {}, 5),                                 # diverged: not relaunched, whatever the others say
-    ([4], {"host-9": ABORT}, 3),                     # a rank aborted by the NCCL watchdog: a lost peer
-    ([4], {"host-9": "backend: nccl\n" + ABORT}, 3),  # (its note names its backend)
-    ([2], {"host-9": ABORT}, 2),                     # ... unless a rank found bad input
-    ([3], {"host-9": "backend: gloo\n" + ABORT}, 1),  # gloo aborts on a collective mismatch, a bug
-    ([2], {"host-9": "backend: gloo\n" + ABORT}, 2),
-    ([130, 4], {}, 130),                             # a second Ctrl-C beats the preemption it interrupted
-    ([3, 4], {}, 4),
-    ([3, 2], {}, 2),                                 # bad input beside a lost peer
-    ([], {}, None),                                  # nothing written at all: the launcher's status decides
-    ([], KILLED, 137),                               # a rank killed outright: its note alone, no exit, no status
-    ([3], KILLED, 3),                                # ... and a survivor that saved the step: a lost peer
-    ([1], KILLED, 1),                                # (an error elsewhere is an error)
-    ([0, 0], {}, None),                             # (success is no failure status)
-])
+@pytest.mark.parametrize(
+    "written,notes,expected",
+    [
+        ([4, 4], {}, 4),  # every rank preempted
+        ([4, 2], {}, 2),  # bad input on one rank wins over the others' preemption
+        ([1, 5], {}, 5),  # diverged: not relaunched, whatever the others say
+        ([4], {"host-9": ABORT}, 3),  # a rank aborted by the NCCL watchdog: a lost peer
+        ([4], {"host-9": "backend: nccl\n" + ABORT}, 3),  # (its note names its backend)
+        ([2], {"host-9": ABORT}, 2),  # ... unless a rank found bad input
+        (
+            [3],
+            {"host-9": "backend: gloo\n" + ABORT},
+            1,
+        ),  # gloo aborts on a collective mismatch, a bug
+        ([2], {"host-9": "backend: gloo\n" + ABORT}, 2),
+        ([130, 4], {}, 130),  # a second Ctrl-C beats the preemption it interrupted
+        ([3, 4], {}, 4),
+        ([3, 2], {}, 2),  # bad input beside a lost peer
+        ([], {}, None),  # nothing written at all: the launcher's status decides
+        ([], KILLED, 137),  # a rank killed outright: its note alone, no exit, no status
+        ([3], KILLED, 3),  # ... and a survivor that saved the step: a lost peer
+        ([1], KILLED, 1),  # (an error elsewhere is an error)
+        ([0, 0], {}, None),  # (success is no failure status)
+    ],
+)
 def test_trainer_status_picks_the_most_telling_status(written, notes, expected):
     assert policy.trainer_status(report(*written, notes=notes)) == expected
 
 
 def test_the_priority_is_errors_py_list():
-    """Each status outranks every one after it in errors.STATUS_PRIORITY (a pairwise check of the whole order)."""
-    as_report = {errors.CRASHED: lambda: report(notes={"host-9": "backend: gloo\n" + ABORT}),
-                 errors.ABORTED: lambda: report(notes={"host-9": ABORT}),
-                 errors.EXIT_KILLED: lambda: report(notes=KILLED)}
+    """Each status outranks every one after it in errors.STATUS_PRIORITY (a pairwise check of the
+    whole order)."""
+    as_report = {
+        errors.CRASHED: lambda: report(notes={"host-9": "backend: gloo\n" + ABORT}),
+        errors.ABORTED: lambda: report(notes={"host-9": ABORT}),
+        errors.EXIT_KILLED: lambda: report(notes=KILLED),
+    }
     order = errors.STATUS_PRIORITY
     for i, first in enumerate(order):
-        for later in order[i + 1:]:
+        for later in order[i + 1 :]:
             parts = [as_report[c]() if c in as_report else report(c) for c in (first, later)]
-            merged = Report(statuses={**{f"a{k}": v for k, v in parts[0].statuses.items()},
-                                      **{f"b{k}": v for k, v in parts[1].statuses.items()}},
-                            notes={**{f"a{k}": v for k, v in parts[0].notes.items()},
-                                   **{f"b{k}": v for k, v in parts[1].notes.items()}}, anything=True)
-            want = {errors.CRASHED: errors.EXIT_ERROR, errors.ABORTED: errors.EXIT_LOST_PEER}.get(first, first)
+            merged = Report(
+                statuses={
+                    **{f"a{k}": v for k, v in parts[0].statuses.items()},
+                    **{f"b{k}": v for k, v in parts[1].statuses.items()},
+                },
+                notes={
+                    **{f"a{k}": v for k, v in parts[0].notes.items()},
+                    **{f"b{k}": v for k, v in parts[1].notes.items()},
+                },
+                anything=True,
+            )
+            want = {errors.CRASHED: errors.EXIT_ERROR, errors.ABORTED: errors.EXIT_LOST_PEER}.get(
+                first, first
+            )
             assert policy.trainer_status(merged) == want, (first, later)
 
 
-@pytest.mark.parametrize("reported,status,line", [
-    (2, 2, "bad input (exit status 2, the cause is above); not relaunched"),
-    (5, 5, "the training diverged (exit status 5); not relaunched"),
-    (1, 1, "the trainer failed with an error (exit status 1, traceback above); not relaunched"),
-    (130, 130, "stopped at once by a second Ctrl-C (exit status 130): no checkpoint of this step"),
-    (4, 4, "preempted (exit status 4): a checkpoint of the reached step was written; continue with --resume auto"),
-])
+@pytest.mark.parametrize(
+    "reported,status,line",
+    [
+        (2, 2, "bad input (exit status 2, the cause is above); not relaunched"),
+        (5, 5, "the training diverged (exit status 5); not relaunched"),
+        (1, 1, "the trainer failed with an error (exit status 1, traceback above); not relaunched"),
+        (
+            130,
+            130,
+            "stopped at once by a second Ctrl-C (exit status 130): no checkpoint of this step",
+        ),
+        (
+            4,
+            4,
+            (
+                "preempted (exit status 4): a checkpoint of the reached step was written; continue"
+                " with --resume auto"
+            ),
+        ),
+    ],
+)
 def test_what_a_relaunch_cannot_fix_ends_the_job_at_once(reported, status, line):
     got = decide(1, report(reported), nproc=1, max_restarts=5)
     assert got.exit_status == status and got.lines == [f"launch.sh: {line}"]
 
 
-@pytest.mark.parametrize("written,notes,status", [([3], {}, 3), ([], KILLED, 137), ([3, 3], KILLED, 3),
-                                                  ([], {}, 1)])  # (nothing reported: the launcher's status)
+# (nothing reported: the launcher's status)
+@pytest.mark.parametrize(
+    "written,notes,status", [([3], {}, 3), ([], KILLED, 137), ([3, 3], KILLED, 3), ([], {}, 1)]
+)
 def test_a_lost_peer_or_a_kill_relaunches_up_to_max_restarts(written, notes, status):
     r = report(*written, notes=notes)
     relaunch = decide(1, r, nproc=2, attempt=0, max_restarts=1)
     assert relaunch.exit_status is None
-    assert relaunch.lines[-1] == (f"launch.sh: the job failed (exit status {status}); relaunching to resume from the "
-                                  "newest checkpoint")
+    assert (
+        relaunch.lines[-1]
+        == f"launch.sh: the job failed (exit status {status}); relaunching to resume from the "
+        "newest checkpoint"
+    )
     last = decide(1, r, nproc=2, attempt=1, max_restarts=1)
     assert last.exit_status == status
-    assert last.lines[-1] == f"launch.sh: the job failed with exit status {status} after 2 attempt(s)"
+    assert (
+        last.lines[-1] == f"launch.sh: the job failed with exit status {status} after 2 attempt(s)"
+    )
 
 
 def test_a_kill_is_named_with_the_host_pid_and_an_abort_as_a_lost_peer():
@@ -96,7 +139,9 @@ def test_a_kill_is_named_with_the_host_pid_and_an_abort_as_a_lost_peer():
 
 
 def test_restart_on_preempt_relaunches_a_preemption_that_did_not_come_through_the_launcher():
-    assert decide(1, report(4), nproc=1, restart_on_preempt=True, max_restarts=1).exit_status is None
+    assert (
+        decide(1, report(4), nproc=1, restart_on_preempt=True, max_restarts=1).exit_status is None
+    )
     told = decide(1, report(4), nproc=1, restart_on_preempt=True, max_restarts=1, signalled="TERM")
     assert told.exit_status == 4  # a stop the launcher was told of is never relaunched
 
@@ -108,14 +153,18 @@ def test_a_signalled_launcher_never_relaunches():
 
 def test_a_signal_before_any_rank_wrote_anything_is_nothing_to_save():
     got = decide(143, Report(), nproc=1, signalled="USR1", max_restarts=1)
-    assert got == policy.Decision(["launch.sh: stopped by SIGUSR1 while the job started (nothing to save)"], 4)
+    assert got == policy.Decision(
+        ["launch.sh: stopped by SIGUSR1 while the job started (nothing to save)"], 4
+    )
 
 
 def test_ranks_that_all_finished_make_the_job_a_success_whatever_their_launcher_says():
     got = decide(143, report(0, 0), nproc=2, signalled="TERM")
     assert got.exit_status == 0
-    assert got.lines == ["launch.sh: the launcher ended with status 143, but every rank here had finished the run: "
-                         "exit status 0"]
+    assert got.lines == [
+        "launch.sh: the launcher ended with status 143, but every rank here had finished the run: "
+        "exit status 0"
+    ]
     assert decide(1, report(0), nproc=2).exit_status == 1  # one of two ranks is not the run's end
     assert decide(0, Report(), nproc=1) == policy.Decision([], 0)
 

@@ -89,6 +89,24 @@ MUTANTS = [
            "if not accelerator.is_main_process:\n            return None",
            "if not accelerator.is_local_main_process:\n            return None",
            ("tests/test_outputs.py::test_only_the_global_main_process_writes_the_runs_outputs",)),
+    Mutant("policy_bad_input", "bad input (exit status 2) is never relaunched, whatever --max_restarts says",
+           "accel_train/launcher/policy.py", 'errors.EXIT_BAD_INPUT: "bad input', 'None: "bad input',
+           ("tests/test_launcher_policy.py::test_what_a_relaunch_cannot_fix_ends_the_job_at_once",)),
+    Mutant("frozen_faults_folder", "a stopped rank is killed once its peers gave it up (a status came, or its "
+           "limit passed), not when a rank's fault note appears", "accel_train/launcher/attempt.py",
+           "entry.is_file() for entry in os.scandir(self.status_dir)",
+           "True for entry in os.scandir(self.status_dir)",
+           ("tests/test_launcher_attempt.py::"
+            "test_a_frozen_rank_is_killed_after_its_limit_only_where_no_rank_of_the_machine_runs",)),
+    Mutant("visible_list_stop", "a visible-device list counts up to its first invalid entry, as CUDA does",
+           "accel_train/launcher/devices.py",
+           'if not entry or entry.startswith("-"):\n            break',
+           'if not entry or entry.startswith("-"):\n            continue',
+           ("tests/test_launcher_devices.py::test_a_visible_list_stops_at_its_first_invalid_entry",)),
+    Mutant("signal_spares_leader", "a stop signal reaches the trainer, not accelerate's one-process launcher "
+           "(which answers it by SIGKILLing the trainer 5 s later)", "accel_train/launcher/attempt.py",
+           "if pid != pgid and os.getpgid(pid) == pgid", "if os.getpgid(pid) == pgid",
+           ("tests/test_launcher_attempt.py::test_a_signal_reaches_the_group_but_its_leader_and_the_status_is_a_shells",)),
 ]
 
 

@@ -1,17 +1,20 @@
-"""An attempt's processes: started in a session of their own, told of the launcher's stop signals, watched for
-stopped (frozen) ones, and waited for until every one has ended. Processes are found and read with psutil; an
-attempt's own processes are the ones whose environment names its status folder (never a reused pid).
+"""An attempt's processes: started in a session of their own, told of the launcher's stop signals,
+watched for stopped (frozen) ones, and waited for until every one has ended. Processes are found and
+read with psutil; an attempt's own processes are the ones whose environment names its status folder
+(never a reused pid).
 
-Preemption: SIGTERM / SIGUSR1 to the launcher go to the job as SIGTERM (the trainer checkpoints and exits 4). The
-job starts with SIGUSR1 ignored: torchrun's agent has no handler for it and would die (the trainer installs its
-own). Ctrl-C: the job runs in a session of its own (torchrun puts each rank in one too), so the terminal's SIGINT
-reaches the launcher only, which passes each one on as SIGINT: torchrun's agent sends the first to the ranks (they
-checkpoint and exit 4) and a second as SIGTERM (they stop at once, exit 130). A signal goes to the job's process
-group but its leader: with one process, accelerate's simple launcher does not pass signals on to the trainer, and
-answers one by SIGTERMing the trainer and SIGKILLing it 5 s later (accelerate 1.15 commands/launch.py
-_terminate_process_tree: a Ctrl-C then read as a second one, the step lost), so the trainer (and its workers) alone
-hear it. torchrun's ranks run in sessions of their own: its group is the agent alone, which gets the signal and passes
-it on to its ranks. SIGHUP (the terminal closed: the job, in its own session, would not hear of it) is a SIGTERM."""
+Preemption: SIGTERM / SIGUSR1 to the launcher go to the job as SIGTERM (the trainer checkpoints and
+exits 4). The job starts with SIGUSR1 ignored: torchrun's agent has no handler for it and would die
+(the trainer installs its own). Ctrl-C: the job runs in a session of its own (torchrun puts each
+rank in one too), so the terminal's SIGINT reaches the launcher only, which passes each one on as
+SIGINT: torchrun's agent sends the first to the ranks (they checkpoint and exit 4) and a second as
+SIGTERM (they stop at once, exit 130). A signal goes to the job's process group but its leader: with
+one process, accelerate's simple launcher does not pass signals on to the trainer, and answers one
+by SIGTERMing the trainer and SIGKILLing it 5 s later (accelerate 1.15 commands/launch.py
+_terminate_process_tree: a Ctrl-C then read as a second one, the step lost), so the trainer (and its
+workers) alone hear it. torchrun's ranks run in sessions of their own: its group is the agent alone,
+which gets the signal and passes it on to its ranks. SIGHUP (the terminal closed: the job, in its
+own session, would not hear of it) is a SIGTERM."""
 
 from __future__ import annotations
 
@@ -25,9 +28,16 @@ import psutil
 
 from . import PREFIX
 
-FORWARDED = {signal.SIGTERM: "TERM", signal.SIGUSR1: "USR1", signal.SIGINT: "INT", signal.SIGHUP: "TERM"}
+FORWARDED = {
+    signal.SIGTERM: "TERM",
+    signal.SIGUSR1: "USR1",
+    signal.SIGINT: "INT",
+    signal.SIGHUP: "TERM",
+}
 LOOK_S = 0.5  # how often a running attempt is looked at
-GROUP_WAIT_S = 60  # how long a trainer its launcher left (a signal) may go on writing its checkpoint
+GROUP_WAIT_S = (
+    60  # how long a trainer its launcher left (a signal) may go on writing its checkpoint
+)
 
 
 def say(line: str) -> None:
@@ -35,7 +45,8 @@ def say(line: str) -> None:
 
 
 def group_but_leader(pgid: int) -> list[int]:
-    """The members of process group `pgid` other than its leader (psutil has no process group: os.getpgid)."""
+    """The members of process group `pgid` other than its leader (psutil has no process group:
+    os.getpgid)."""
     out = []
     for pid in psutil.pids():
         try:
@@ -57,12 +68,15 @@ def group_alive(pgid: int) -> bool:
 
 
 def attempt_processes(status_dir: str) -> list[psutil.Process]:
-    """Every process of the attempt whose status folder is `status_dir`, whatever it has reached: a rank still
-    importing, blocked in the rendezvous, or training."""
+    """Every process of the attempt whose status folder is `status_dir`, whatever it has reached: a
+    rank still importing, blocked in the rendezvous, or training."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get("ACCEL_TRAIN_STATUS_DIR") == status_dir:
+            if (
+                proc.pid != os.getpid()
+                and proc.environ().get("ACCEL_TRAIN_STATUS_DIR") == status_dir
+            ):
                 found.append(proc)
         except (psutil.Error, OSError):
             continue
@@ -77,8 +91,9 @@ def state(proc: psutil.Process) -> str:
 
 
 def is_rank(proc: psutil.Process) -> bool:
-    """A rank torchrun started: RANK set in its environment (torchrun's agent sets it in each worker), not the
-    same in its parent's (a DataLoader worker inherits its rank's; the agent has none of its own)."""
+    """A rank torchrun started: RANK set in its environment (torchrun's agent sets it in each
+    worker), not the same in its parent's (a DataLoader worker inherits its rank's; the agent has
+    none of its own)."""
     try:
         rank = proc.environ().get("RANK")
         if rank is None:
@@ -102,18 +117,22 @@ def pids(procs) -> str:
 
 
 def kill_stopped(procs: list[psutil.Process]) -> None:
-    """A process that cannot answer (stopped, state T: SIGSTOP, a frozen rank) once the job stops is SIGKILLed at
-    once: torchrun's agent SIGTERMs the other ranks when one has ended and SIGKILLs them only after its 30-s grace
-    (pytorch#119856), and a stopped process never acts on a SIGTERM."""
+    """A process that cannot answer (stopped, state T: SIGSTOP, a frozen rank) once the job stops is
+    SIGKILLed at once: torchrun's agent SIGTERMs the other ranks when one has ended and SIGKILLs
+    them only after its 30-s grace (pytorch#119856), and a stopped process never acts on a SIGTERM.
+    """
     stopped = [p for p in procs if state(p) in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)]
     if stopped:
-        say(f"{PREFIX}: process(es) {pids(stopped)} of this attempt are stopped (state T) and cannot answer the job's "
-            "stop: killed at once (SIGKILL)")
+        say(
+            f"{PREFIX}: process(es) {pids(stopped)} of this attempt are stopped (state T) and"
+            " cannot answer the job's stop: killed at once (SIGKILL)"
+        )
         kill(stopped)
 
 
 class Supervisor:
-    """Runs the launcher's children one at a time and passes the stop signals it receives on to them."""
+    """Runs the launcher's children one at a time and passes the stop signals it receives on to
+    them."""
 
     def __init__(self):
         self.child: subprocess.Popen | None = None
@@ -140,10 +159,16 @@ class Supervisor:
             pass
 
     def run(self, cmd: list[str], env: dict[str, str], watch=None, stdout=None) -> int:
-        """Runs cmd to its end through any signal (and `watch()` every LOOK_S while it runs); its status, as a
-        shell gives it (128 + N for a signal N). Waits for the process group the child leaves, for its last writes."""
-        self.child = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout,
-                                      preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+        """Runs cmd to its end through any signal (and `watch()` every LOOK_S while it runs); its
+        status, as a shell gives it (128 + N for a signal N). Waits for the process group the child
+        leaves, for its last writes."""
+        self.child = subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            stdout=stdout,
+            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+        )
         try:
             while True:
                 try:
@@ -161,11 +186,12 @@ class Supervisor:
 
 
 class FrozenWatch:
-    """While an attempt runs: stopped processes are killed from the first status a rank wrote (a survivor's 3), and
-    a rank stopped for longer than `limit_s` (its peers' heartbeat wait: they have given it up and saved) is killed
-    where no rank of this machine is left running to write a status: its launcher then ends and this machine joins
-    the job's next attempt. Ranks only: a stopped agent or DataLoader worker is left to the ranks' own watches
-    (their launcher's end, --timeout_s); a debugger's stop (state t) is left alone."""
+    """While an attempt runs: stopped processes are killed from the first status a rank wrote (a
+    survivor's 3), and a rank stopped for longer than `limit_s` (its peers' heartbeat wait: they
+    have given it up and saved) is killed where no rank of this machine is left running to write a
+    status: its launcher then ends and this machine joins the job's next attempt. Ranks only: a
+    stopped agent or DataLoader worker is left to the ranks' own watches (their launcher's end,
+    --timeout_s); a debugger's stop (state t) is left alone."""
 
     def __init__(self, status_dir: str, limit_s: float):
         self.status_dir, self.limit_s = status_dir, limit_s
@@ -181,24 +207,29 @@ class FrozenWatch:
         self.last_look = now
         ranks = [p for p in attempt_processes(self.status_dir) if is_rank(p)]
         frozen = [p for p in ranks if state(p) == psutil.STATUS_STOPPED]
-        if not frozen or len(frozen) < len(ranks):  # a rank of this machine still running speaks for it
+        if not frozen or len(frozen) < len(
+            ranks
+        ):  # a rank of this machine still running speaks for it
             self.since.clear()
             return
         for proc in frozen:
             since = self.since.setdefault(proc.pid, now)
             if now - since >= self.limit_s:
-                say(f"{PREFIX}: rank process {proc.pid} of this attempt has been stopped (state T) for "
-                    f"{int(now - since)} s, longer than its peers wait for it (--heartbeat_timeout_s): killed "
-                    "(SIGKILL), so that this machine joins the job's next attempt")
+                say(
+                    f"{PREFIX}: rank process {proc.pid} of this attempt has been stopped (state T)"
+                    f" for {int(now - since)} s, longer than its peers wait for it"
+                    " (--heartbeat_timeout_s): killed (SIGKILL), so that this machine joins the"
+                    " job's next attempt"
+                )
                 kill([proc])
                 del self.since[proc.pid]
 
 
 def ranks_ended(status_dir: str, supervisor: Supervisor, stop_s: float) -> None:
-    """Ranks of this attempt that outlive its launcher (torchrun starts each in a session of its own: a SIGKILLed
-    agent leaves them running) stop by themselves with a checkpoint (exit 3, accel_train/preempt.py watch_launcher);
-    nothing is relaunched, and no status read, before every process of the attempt on this machine has ended. Past
-    `stop_s` they are SIGKILLed."""
+    """Ranks of this attempt that outlive its launcher (torchrun starts each in a session of its
+    own: a SIGKILLed agent leaves them running) stop by themselves with a checkpoint (exit 3,
+    accel_train/preempt.py watch_launcher); nothing is relaunched, and no status read, before every
+    process of the attempt on this machine has ended. Past `stop_s` they are SIGKILLed."""
     said = termed = False
     deadline = time.monotonic() + stop_s
     while True:
@@ -207,8 +238,10 @@ def ranks_ended(status_dir: str, supervisor: Supervisor, stop_s: float) -> None:
             return
         kill_stopped(left)
         if not said:
-            say(f"{PREFIX}: the launcher ended but process(es) {pids(left)} of this attempt still run: waiting for "
-                "them to stop (the ranks checkpoint the step they reached)")
+            say(
+                f"{PREFIX}: the launcher ended but process(es) {pids(left)} of this attempt still"
+                " run: waiting for them to stop (the ranks checkpoint the step they reached)"
+            )
             said = True
         if supervisor.signalled and not termed:  # the launcher was told to stop: so are they
             kill(left, signal.SIGTERM)

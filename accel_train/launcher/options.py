@@ -1,4 +1,5 @@
-"""The launcher's own options and the ModelArts boot arguments; everything else goes to the trainer."""
+"""The launcher's own options and the ModelArts boot arguments; everything else goes to the
+trainer."""
 
 from __future__ import annotations
 
@@ -59,9 +60,16 @@ Own options (everything else goes to the trainer):
                         job, which checkpoints and stops with exit status 4
   -h, --help            this text"""
 
-# The options that take a value, as the attribute each one sets (ModelArts' boot arguments among them).
-VALUED = {"--rdzv_wait": "rdzv_wait", "--accel_config": "accel_config", "--max_restarts": "max_restarts",
-          "--init_method": "init_method", "--rank": "rank", "--world_size": "world_size"}
+# The options that take a value, as the attribute each one sets (ModelArts' boot arguments among
+# them).
+VALUED = {
+    "--rdzv_wait": "rdzv_wait",
+    "--accel_config": "accel_config",
+    "--max_restarts": "max_restarts",
+    "--init_method": "init_method",
+    "--rank": "rank",
+    "--world_size": "world_size",
+}
 
 
 @dataclass
@@ -81,10 +89,14 @@ class Options:
 
 
 def parse(argv: list[str], env) -> Options:
-    """The launcher's options out of argv, the rest kept in order for the trainer; the environment's defaults."""
-    opts = Options(accel_config=env.get("ACCEL_CONFIG", ""), max_restarts=env.get("ACCEL_MAX_RESTARTS") or "0",
-                   rdzv_wait=env.get("ACCEL_RDZV_WAIT") or env.get("PREFLIGHT_TIMEOUT") or "600",
-                   restart_on_preempt=(env.get("ACCEL_RESTART_ON_PREEMPT") or "0") == "1")
+    """The launcher's options out of argv, the rest kept in order for the trainer; the
+    environment's defaults."""
+    opts = Options(
+        accel_config=env.get("ACCEL_CONFIG", ""),
+        max_restarts=env.get("ACCEL_MAX_RESTARTS") or "0",
+        rdzv_wait=env.get("ACCEL_RDZV_WAIT") or env.get("PREFLIGHT_TIMEOUT") or "600",
+        restart_on_preempt=(env.get("ACCEL_RESTART_ON_PREEMPT") or "0") == "1",
+    )
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -120,13 +132,13 @@ def is_uint(text: str) -> bool:
 
 
 def trainer_seconds(args: list[str], flag: str, default: int) -> int:
-    """The whole seconds the trainer will read for `flag` (the last one given wins, as in argparse; rounded up); the
-    default where it is not given or not a plain number (the trainer reports a bad value itself; a --config file's
-    value is not read here)."""
+    """The whole seconds the trainer will read for `flag` (the last one given wins, as in argparse;
+    rounded up); the default where it is not given or not a plain number (the trainer reports a bad
+    value itself; a --config file's value is not read here)."""
     value = None
     for i, arg in enumerate(args):
         if arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1 :]
         elif arg == flag:
             value = args[i + 1] if i + 1 < len(args) else ""
     if value is None:

@@ -96,7 +96,7 @@ def test_the_launcher_reads_the_trainers_seconds_as_argparse_does_rounded_up():
     """The frozen-rank limit (--heartbeat_timeout_s + FROZEN_MARGIN_S) and HCCL timeouts read the trainer's flags:
     the last one given wins, fractions round up, 08 is decimal, what is not a plain number falls back to the
     default (TrainConfig's own: the launcher reads it from there)."""
-    from accel_train.launcher import __main__ as launcher
+    from accel_train.launcher import plan as launcher
     from accel_train.launcher.options import trainer_seconds
     cases = {"--heartbeat_timeout_s 2.5": 3, "--heartbeat_timeout_s=08": 8, "--heartbeat_timeout_s 15.0": 15,
              "--heartbeat_timeout_s 1e2": 15, "--heartbeat_timeout_s 9 --heartbeat_timeout_s 20": 20, "": 15}

@@ -13,6 +13,12 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   exit 2
 fi
 # (this checkout's accel_train before any installed one, as for the job's own processes: the launcher's PYTHONPATH)
-exec "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1])
+exec "$PYTHON" -c 'import sys
+if sys.version_info < (3, 10):
+    sys.stderr.write("launch.sh: error: %s is Python %d.%d; accel_train needs 3.10 or newer: activate the"
+                     " environment accel_train is installed in, or set PYTHON=/path/to/its/python\n"
+                     % ((sys.argv[2],) + sys.version_info[:2]))
+    sys.exit(2)
+sys.path.insert(0, sys.argv[1])
 from accel_train.launcher.__main__ import main
 sys.exit(main(sys.argv[3:], python=sys.argv[2]))' "$HERE" "$PYTHON" "$@"

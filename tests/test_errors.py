@@ -16,6 +16,22 @@ def test_every_failure_status_has_its_place_in_the_priority():
     assert codes == set(errors.STATUS_PRIORITY) - {errors.ABORTED, errors.CRASHED}  # every failure status has its place
 
 
+def test_the_priority_order_is_the_documented_one():
+    """The order itself, literally (test_launcher_policy.py checks the policy walks whatever the
+    list says, so a swapped pair would pass there)."""
+    assert errors.STATUS_PRIORITY == (
+        2,  # bad input: a relaunch runs into the same error
+        5,  # diverged: a relaunch from the last checkpoint diverges again
+        "crash",  # SIGABRT in a gloo group: a bug, reported as an error
+        "abort",  # the NCCL watchdog's abort: a peer was lost
+        1,  # an error
+        130,  # a second Ctrl-C: the user stops it
+        4,  # preempted: the survivors saved
+        3,  # a lost peer: the survivors saved the last step
+        137,  # killed outright, no other rank saying more
+    )
+
+
 def test_report_status_writes_one_file_per_process(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_TRAIN_STATUS_DIR", str(tmp_path))
     errors.report_status(errors.EXIT_PREEMPTED)

@@ -4,6 +4,7 @@ import atexit
 import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -426,6 +427,19 @@ def test_help_is_only_the_help_text():
     for option in ("--dry-run", "--smoke-test", "--preflight", "--rdzv_wait", "--accel_config", "--max_restarts",
                    "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MA_NUM_GPUS=0"):
         assert option in proc.stdout, option
+    # every own option the text lists is taken by the launcher (none reaches the trainer), and every
+    # option the launcher takes is in the text
+    from accel_train.launcher import options
+    listed = re.findall(r"^  (--[a-z_-]+)", HELP.split("Own options")[1], re.M)
+    assert len(listed) == 7, listed
+    for option in listed:
+        opts = options.parse([option, "7", "--epochs", "1"] if option in options.VALUED else [option, "--epochs", "1"],
+                             {})
+        assert opts.trainer_args == ["--epochs", "1"], option
+    # the others: the spellings with _ (--dry_run), --no-preflight, and ModelArts' boot arguments
+    aliases = {o for o in options.OWN if o not in listed and (o.replace("_", "-") in listed or "--no" in o)}
+    boot = {"--init_method", "--rank", "--world_size"}
+    assert {*options.VALUED, *options.OWN} - aliases - boot == set(listed)
 
 
 def test_smoke_test_dry_run_is_the_smoke_check_on_the_same_launch_arguments():

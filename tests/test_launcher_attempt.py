@@ -52,7 +52,7 @@ def test_a_signal_reaches_the_group_but_its_leader_and_the_status_is_a_shells(tm
                 sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler
             )
     # the trainer's status through its spared leader
-    assert (heard.read_text() == "TERM" and status == 4)
+    assert heard.read_text() == "TERM" and status == 4
     assert (tmp_path / "out").read_text().strip() == "True"
     assert sup.signalled == "USR1"
     assert (
@@ -122,7 +122,10 @@ def test_a_frozen_rank_is_killed_after_its_limit_only_where_no_rank_of_the_machi
     tmp_path, capsys
 ):
     env = {"ACCEL_TRAIN_STATUS_DIR": str(tmp_path)}
-    ranks = [child("import time; time.sleep(60)", {**env, "RANK": str(i)}) for i in range(2)]
+    ranks = [
+        child("import time; time.sleep(60)", {**env, "ROLE_RANK": str(i), "RANK": str(i)})
+        for i in range(2)
+    ]
     try:
         watch = attempt.FrozenWatch(str(tmp_path), limit_s=1)
         (tmp_path / "faults").mkdir()  # the ranks' fault notes: no status, so no stop of the job
@@ -153,16 +156,23 @@ def test_a_frozen_rank_is_killed_after_its_limit_only_where_no_rank_of_the_machi
             p.wait()
 
 
+def ended_launcher(status_dir, signalled: str) -> attempt.Supervisor:
+    """A supervisor whose launcher has ended (`signalled`: the signal it was told to stop by), once
+    the attempt's processes in `status_dir` can be found."""
+    sup = attempt.Supervisor.__new__(attempt.Supervisor)
+    sup.child, sup.signalled = None, signalled
+    for _ in range(100):
+        if attempt.attempt_processes(str(status_dir)):
+            break
+        time.sleep(0.05)
+    return sup
+
+
 def test_ranks_that_outlive_their_launcher_are_waited_for_then_killed(tmp_path, capsys):
     rank = child("import time; time.sleep(60)", {"ACCEL_TRAIN_STATUS_DIR": str(tmp_path)})
     quick = child("import time; time.sleep(1)", {"ACCEL_TRAIN_STATUS_DIR": str(tmp_path) + "-2"})
     try:
-        sup = attempt.Supervisor.__new__(attempt.Supervisor)
-        sup.child, sup.signalled = None, ""
-        for _ in range(100):
-            if attempt.attempt_processes(str(tmp_path)):
-                break
-            time.sleep(0.05)
+        sup = ended_launcher(tmp_path, signalled="")
         start = time.monotonic()
         attempt.ranks_ended(str(tmp_path), sup, stop_s=1.5)
         assert (
@@ -179,3 +189,141 @@ def test_ranks_that_outlive_their_launcher_are_waited_for_then_killed(tmp_path, 
         for p in (rank, quick):
             p.kill()
             p.wait()
+
+
+def tree(tmp_path, launcher_env: dict) -> dict[str, int]:
+    """launcher -> agent (inherits the launcher's variables) -> rank (torchrun's worker variables)
+    -> DataLoader worker (inherits the rank's): the pids, once the worker runs."""
+    pids = tmp_path / "pids"
+    worker = "import time; time.sleep(60)"
+    rank = (
+        "import os, subprocess, sys, time\n"
+        f"w = subprocess.Popen([sys.executable, '-c', {worker!r}])\n"
+        f"open({str(pids)!r}, 'a').write(f'rank {{os.getpid()}}\\nworker {{w.pid}}\\n')\n"
+        "time.sleep(60)"
+    )
+    agent = (
+        "import os, subprocess, sys, time\n"
+        "env = {**os.environ, 'ROLE_RANK': '1', 'LOCAL_RANK': '0', 'RANK': '1',"
+        " 'TORCHELASTIC_RUN_ID': 'job',"
+        " 'TORCHELASTIC_RESTART_COUNT': '0'}\n"
+        f"subprocess.Popen([sys.executable, '-c', {rank!r}], env=env)\n"
+        f"open({str(pids)!r}, 'a').write(f'agent {{os.getpid()}}\\n')\n"
+        "time.sleep(60)"
+    )
+    launcher = (
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {agent!r}])\n"
+    )
+    proc = child(launcher + "time.sleep(60)", launcher_env, start_new_session=True)
+    for _ in range(200):
+        if pids.exists() and pids.read_text().count("\n") == 3:
+            break
+        time.sleep(0.05)
+    found = dict(line.split() for line in pids.read_text().splitlines())
+    return {"launcher": proc.pid, **{k: int(v) for k, v in found.items()}}
+
+
+@pytest.mark.parametrize(
+    "launcher_env",
+    [{}, {"RANK": "1"}, {"RANK": "1", "LOCAL_RANK": "0"}],
+    ids=["plain", "scheduler_rank", "scheduler_rank_and_local_rank"],
+)
+def test_a_rank_is_told_from_its_agent_and_its_dataloader_workers(tmp_path, launcher_env):
+    """Kubeflow sets RANK to the pod's rank and sbatch scripts export it: with one process a
+    machine the rank's RANK is the agent's too."""
+    pids = tree(tmp_path, launcher_env)
+    try:
+        # (the launcher is none of its attempt's processes: never asked)
+        seen = {
+            name: attempt.is_rank(psutil.Process(pids[name]))
+            for name in ("agent", "rank", "worker")
+        }
+        assert seen == {"agent": False, "rank": True, "worker": False}
+    finally:
+        os.killpg(pids["launcher"], signal.SIGKILL)
+
+
+def restore_signals():
+    for sig in attempt.FORWARDED:
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+
+
+def test_a_launcher_that_fails_stops_its_job_first(tmp_path, capsys):
+    """An error of the launcher's own (here its watch: the status folder removed by a cleaner used
+    to raise there) must not leave the job running with no one to pass a signal or relaunch."""
+    heard = tmp_path / "heard"
+    trainer = (
+        f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (open({str(heard)!r},"
+        " 'w').write('TERM'), sys.exit(4)))\nprint('ready', flush=True)\ntime.sleep(60)"
+    )
+    sup = attempt.Supervisor()
+    out = open(tmp_path / "out", "w")
+
+    def watch():
+        if (tmp_path / "out").read_text():
+            raise RuntimeError("the watch failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="the watch failed"):
+            sup.run([sys.executable, "-c", trainer], dict(os.environ), watch=watch, stdout=out)
+    finally:
+        restore_signals()
+    assert heard.read_text() == "TERM"
+    assert (
+        "the launcher stops on an error of its own: the job is stopped" in capsys.readouterr().err
+    )
+    # a status folder removed under the job is nothing written, not an error
+    gone = attempt.FrozenWatch(str(tmp_path / "removed"), limit_s=0)
+    gone()
+
+
+def test_sighup_is_a_stop_passed_on_as_sigterm():
+    """The terminal closed: the job, in a session of its own, would not hear of it."""
+    sup = attempt.Supervisor()
+    try:
+        assert signal.getsignal(signal.SIGHUP) == sup.forward
+        sup.forward(signal.SIGHUP)
+    finally:
+        restore_signals()
+    assert sup.signalled == "TERM"
+
+
+def test_ranks_left_by_a_signalled_launcher_are_told_to_stop(tmp_path):
+    """The launcher was told to stop and its launcher ended: the ranks still running get SIGTERM
+    (they checkpoint and exit) instead of waiting for the stop limit."""
+    heard = tmp_path / "heard"
+    code = (
+        f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (open({str(heard)!r},"
+        " 'w').write('TERM'), sys.exit(4)))\ntime.sleep(60)"
+    )
+    rank = child(code, {"ACCEL_TRAIN_STATUS_DIR": str(tmp_path)})
+    try:
+        sup = ended_launcher(tmp_path, signalled="INT")
+        time.sleep(1)  # its handler installed
+        start = time.monotonic()
+        attempt.ranks_ended(str(tmp_path), sup, stop_s=30)
+        assert time.monotonic() - start < 10
+        assert rank.wait(10) == 4 and heard.read_text() == "TERM"
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_a_launcher_that_is_pid_1_reaps_the_orphans_of_its_job(tmp_path):
+    """In a container whose command is launch.sh the launcher is PID 1 (bash execs Python): a
+    process the job left is reparented to it, and its zombie kept the job's group alive for
+    GROUP_WAIT_S. A subreaper is the same case without a container."""
+    orphan = "import time; time.sleep(1)"
+    leader = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {orphan!r}])"
+    code = (
+        "import ctypes, os, sys, time\n"
+        "assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER\n"
+        "from accel_train.launcher import attempt\n"
+        "start = time.monotonic()\n"
+        f"status = attempt.Supervisor().run([sys.executable, '-c', {leader!r}], dict(os.environ))\n"
+        "print(status, round(time.monotonic() - start))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    status, seconds = proc.stdout.split()
+    assert status == "0" and int(seconds) < 10, proc.stdout

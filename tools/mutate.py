@@ -107,6 +107,20 @@ MUTANTS = [
            "(which answers it by SIGKILLing the trainer 5 s later)", "accel_train/launcher/attempt.py",
            "if pid != pgid and os.getpgid(pid) == pgid", "if os.getpgid(pid) == pgid",
            ("tests/test_launcher_attempt.py::test_a_signal_reaches_the_group_but_its_leader_and_the_status_is_a_shells",)),
+    Mutant("rank_by_rank_only", "a rank is told from its agent where a scheduler set RANK for the machine "
+           "(Kubeflow, an exported SLURM_PROCID): a frozen rank is found, its agent never signalled",
+           "accel_train/launcher/attempt.py",
+           "return any(env.get(key) != parent_env.get(key) for key in WORKER_KEYS)",
+           'return env.get("RANK") != parent_env.get("RANK")',
+           ("tests/test_launcher_attempt.py::test_a_rank_is_told_from_its_agent_and_its_dataloader_workers",)),
+    Mutant("failed_launcher_leaves_job", "a launcher that fails or is interrupted stops its job first, never "
+           "leaving it to run unsupervised", "accel_train/launcher/attempt.py",
+           "self.stop_job()\n            raise", "raise",
+           ("tests/test_launcher_attempt.py::test_a_launcher_that_fails_stops_its_job_first",)),
+    Mutant("pid1_no_reaping", "a launcher that is the container's PID 1 reaps the job's orphans: a zombie "
+           "never keeps an attempt alive", "accel_train/launcher/attempt.py",
+           "os.waitpid(proc.pid, os.WNOHANG)", "pass",
+           ("tests/test_launcher_attempt.py::test_a_launcher_that_is_pid_1_reaps_the_orphans_of_its_job",)),
 ]
 
 

@@ -18,6 +18,17 @@ from .plan import Plan, frozen_limit_s, say
 def in_place(opts: options.Options, env: dict[str, str], python: str) -> int:
     """A worker of another launcher (torchrun): this process is one rank already; it becomes the
     trainer."""
+    if opts.smoke_test:
+        raise LaunchError(
+            "--smoke-test under torchrun: this process is one of torchrun's ranks already; run"
+            " launch.sh --smoke-test (or accel-train smoke) outside torchrun"
+        )
+    ignored = [name for name in opts.given if name not in ("--dry-run", "--dry_run")]
+    if ignored:
+        say(
+            f"{PREFIX}: warning: {' '.join(ignored)} ignored: started by torchrun, whose agent"
+            " relaunches, rendezvous and places this rank (its own --max_restarts, --nnodes, ...)"
+        )
     entry = [env["ACCEL_TRAIN_SCRIPT"]] if env.get("ACCEL_TRAIN_SCRIPT") else ["-m", "accel_train"]
     cmd = [python, *entry, *opts.trainer_args]
     env_vars = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": command.python_path(env)}
@@ -36,7 +47,13 @@ def in_place(opts: options.Options, env: dict[str, str], python: str) -> int:
 
 
 def run(plan: Plan, opts: options.Options) -> int:
-    from . import attempt, policy  # (psutil: only once the command is known to run)
+    try:  # (psutil: only once the command is known to run)
+        from . import attempt, policy
+    except ImportError as e:
+        raise LaunchError(
+            f"{sys.executable} cannot import {e.name} ({e}): install accel_train's requirements"
+            " into it (pip install -e .), or set PYTHON= to the environment's python"
+        ) from None
 
     supervisor = attempt.Supervisor()
 
@@ -82,7 +99,6 @@ def run(plan: Plan, opts: options.Options) -> int:
     # relaunch of an --overwrite run (then --overwrite with --resume auto) resumes that run's own
     # checkpoints only, never the run it replaces.
     run_id = f"{secrets.randbits(32):08x}{secrets.randbits(16):04x}"
-    stop_s = float(plan.env.get("ACCEL_RANK_STOP_S") or 120)
     cmd, attempt_no = list(plan.cmd), 0
     while True:
         preflight()
@@ -92,9 +108,12 @@ def run(plan: Plan, opts: options.Options) -> int:
             f" {plan.max_restarts + 1})"
         )
         stopped_before_start()
-        status_dir = tempfile.mkdtemp(
-            prefix="accel_train_status.", dir=plan.env.get("TMPDIR") or "/tmp"
-        )
+        try:
+            status_dir = tempfile.mkdtemp(prefix="accel_train_status.", dir=plan.status_root)
+        except OSError as e:
+            raise LaunchError(
+                f"cannot make this attempt's status folder in {plan.status_root}: {e.strerror}"
+            ) from None
         watch = attempt.FrozenWatch(
             status_dir, frozen_limit_s(plan.nnodes * plan.nproc, opts.trainer_args)
         )
@@ -103,7 +122,7 @@ def run(plan: Plan, opts: options.Options) -> int:
             plan.job_environment(ACCEL_TRAIN_STATUS_DIR=status_dir, ACCEL_TRAIN_RUN_ID=run_id),
             watch=watch,
         )
-        attempt.ranks_ended(status_dir, supervisor, stop_s)
+        attempt.ranks_ended(status_dir, supervisor, plan.rank_stop_s)
         report = policy.read_report(status_dir)
         decision = policy.decide(
             status,
@@ -121,7 +140,7 @@ def run(plan: Plan, opts: options.Options) -> int:
             return decision.exit_status
         attempt_no += 1
         # (the recovery's start-up: docs/failures.md)
-        time.sleep(float(plan.env.get("ACCEL_RESTART_DELAY") or 1))
+        time.sleep(plan.restart_delay_s)
         if attempt_no == 1:
             cmd += ["--resume", "auto"]
 
@@ -149,10 +168,12 @@ def main(argv: list[str] | None = None, python: str | None = None) -> int:
         if opts.dry_run:
             print(command.dry_run_line(plan.env_vars, plan.cmd))
             return 0
+        return run(plan, opts)
     except LaunchError as e:
         say(f"{PREFIX}: error: {e}")
         return 2
-    return run(plan, opts)
+    except KeyboardInterrupt:  # Ctrl-C before the job starts (the device probes): nothing to stop
+        return 130
 
 
 if __name__ == "__main__":

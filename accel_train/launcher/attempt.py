@@ -67,6 +67,24 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def reap_orphans(keep: int | None = None) -> None:
+    """Orphans reparented to the launcher (it is PID 1 in a container whose command is launch.sh,
+    or a subreaper) are reaped: a zombie would keep the job's group alive. `keep`: the child whose
+    status subprocess reads."""
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for proc in children:
+        if proc.pid == keep:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError, OSError):
+            continue
+
+
 def attempt_processes(status_dir: str) -> list[psutil.Process]:
     """Every process of the attempt whose status folder is `status_dir`, whatever it has reached: a
     rank still importing, blocked in the rendezvous, or training."""
@@ -90,16 +108,25 @@ def state(proc: psutil.Process) -> str:
         return ""
 
 
+# What torchrun's agent sets in each worker it starts (LocalElasticAgent._start_workers); ROLE_RANK
+# is its own, set by no scheduler.
+WORKER_KEYS = ("ROLE_RANK", "RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
 def is_rank(proc: psutil.Process) -> bool:
-    """A rank torchrun started: RANK set in its environment (torchrun's agent sets it in each
-    worker), not the same in its parent's (a DataLoader worker inherits its rank's; the agent has
-    none of its own)."""
+    """A rank torchrun started: ROLE_RANK set in its environment and the worker variables not all
+    its parent's. A DataLoader worker inherits its rank's; the agent inherits the launcher's, where
+    a scheduler may have set RANK (Kubeflow's pod rank, SLURM_PROCID exported), which with one
+    process a machine is its rank's RANK too."""
     try:
-        rank = proc.environ().get("RANK")
-        if rank is None:
+        env = proc.environ()
+        if "ROLE_RANK" not in env:
             return False
         parent = proc.parent()
-        return parent is None or parent.environ().get("RANK") != rank
+        if parent is None:
+            return True
+        parent_env = parent.environ()
+        return any(env.get(key) != parent_env.get(key) for key in WORKER_KEYS)
     except psutil.Error:
         return False
 
@@ -158,6 +185,22 @@ class Supervisor:
         except OSError:
             pass
 
+    def stop_job(self) -> None:
+        """The job's group is SIGTERMed (the trainer checkpoints and stops), then SIGKILLed if it
+        has not ended within GROUP_WAIT_S."""
+        if self.child is None or self.child.poll() is not None:
+            return
+        pgid = self.child.pid
+        say(f"{PREFIX}: the launcher stops on an error of its own: the job is stopped (SIGTERM)")
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.child.wait(timeout=GROUP_WAIT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
     def run(self, cmd: list[str], env: dict[str, str], watch=None, stdout=None) -> int:
         """Runs cmd to its end through any signal (and `watch()` every LOOK_S while it runs); its
         status, as a shell gives it (128 + N for a signal N). Waits for the process group the child
@@ -175,11 +218,18 @@ class Supervisor:
                     status = self.child.wait(timeout=LOOK_S)
                     break
                 except subprocess.TimeoutExpired:
+                    reap_orphans(self.child.pid)
                     if watch is not None:
                         watch()
             deadline = time.monotonic() + GROUP_WAIT_S
             while group_alive(self.child.pid) and time.monotonic() < deadline:
+                reap_orphans()
                 time.sleep(0.1)
+        except BaseException:
+            # The launcher itself fails (or is interrupted): the job must not run on unsupervised,
+            # with no one to pass a signal on or relaunch it.
+            self.stop_job()
+            raise
         finally:
             self.child = None
         return 128 - status if status < 0 else status
@@ -199,7 +249,11 @@ class FrozenWatch:
         self.last_look = 0.0
 
     def __call__(self) -> None:
-        if any(entry.is_file() for entry in os.scandir(self.status_dir)):  # (faults/ is no status)
+        try:
+            written = any(entry.is_file() for entry in os.scandir(self.status_dir))
+        except OSError:  # the folder removed under the job (a cleaner of /tmp): nothing written
+            written = False
+        if written:  # (faults/ is no status)
             kill_stopped(attempt_processes(self.status_dir))
         now = time.monotonic()
         if not self.limit_s or now - self.last_look < 1:
@@ -207,9 +261,8 @@ class FrozenWatch:
         self.last_look = now
         ranks = [p for p in attempt_processes(self.status_dir) if is_rank(p)]
         frozen = [p for p in ranks if state(p) == psutil.STATUS_STOPPED]
-        if not frozen or len(frozen) < len(
-            ranks
-        ):  # a rank of this machine still running speaks for it
+        # (a rank of this machine still running speaks for it)
+        if not frozen or len(frozen) < len(ranks):
             self.since.clear()
             return
         for proc in frozen:

@@ -46,6 +46,12 @@ def config_file(name: str) -> Path:
     if Path(name).is_file():
         return Path(name)
     path = CONFIG_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    if not CONFIG_DIR.is_dir():
+        raise LaunchError(
+            f"accelerate config '{name}' not found: no accelerate_configs/ beside this accel_train"
+            f" ({REPO}; the configs are not part of an installed package): run launch.sh from a"
+            " checkout of accel_train, or pass --accel_config PATH"
+        )
     if not path.is_file():
         names = "".join(f"{p.name} " for p in sorted(CONFIG_DIR.glob("*.yaml")))
         raise LaunchError(
@@ -58,7 +64,11 @@ def config_file(name: str) -> Path:
 def config_value(path: Path, pattern: str) -> str | None:
     """The first line's match of `pattern` (a top-level key's value; group 1), None where no line
     matches."""
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise LaunchError(f"accelerate config {path} is invalid: {e}") from None
+    for line in text.splitlines():
         match = re.match(pattern, line)
         if match:
             return match.group(1)

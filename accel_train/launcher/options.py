@@ -72,6 +72,19 @@ VALUED = {
 }
 
 
+# The launcher's own flags without a value.
+OWN = (
+    "--dry-run",
+    "--dry_run",
+    "--smoke-test",
+    "--smoke_test",
+    "--preflight",
+    "--no-preflight",
+    "--no_preflight",
+    "--restart_on_preempt",
+)
+
+
 @dataclass
 class Options:
     dry_run: bool = False
@@ -85,6 +98,7 @@ class Options:
     rank: str = ""
     world_size: str = ""
     help: bool = False
+    given: list[str] = field(default_factory=list)  # the launcher's own options given, in order
     trainer_args: list[str] = field(default_factory=list)
 
 
@@ -101,6 +115,8 @@ def parse(argv: list[str], env) -> Options:
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg.partition("=")
+        if arg in OWN or name in VALUED:
+            opts.given.append(name if name in VALUED else arg)
         if arg in ("--dry-run", "--dry_run"):
             opts.dry_run = True
         elif arg in ("--smoke-test", "--smoke_test"):

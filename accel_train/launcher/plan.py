@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from . import PREFIX, LaunchError, command, devices, options, platforms
 
@@ -28,6 +29,21 @@ def trainer_timeout_s(args) -> int:
     return options.trainer_seconds(args, "--timeout_s", int(trainer_default("timeout_s")))
 
 
+def env_seconds(env, name: str, default: float) -> float:
+    """A launcher timing from the environment (a test's or an operator's), checked before the job
+    starts: a bad value found at the first relaunch would lose that relaunch."""
+    text = env.get(name) or ""
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise LaunchError(f"{name} must be a number of seconds >= 0, got '{text}'")
+    return value
+
+
 def frozen_limit_s(processes: int, args) -> int:
     """How long a rank may stay stopped (state T) in a job of several processes: as long as its
     peers' heartbeat waits for it (--heartbeat_timeout_s), or their collective timeout where
@@ -46,6 +62,14 @@ class Plan:
 
     def __init__(self, opts: options.Options, env: dict[str, str], python: str):
         self.opts, self.env, self.python = opts, env, python
+        self.rank_stop_s = env_seconds(env, "ACCEL_RANK_STOP_S", 120)
+        self.restart_delay_s = env_seconds(env, "ACCEL_RESTART_DELAY", 1)
+        self.status_root = env.get("TMPDIR") or "/tmp"
+        if not (opts.dry_run or Path(self.status_root).is_dir()):
+            raise LaunchError(
+                f"TMPDIR={self.status_root} is not a folder: the attempts' status folders go there;"
+                " unset TMPDIR or create it"
+            )
         layout = platforms.detect(env, opts.init_method, opts.rank, opts.world_size)
         self.layout = layout
         per_card = platforms.ascend_per_card(env)
@@ -138,7 +162,7 @@ class Plan:
         self.master_port = port
 
         # a config the user named keeps its precision where the device has it
-        named = (opts.accel_config)
+        named = opts.accel_config
         name = named or command.CONFIG_FOR[(device, self.nnodes > 1, self.nproc > 1)]
         self.config = command.config_file(name)
         if command.config_value(self.config, r"use_cpu: *(true)") is not None:

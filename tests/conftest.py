@@ -32,7 +32,7 @@ CONFIGS = ROOT / "accelerate_configs"
 # The device facts every test, trainer and rank sees: pinned, so that no result depends on the CPU running the suite
 # (issue 29 item 6: with the machine's own facts, every automatic-precision run trained bf16 on a CPU with
 # avx512_bf16 and fp32 elsewhere, each comparison on another numeric path). ACCEL_TRAIN_TEST_CPU=bf16 runs the suite
-# as a CPU with native bf16 (.ci/run runs the fast tests that way too); a test that needs other facts sets its own.
+# as a CPU with native bf16 (.ci/run runs the min-versions tests that way); a test that needs other facts sets its own.
 TEST_CPUS = {
     "plain": {"kind": "cpu", "name": "test cpu without bf16", "cpu_flags": ["avx2", "avx512f"], "arch": "x86_64"},
     "bf16": {"kind": "cpu", "name": "test cpu with bf16", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],

@@ -36,7 +36,7 @@ from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
-from .preempt import checkpoint_interval_text
+from .preempt import checkpoint_interval_text, pending_stop
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .recipes import RECIPE_FLAGS
 from .resume import Decision, batches_done, check_data, decide, reconcile
@@ -176,7 +176,7 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log, given: G
         data = on_every_rank(accelerator, given_data, cfg, given, accelerator.device, accelerator.num_processes)
     else:
         data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
-                             processes=accelerator.num_processes)
+                             processes=accelerator.num_processes, should_stop=pending_stop)
         if (stats := rank0s((data.info.mean, data.info.std))) != (data.info.mean, data.info.std):
             data.set_normalisation(*stats)  # (a rank whose machine was writing the decoded cache took a sample's)
     if cfg.stem == "auto" and (stem := init_stem(cfg.init_from) if cfg.init_from else

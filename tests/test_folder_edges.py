@@ -289,7 +289,7 @@ def test_a_live_writers_locked_file_is_kept_and_a_cache_published_meanwhile_is_t
     assert not other.exists()  # (its writer gone: abandoned)
     decode, calls = cache.decode_all, []
 
-    def another_writer_publishes(chunk, size):
+    def another_writer_publishes(chunk, size, **kw):
         calls.append(len(chunk))
         if len(calls) == 2:
             np.save(path, decode(files, size)[0].numpy())
@@ -299,6 +299,23 @@ def test_a_live_writers_locked_file_is_kept_and_a_cache_published_meanwhile_is_t
     note = cache.write_cache(files, 16, path)
     assert note.endswith("written meanwhile by another process: read, 32 of 60 images decoded here"), note
     assert len(calls) == 2 and not list(path.parent.glob(".*"))
+
+
+def test_the_decode_answers_the_stop_its_caller_names_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    # the data layer imports no signal handling: what it answers is the should_stop it is given
+    from accel_train.data.images import decode_all
+    from accel_train.errors import Preempted
+    files = sorted((write_image_folder(tmp_path / "d", train=4, val=1) / "train").rglob("*.png"))
+    asked = []
+    with pytest.raises(Preempted, match=f"stopped by SIGUSR1 while decoding {len(files)} images at start-up"):
+        decode_all(files, 16, should_stop=lambda: asked.append(1) or "SIGUSR1")
+    assert asked
+    assert decode_all(files, 16)[0].shape == (len(files), 3, 16, 16)  # (none given: never stops)
+    path = cache.cache_path(files, 16)
+    with pytest.raises(Preempted, match="stopped by SIGUSR1 while decoding the cache"):
+        cache.write_cache(files, 16, path, should_stop=lambda: "SIGUSR1")
+    assert not path.exists()
 
 
 def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_continues_it(tmp_path, monkeypatch):
@@ -312,9 +329,9 @@ def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_co
     root = write_image_folder(tmp_path / "d", train=20, val=2)
     decode, calls = cache.decode_all, []
 
-    def signalled_during_the_first(chunk, size):
+    def signalled_during_the_first(chunk, size, **kw):
         calls.append(len(chunk))
-        images = decode(chunk, size)
+        images = decode(chunk, size, **kw)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # (the trainer's handler records it)
         return images
@@ -328,7 +345,7 @@ def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_co
     kept = list((tmp_path / "home/accel_train/decoded").glob(".*.tmp"))
     assert len(kept) == 1 and not list((tmp_path / "home/accel_train/decoded").glob("*.npy"))
     calls.clear()
-    monkeypatch.setattr(cache, "decode_all", lambda chunk, size: calls.append(len(chunk)) or decode(chunk, size))
+    monkeypatch.setattr(cache, "decode_all", lambda chunk, size, **kw: calls.append(len(chunk)) or decode(chunk, size))
     proc = run_cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "continued from image 17" in proc.stderr and sum(calls) == 60 - 16 + 6, calls  # (the rest, then val)

@@ -251,7 +251,7 @@ def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_p
 
     others = []
 
-    def other_machine_finishes_first(chunk, size):
+    def other_machine_finishes_first(chunk, size, **kw):
         images, rate = decode(chunk, size)
         if not path.exists():
             np.save(path, images.numpy())

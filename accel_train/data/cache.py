@@ -28,8 +28,7 @@ import numpy as np
 from ..errors import Preempted
 from ..files import cache_dir
 from ..hang import PROGRESS
-from ..preempt import pending_stop
-from .images import Decode, as_decode, channel_stats, check_images, decode_all
+from .images import Decode, as_decode, channel_stats, check_images, decode_all, never
 
 VERSION = 2             # of the decode (decode_image) and the file's layout: a new one re-caches (2: the Decode's
                         # crop_pct or whole image, in the key and the name)
@@ -211,12 +210,12 @@ def publish(tmp: Path, path: Path, n: int, size: int) -> None:
         os.replace(tmp, path)
 
 
-def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
+def write_cache(files: list[Path], size: int | Decode, path: Path, should_stop=never) -> str:
     """Decode `files` into the cache at `path` unless a complete one is there; the note for the start line. A bad
     image raises as check_images / decode_all name it; OSError (a full disk, a read-only one) leaves nothing behind.
-    The decode answers a stop signal (the trainer's StopRequest) within about a second: Preempted, its rows kept for
-    the next start to continue (remove_abandoned); a complete cache of the same key that another writer (another
-    container sharing ~/.cache) publishes meanwhile is taken, the rest not decoded."""
+    The decode answers a stop that `should_stop` names (decode_all's) within about a second: Preempted, its rows
+    kept for the next start to continue (remove_abandoned); a complete cache of the same key that another writer
+    (another container sharing ~/.cache) publishes meanwhile is taken, the rest not decoded."""
     n, side = len(files), as_decode(size).size
     mib = n * 3 * side * side / 2**20
     if open_cache(path, n, size) is not None:
@@ -237,12 +236,12 @@ def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
             f.seek(0, os.SEEK_END)
             piece = 16
             while done < n:
-                if pending_stop() is not None:
+                if should_stop() is not None:
                     raise Preempted("")
                 if open_cache(path, n, size) is not None:
                     return (f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another process: read, "
                             f"{done} of {n} images decoded here")
-                images, rate = decode_all(files[done:done + piece], size)
+                images, rate = decode_all(files[done:done + piece], size, should_stop=should_stop)
                 f.write(images.numpy().tobytes())
                 done += len(images)
                 PROGRESS.mark("start-up: the decoded cache", detail=f"{done} of {n} images")
@@ -255,7 +254,7 @@ def write_cache(files: list[Path], size: int | Decode, path: Path) -> str:
             save_aspects(path, aspects)
     except Preempted:  # (between pieces, or inside one: decode_all)
         keep = True
-        raise Preempted(f"stopped by {pending_stop()} while decoding the cache {path} ({done} of {n} images); the "
+        raise Preempted(f"stopped by {should_stop()} while decoding the cache {path} ({done} of {n} images); the "
                         "next start continues it") from None
     finally:
         if not keep:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 
 from ..config import SIZE_SAMPLE
 from ..errors import Preempted, counted
-from ..preempt import pending_stop
 from .info import DataError
 
 
@@ -144,10 +144,16 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 
-def decode_all(files: list[Path], size, say_small: bool = False) -> tuple[torch.Tensor, float]:
+def never() -> str | None:
+    """A should_stop that never asks to stop (no trainer's stop request to answer)."""
+    return None
+
+
+def decode_all(files: list[Path], size, say_small: bool = False,
+               should_stop: Callable[[], str | None] = never) -> tuple[torch.Tensor, float]:
     """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size uint8, images/s); `size`:
-    an int or a Decode. A stop signal that the trainer recorded meanwhile (preempt.pending_stop) ends it at once:
-    Preempted."""
+    an int or a Decode. `should_stop` names a stop that the caller received meanwhile (the trainer's: a stop
+    signal), or None: a name ends the decode at once, Preempted."""
     start = time.perf_counter()
     spec = as_decode(size)
     out = torch.empty((len(files), 3, spec.size, spec.size), dtype=torch.uint8)
@@ -155,7 +161,7 @@ def decode_all(files: list[Path], size, say_small: bool = False) -> tuple[torch.
     small = []
 
     def one(i):
-        if pending_stop() is not None:  # (the rest of the pool's files are passed over)
+        if should_stop() is not None:  # (the rest of the pool's files are passed over)
             return None
         try:
             out[i] = decode_image(files[i], spec, small=small)
@@ -164,7 +170,7 @@ def decode_all(files: list[Path], size, say_small: bool = False) -> tuple[torch.
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
         errors = [e for e in pool.map(one, range(len(files))) if e is not None]
-    if (stop := pending_stop()) is not None:
+    if (stop := should_stop()) is not None:
         raise Preempted(f"stopped by {stop} while decoding {len(files)} images at start-up")
     if errors:
         raise unreadable_images(errors)

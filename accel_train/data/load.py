@@ -22,7 +22,7 @@ from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, 
 from .crops import store_size
 from .cifar import read_cifar10
 from .folders import held_out, image_folder_splits, scan_split, subset
-from .images import Decode, channel_stats, check_images, decode_all, native_size
+from .images import Decode, channel_stats, check_images, decode_all, native_size, never
 from .info import CIFAR10, DataInfo
 from .synthetic import random_data
 
@@ -113,12 +113,13 @@ def with_flags(info: DataInfo, cfg: TrainConfig) -> DataInfo:
 
 
 def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only: bool = False,
-              budget: int | None = None):
+              budget: int | None = None, should_stop=never):
     """-> (DataInfo, {split: Split}, pipeline, notes). With `info` (evaluate: from model_config.json) the
-    classes, size and mean/std are the model's and nothing is recomputed; `eval_only` reads only 'test'."""
+    classes, size and mean/std are the model's and nothing is recomputed; `eval_only` reads only 'test'.
+    `should_stop`: what a start-up decode of image files answers (images.decode_all's)."""
     wanted = ("test",) if eval_only else ("train", "test")
     if cfg.data == "imagefolder":
-        return load_image_folder(cfg, device, info, wanted, budget)
+        return load_image_folder(cfg, device, info, wanted, budget, should_stop)
     size = info.image_size if info else cfg.resolution()
     if cfg.data == "random":
         tensors = random_data(cfg.train_samples or 50_000, cfg.test_samples or 10_000, cfg.seed, size,
@@ -133,7 +134,8 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
     return info, {k: Split(y, images=x) for k, (x, y) in tensors.items()}, pipeline, why
 
 
-def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None):
+def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, budget: int | None = None,
+                      should_stop=never):
     train_dir, eval_dir = image_folder_splits(cfg.data_dir, "train" in wanted, cfg.val_split)
     classes = info.classes if info else None
     found, limits = {}, {"train": cfg.train_samples, "test": cfg.test_samples}
@@ -175,17 +177,17 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
         labels, spec = torch.tensor(labels, dtype=torch.long), specs[split]
         later, aspects = sampled and split == "train", None
         if pipeline == "device":
-            images, rate = decode_all(files, spec, say_small=True)
+            images, rate = decode_all(files, spec, say_small=True, should_stop=should_stop)
             notes.append(f"{split}: {len(files)} images decoded once at {rate:.0f} images/s")
             splits[split] = Split(labels, images=images)
             aspects = check_images(files) if spec.whole else None
         elif pipeline == "cache":
             cache = cached(files, spec, split, notes, limits[split], later,
-                           homes.get(split, (None,))[0], parts.get(split))
+                           homes.get(split, (None,))[0], parts.get(split), should_stop)
             splits[split] = Split(labels, files=files, cache=cache)
             aspects = cache_aspects(splits[split].cache, files) if spec.whole else None
         else:
-            aspects = checked(files, spec, later)
+            aspects = checked(files, spec, later, should_stop)
             splits[split] = Split(labels, files=files)
         splits[split].decode, splits[split].aspects = spec, aspects if spec.whole else None
     if info is None:
@@ -199,7 +201,7 @@ def load_image_folder(cfg: TrainConfig, device, info: DataInfo | None, wanted, b
                 stats = cache_stats(train.cache, mapped)
             else:  # an evenly spaced sample of the training files, the same on every rank
                 step = max(1, len(train.files) // STATS_SAMPLE)
-                stats = channel_stats(decode_all(train.files[::step], train.decode)[0])
+                stats = channel_stats(decode_all(train.files[::step], train.decode, should_stop=should_stop)[0])
             mean, std = mean or stats[0], std or stats[1]
             notes.append(f"mean {mean} std {std} from the training images")
         info = DataInfo("imagefolder", classes, mean, std, size, crop_pct)
@@ -231,7 +233,7 @@ def home(files: list[Path], size: int | Decode, samples: int | None, part: str |
     return path, path is not None and open_cache(path, len(files), size) is not None
 
 
-def checked(files: list[Path], size: int | Decode, sampled: bool = False) -> torch.Tensor:
+def checked(files: list[Path], size: int | Decode, sampled: bool = False, should_stop=never) -> torch.Tensor:
     """Files decoded per sample later: every header read now (check_images), and a split of up to STATS_SAMPLE files
     decoded (a few seconds), unless `sampled` (the mean/std's sample decodes all of it anyway), so that a file whose
     header reads but whose pixels end early is named now, alike on every rank, not by one rank's DataLoader worker
@@ -239,12 +241,13 @@ def checked(files: list[Path], size: int | Decode, sampled: bool = False) -> tor
     aspects = check_images(files, size)
     if len(files) <= STATS_SAMPLE and not sampled:
         for start in range(0, len(files), 256):
-            decode_all(files[start:start + 256], size)
+            decode_all(files[start:start + 256], size, should_stop=should_stop)
     return aspects
 
 
 def cached(files: list[Path], size: int | Decode, split: str, notes: list[str], samples: int | None = None,
-           sampled: bool = False, path: Path | None = None, part: str | None = None) -> Path | None:
+           sampled: bool = False, path: Path | None = None, part: str | None = None,
+           should_stop=never) -> Path | None:
     """The split's decoded cache on this machine: written by its local main process (the other local ranks map it
     once start-up's next collective has passed: setup's on_every_rank around build_data). Where it cannot be
     written (a full or read-only disk, no home) the files are decoded per sample, said in one line. `samples`: the
@@ -256,7 +259,7 @@ def cached(files: list[Path], size: int | Decode, split: str, notes: list[str], 
         if path is None:
             raise OSError("no home directory for ~/.cache")
         if PartialState().is_local_main_process:
-            notes.append(f"{split}: " + write_cache(files, size, path))
+            notes.append(f"{split}: " + write_cache(files, size, path, should_stop))
         else:  # (the writer decodes every file: a bad one is its error, on every rank: setup's on_every_rank)
             check_images(files)
             notes.append(f"{split}: the decoded cache {path}, written by this machine's local main process")
@@ -264,5 +267,5 @@ def cached(files: list[Path], size: int | Decode, split: str, notes: list[str], 
     except OSError as e:
         notes.append(f"{split}: the decoded cache cannot be written ({e.strerror or e}"
                      f"{': ' + str(e.filename) if getattr(e, 'filename', None) else ''}): decoding per sample")
-        checked(files, size, sampled)
+        checked(files, size, sampled, should_stop)
         return None

@@ -31,7 +31,7 @@ from ..errors import counted
 from ..recipes import per_sample
 from .augment import Normalize, crop_flip, crop_flip_params
 from .cache import open_cache
-from .images import decode_image
+from .images import decode_image, never
 from .info import CIFAR10, DataInfo
 from .load import Split, load_data
 from .train_augment import TrainAugment, plan
@@ -207,12 +207,13 @@ class Data:
 
 
 def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = None, eval_only: bool = False,
-               budget: int | None = None, processes: int = 1) -> Data:
+               budget: int | None = None, processes: int = 1, should_stop=never) -> Data:
     """The loaders. `splits` ({'train'|'test': (uint8 images, labels)}) replaces reading from disk (tests);
     `budget`: bytes the device pipeline may use (rank 0's measure under several ranks, see device_budget);
-    `processes`: the ranks the training set is sharded over (an automatic --batch_size follows the data's size)."""
+    `processes`: the ranks the training set is sharded over (an automatic --batch_size follows the data's size);
+    `should_stop`: what a start-up decode of image files answers (images.decode_all's)."""
     if splits is None:
-        info, splits, pipeline, notes = load_data(cfg, device, info, eval_only, budget)
+        info, splits, pipeline, notes = load_data(cfg, device, info, eval_only, budget, should_stop)
     else:
         splits = {k: Split(y, images=x) for k, (x, y) in splits.items()}
         info, pipeline, notes = info or CIFAR10, ("cpu" if cfg.pipeline in ("cpu", "cache") or per_sample(cfg)

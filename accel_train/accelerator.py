@@ -157,10 +157,10 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
 
 
 def fall_back_to_fp32(accelerator) -> None:
-    """Before prepare(): the run trains in fp32 after all (gradcheck: the reduced precision computed wrong
+    """Before prepare(): the run trains in fp32 after all (the precision check: the reduced precision computed wrong
     gradients). Accelerate fixes the precision when the Accelerator is made and keeps it in three places that
     autocast() and prepare() read (accelerate accelerator.py: native_amp, scaler; state.py: _mixed_precision, in
-    the state every Accelerator shares); tests/test_gradcheck.py checks that fp32 took effect."""
+    the state every Accelerator shares); tests/test_precision_check.py checks that fp32 took effect."""
     accelerator.state._mixed_precision = "no"
     accelerator.native_amp = False
     accelerator.scaler = None

@@ -157,7 +157,7 @@ def nothing_to_resume(output_dir) -> str:
 
 def cache_dir(name: str) -> Path | None:
     """~/.cache/accel_train/<name> ($XDG_CACHE_HOME): what a start remembers for the next (accel_config: configs that
-    loaded; gradcheck: precision verdicts). None where there is no home: nothing is remembered."""
+    loaded; precision/: its verdicts). None where there is no home: nothing is remembered."""
     try:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     except (RuntimeError, KeyError):

@@ -29,7 +29,7 @@ from .defaults import dropped_note
 from .errors import ConfigError, clear_notes, counted
 from .files import CONFIG_FILE
 from .freeze import freeze
-from .gradcheck import check_run_precision, first_batch
+from .precision.check import check_run_precision, first_batch
 from .hang import PROGRESS
 from .hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs

@@ -43,7 +43,7 @@ def name_of(model) -> str:
 
 
 def code_digest(name, model: nn.Module | None = None) -> str | None:
-    """The code a cached result about the model (gradcheck) belongs to, as a digest: the file that defines an import
+    """The code a cached result about the model (the precision check) belongs to, as a digest: the file that defines an import
     path's module, and the files that define the model's modules (every class of every submodule, and its bases:
     timm's and torch's too) with, for your own files, those of the code they import (a layer in a second local
     module: its forward changed, the model is checked again). None when nothing of it can be read."""
@@ -74,7 +74,7 @@ def is_local(module) -> bool:
 def structure_digest(model: nn.Module) -> str:
     """The model's modules (their repr: types and sizes) and its tensors' names and shapes, as a digest: two models
     recorded under one name (a notebook's `__main__:Net` of another width, a functools.partial, instances of one
-    class built with other arguments) are not one model to a cached result about the model (gradcheck)."""
+    class built with other arguments) are not one model to a cached result about the model (the precision check)."""
     shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
     return hashlib.sha256(f"{model!r}{shapes}".encode()).hexdigest()[:16]
 

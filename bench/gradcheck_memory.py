@@ -37,7 +37,7 @@ def measure(args) -> dict:
     import timm
     import torch
 
-    from accel_train import gradcheck
+    from accel_train.precision import check as gradcheck
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=1000).to(device).train()

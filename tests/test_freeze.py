@@ -12,13 +12,14 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from accel_train import gradcheck, pretrained
+from accel_train import pretrained
+from accel_train.precision import check as gradcheck
 from accel_train.config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.freeze import freeze, frozen_names
 
 from conftest import clean_env, launch
-from test_gradcheck import BF16_CPU
+from test_precision_check import BF16_CPU
 
 REPO = "timm/test_resnet.r160_in1k"  # timm's pretrained_cfg source of test_resnet
 
@@ -86,7 +87,7 @@ def test_the_precision_check_skips_the_frozen_layers(monkeypatch):
     assert any(n.startswith("layer3") for n in checked) and "fc" in checked
     # a verdict remembered for a partly frozen model is not one for the whole model: its frozen layers went unchecked
     from accel_train.hardware import DeviceFacts
-    from accel_train.precision_cache import cache_key
+    from accel_train.precision.cache import cache_key
     c, facts = TrainConfig(data="random", model="test_resnet"), DeviceFacts("cpu", "x")
     keys = [cache_key(c, 10, (8, 3, 32, 32), "bf16", facts, m)
             for m in (model, timm.create_model("test_resnet", num_classes=10))]

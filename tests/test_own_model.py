@@ -145,8 +145,8 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
 
     from accel_train.user import name_of
     from accel_train.config import TrainConfig
-    from accel_train.gradcheck import check
-    from accel_train.precision_cache import cache_key
+    from accel_train.precision.check import check
+    from accel_train.precision.cache import cache_key
     from accel_train.hardware import DeviceFacts
     shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -199,7 +199,7 @@ def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_loca
     import sys
 
     from accel_train.config import TrainConfig
-    from accel_train.precision_cache import cache_key
+    from accel_train.precision.cache import cache_key
     from accel_train.hardware import DeviceFacts
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")
@@ -470,7 +470,7 @@ def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path
     # issue 34 item 4: every layer frozen but the classifier (requires_grad=False), on a CPU whose default is bf16:
     # the start-up check raised "element 0 of tensors does not require grad" and the run could not start (exit 2,
     # even under auto). The check runs, passes, and both ranks train the classifier only
-    from test_gradcheck import BF16_CPU
+    from test_precision_check import BF16_CPU
     out = tmp_path / "out"
     env = clean_env(PYTHONPATH=python_path(TESTS), ACCEL_TRAIN_DEVICE_FACTS=BF16_CPU, NPROC_PER_NODE="2",
                     XDG_CACHE_HOME=str(tmp_path / "cache"))

@@ -1,7 +1,9 @@
-"""The package's shape: no import cycle between its modules, modules of a readable size, train() on one screen."""
+"""The package's shape: no import cycle between its modules, no import up its layers, train() on one screen."""
 
 import ast
 import inspect
+
+import pytest
 
 from conftest import ROOT
 
@@ -67,13 +69,70 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     assert imports_of(a) == {"accel_train.b"} and imports_of(b) == {"accel_train.a"}
 
 
-MAX_LINES = 340  # a module past this likely holds two concerns: a prompt to read it, not a cut
+# The package's layers, lowest first: a module imports its own layer and those below it, never one
+# above (lazy imports too). A module belongs to the layer of its longest listed prefix. The root
+# (__version__, the parent's pid) is the base; its lazy re-exports of TrainConfig and train are the
+# public face, not a dependency.
+LAYERS = [
+    ("base: exceptions, exit statuses, file names, a rank's lines, where a rank is",
+     ["accel_train", "accel_train.errors", "accel_train.exits", "accel_train.files",
+      "accel_train.ranks", "accel_train.hang"]),
+    ("model: timm's and your own, freeze, pretrained weights",
+     ["accel_train.model", "accel_train.user", "accel_train.freeze", "accel_train.pretrained"]),
+    ("config: TrainConfig, flag types, automatic defaults, the recipe's flags",
+     ["accel_train.config", "accel_train.flag_types", "accel_train.defaults", "accel_train.recipes"]),
+    ("platform: the Accelerator, hardware facts, cores, a backend's environment",
+     ["accel_train.accelerator", "accel_train.hardware", "accel_train.cores",
+      "accel_train.backend_env", "accel_train.accel_config"]),
+    ("data", ["accel_train.data"]),
+    ("precision: the check, its verdict, its cache", ["accel_train.precision"]),
+    ("checkpoint: the checkpointer, resume and what it may change, the output dir, transfer",
+     ["accel_train.checkpoint", "accel_train.resume", "accel_train.changes", "accel_train.runs",
+      "accel_train.transfer"]),
+    ("resilience: stop requests and agreed checks, survivor, heartbeat, how a run's status ends",
+     ["accel_train.preempt", "accel_train.survivor", "accel_train.device_copy",
+      "accel_train.heartbeat", "accel_train.status"]),
+    ("train: the loop, building a run, evaluation, optimizer, metrics, exports, divergence",
+     ["accel_train.loop", "accel_train.setup", "accel_train.evaluate", "accel_train.optim",
+      "accel_train.metrics", "accel_train.outputs", "accel_train.divergence"]),
+    ("commands and the API", ["accel_train.commands", "accel_train.api"]),
+    ("the command line and the launcher",
+     ["accel_train.cli", "accel_train.__main__", "accel_train.launcher"]),
+]
+FACE = {("accel_train", "accel_train.api"), ("accel_train", "accel_train.config")}
 
 
-def test_no_module_is_two_concerns_long():
-    lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    long = {name: n for name, n in lines.items() if n > MAX_LINES}
-    assert not long, long
+def layer_of(module: str) -> int:
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or (prefix != "accel_train" and module.startswith(prefix + "."))]
+    assert found, f"{module} is in no layer of tests/test_structure.py's LAYERS: give it one"
+    return max(found)[1]
+
+
+def upward_imports(graph) -> list[str]:
+    return [f"{m} ({LAYERS[layer_of(m)][0].split(':')[0]}) imports {t} "
+            f"({LAYERS[layer_of(t)][0].split(':')[0]})"
+            for m, targets in sorted(graph.items()) for t in sorted(targets)
+            if (m, t) not in FACE and layer_of(t) > layer_of(m)]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+    graph = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
+    assert not upward_imports(graph)
+
+
+def test_the_layer_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
+    data = tmp_path / "accel_train" / "data"
+    data.mkdir(parents=True)
+    (data / "images.py").write_text("def f():\n    from ..preempt import pending_stop\n")
+    (tmp_path / "accel_train" / "preempt.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    graph = {"accel_train.data.images": imports_of(data / "images.py")}
+    assert upward_imports(graph) == [
+        "accel_train.data.images (data) imports accel_train.preempt (resilience)"]
+    with pytest.raises(AssertionError, match="accel_train.nowhere is in no layer"):
+        layer_of("accel_train.nowhere")
 
 
 def test_train_reads_on_one_screen():

@@ -1,4 +1,4 @@
-"""Models whose gradient is wrong in the reduced precision only, for tests/test_gradcheck.py (in the test process,
+"""Models whose gradient is wrong in the reduced precision only, for tests/test_precision_check.py (in the test process,
 and imported by a sitecustomize hook in the ranks of its 2-rank test): registered as timm models."""
 
 import os

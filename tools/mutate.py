@@ -50,9 +50,9 @@ MUTANTS = [
            "bad = ~torch.isfinite(loss.detach())", "bad = torch.isnan(loss.detach())",
            ("tests/test_divergence.py::test_an_infinite_loss_stops_the_run_as_a_nan_does",)),
     Mutant("gradcheck_loose", "a reduced precision whose gradients exceed the rounding bound falls back to fp32",
-           "accel_train/gradcheck.py",
+           "accel_train/precision/check.py",
            "limit = bound(precision, depth(model))", "limit = 1000 * bound(precision, depth(model))",
-           ("tests/test_gradcheck.py::test_a_gradient_wrong_by_a_modest_factor_fails_the_check",)),
+           ("tests/test_precision_check.py::test_a_gradient_wrong_by_a_modest_factor_fails_the_check",)),
     Mutant("cache_key_size", "a changed image folder gets a new decoded cache, never a stale one (a file rewritten "
            "in place with another size, its mtime restored)", "accel_train/data/cache.py",
            r'stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"',

@@ -1,4 +1,4 @@
-"""The start-up check of the reduced precision (accel_train/gradcheck.py; issue 27): its verdict on an injected wrong
+"""The start-up check of the reduced precision (accel_train/precision/check.py; issue 27): its verdict on an injected wrong
 gradient, on the real bad shape as this machine's kernel computes it, the fall-back to fp32 and the refusal, the
 cache, and 2 ranks agreeing."""
 
@@ -11,7 +11,7 @@ import timm
 import torch
 import torch.nn as nn
 
-from accel_train import gradcheck
+from accel_train.precision import check as gradcheck
 from conftest import ROOT, clean_env, run, run_cli
 from wrong_gradients import FORWARDS, Corrupt, Net
 
@@ -55,7 +55,6 @@ def test_the_fp32_reference_runs_without_tf32_or_hf32(monkeypatch):
     torch_npu's in HF32 (torch.npu.conv.allow_hf32): 10 mantissa bits, so the reference of a check of fp16 was as
     coarse as fp16. Both the forward and the backward of each fp32 pass see every such switch off; the reduced
     precision passes see them as the run has them, and they are as they were after the check."""
-    import types
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True  # as a user's torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True

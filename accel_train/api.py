@@ -18,7 +18,7 @@ from .config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, is_lost_peer, lost_peer, note_aborts
 from .exits import exit_rank
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
-from .preempt import SIGNALS, watch_launcher
+from .resilience.preempt import SIGNALS, watch_launcher
 from .status import status_of
 from .user import Given, name_of
 

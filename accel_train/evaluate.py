@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .hang import PROGRESS
-from .preempt import AgreedChecks
+from .resilience.preempt import AgreedChecks
 
 
 @torch.no_grad()

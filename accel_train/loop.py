@@ -26,9 +26,9 @@ from .hang import PROGRESS, HangReport
 from .metrics import EpochMeter, MetricsLog, Pace
 from .model import bare_model
 from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
-from .preempt import AgreedChecks, StopRequest
+from .resilience.preempt import AgreedChecks, StopRequest
 from .setup import Run, setup
-from .survivor import Survivor
+from .resilience.survivor import Survivor
 
 logger = get_logger("accel_train")
 

@@ -36,7 +36,7 @@ from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
-from .preempt import checkpoint_interval_text, pending_stop
+from .resilience.preempt import checkpoint_interval_text, pending_stop
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .recipes import RECIPE_FLAGS
 from .resume import Decision, batches_done, check_data, decide, reconcile

@@ -26,7 +26,7 @@ def status_of(call) -> int:
         group = process_group()
         code = getattr(e, "status", EXIT_PREEMPTED)  # (3: a launcher is gone, preempt.watch_launcher)
         if group is None or group.is_main_process or getattr(e, "every_rank", False):  # (--log_all_ranks)
-            from .preempt import launcher_status
+            from .resilience.preempt import launcher_status
             said = launcher_status(getattr(e, "signal", None), code)  # (130 from accelerate launch)
             print(f"accel-train: {'preempted' if code == EXIT_PREEMPTED else 'error'}: {e}{said}",
                   file=sys.stderr, flush=True)

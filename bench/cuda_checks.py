@@ -36,7 +36,7 @@ def check_syncs(a) -> dict:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from accel_train.preempt import AgreedChecks
+    from accel_train.resilience.preempt import AgreedChecks
     state = {"step": 0, "syncs": {}, "checks": []}
 
     def count():

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.distributed import DistBackendError
 
-from accel_train import accelerator, device_copy, hardware
+from accel_train import accelerator, hardware
+from accel_train.resilience import device_copy
 from accel_train.config import TrainConfig
 from accel_train.errors import is_lost_peer
 from test_launch import dry_run, hw, parse  # noqa: F401  (hw is a fixture)
@@ -222,7 +223,7 @@ def test_a_check_that_reads_an_aborted_all_gather_is_a_lost_peer_not_a_decision(
     preempted. Each row carries the step the ranks called the check at."""
     from accel_train.divergence import NonFiniteWatch
     from accel_train.errors import LostPeer
-    from accel_train.preempt import AgreedChecks, StopRequest
+    from accel_train.resilience.preempt import AgreedChecks, StopRequest
 
     class Gathered:  # two ranks' rows, the second one stale
         device = torch.device("cpu")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from accel_train import survivor
+from accel_train.resilience import survivor
 from conftest import run_cli
 from test_survivor import ONE, SAVED, every_step, lose_peer_at  # noqa: F401 (a fixture)
 

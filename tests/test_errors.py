@@ -132,7 +132,7 @@ def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
         "from torch.utils.data import DataLoader\n"
         "from accel_train.config import TrainConfig\n"
         "from accel_train.data.workers import loader_kwargs\n"
-        "from accel_train.preempt import StopRequest\n"
+        "from accel_train.resilience.preempt import StopRequest\n"
         "if __name__ == '__main__':\n"
         "    os.register_at_fork(after_in_child=lambda: time.sleep(1))\n"
         "    StopRequest().install()\n"

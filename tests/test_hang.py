@@ -7,7 +7,7 @@ import time
 import types
 
 from accel_train.hang import HANG_STEPS, HangReport, Progress
-from accel_train.heartbeat import Heartbeat
+from accel_train.resilience.heartbeat import Heartbeat
 from conftest import wait_for
 
 

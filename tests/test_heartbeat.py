@@ -1,4 +1,4 @@
-"""The ranks' heartbeat (accel_train/heartbeat.py), in-process on localhost with short periods. With real ranks: a
+"""The ranks' heartbeat (accel_train/resilience/heartbeat.py), in-process on localhost with short periods. With real ranks: a
 frozen rank (test_survivor.py), a frozen machine and a cut link (test_faults.py), a rank slow in one step past the timeout, no
 alarm (test_survivor.py)."""
 
@@ -7,7 +7,7 @@ import os
 import socket
 import time
 
-from accel_train.heartbeat import TAG, Heartbeat, sign, silent
+from accel_train.resilience.heartbeat import TAG, Heartbeat, sign, silent
 from conftest import wait_for
 
 

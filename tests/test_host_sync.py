@@ -5,11 +5,11 @@ A sitecustomize.py, written into a temp dir put first on PYTHONPATH, wraps what 
 destination is the CPU, torch.equal / torch.allclose / torch.is_nonzero and their Tensor methods) and
 torch.distributed's Python collectives (DDP's gradient all-reduce runs in C++ and is not counted), and counts them
 per window between two optimizer steps (a global optimizer step post-hook marks the boundaries). It also records
-the steps at which the ranks ran an agreed check (accel_train.preempt.AgreedChecks.agree, where it exists). Every
+the steps at which the ranks ran an agreed check (accel_train.resilience.preempt.AgreedChecks.agree, where it exists). Every
 window of a run without logging or checkpoint steps must then be empty unless it held an agreed check.
 
 The agreed checks' clock is the step count (issue 29 item 7): AgreedChecks reads time.perf_counter, which the hook
-replaces, in accel_train.preempt only, by a clock that advances exactly STEP_S per optimizer step. The checks then
+replaces, in accel_train.resilience.preempt only, by a clock that advances exactly STEP_S per optimizer step. The checks then
 fall at steps 1 and 21 of 30 by construction (step 1, then TARGET_S / STEP_S = 20 steps later) on any machine,
 however loaded; with the real clock a step over ~0.67 s on a busy machine made a check every step or two.
 """
@@ -72,7 +72,7 @@ if _out:
     def _on_step(optimizer, args, kwargs):
         _state["step"] += 1
         if _state["step"] == 1:  # the trainer is imported by now: note where it runs its agreed checks
-            checks = getattr(sys.modules.get("accel_train.preempt"), "AgreedChecks", None)
+            checks = getattr(sys.modules.get("accel_train.resilience.preempt"), "AgreedChecks", None)
             if checks is not None:
                 agree = checks.agree
                 def recorded(self, accelerator, step, *a, **k):
@@ -81,9 +81,9 @@ if _out:
                     return agree(self, accelerator, step, *a, **k)
                 checks.agree = recorded
 
-    # the agreed checks' clock: STEP_S per optimizer step (accel_train.preempt's `time` only)
+    # the agreed checks' clock: STEP_S per optimizer step (accel_train.resilience.preempt's `time` only)
     import time as _time
-    import accel_train.preempt as _preempt
+    import accel_train.resilience.preempt as _preempt
 
     class _StepClock:
         def perf_counter(self):
@@ -133,7 +133,7 @@ def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):
 
 
 def test_agreed_check_interval_is_about_2s_of_work_at_most_5s_and_costs_at_most_1_percent():
-    from accel_train.preempt import AgreedChecks
+    from accel_train.resilience.preempt import AgreedChecks
     assert AgreedChecks.interval(0.01, 0.0) == 200  # 2 s of 10 ms steps
     assert AgreedChecks.interval(0.001, 0.04) == 4000  # a 40 ms check: 100x its cost apart (4 s)
     assert AgreedChecks.interval(0.001, 1.0) == 5000  # never more than 5 s of work between checks

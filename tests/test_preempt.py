@@ -12,7 +12,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from accel_train import preempt
+from accel_train.resilience import preempt
 from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for a signal or a
@@ -167,7 +167,7 @@ def test_a_ctrl_c_during_start_up_is_answered_by_the_start_up_check_not_by_every
 def test_the_stop_line_says_what_accelerate_launchs_130_after_one_ctrl_c_means():
     """accelerate launch exits 128 + the signal it got (130 after a Ctrl-C) although one Ctrl-C wrote a checkpoint
     and every rank exits 4; docs/failures.md's table said 130 meant "a second Ctrl-C, no checkpoint"."""
-    from accel_train.preempt import launcher_status
+    from accel_train.resilience.preempt import launcher_status
     torchrun = {"ACCELERATE_MIXED_PRECISION": "no", "TORCHELASTIC_RUN_ID": "none"}
     said = launcher_status(signal.SIGINT, 4, torchrun)
     assert said == " (exit status 4 on every rank; `accelerate launch` exits 130 after a Ctrl-C all the same, " \

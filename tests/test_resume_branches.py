@@ -229,7 +229,7 @@ def test_the_rank_that_speaks_names_its_own_launcher_even_if_a_peer_saw_it_go_fi
     """CI, loaded: rank 1's watch saw the killed agent first and the ranks agreed on the stop before rank 0's watch
     (a poll a second) had: rank 0 said 'the end of another machine's launcher' of the launcher both had."""
     import accel_train
-    from accel_train.preempt import LAUNCHED_BY, StopRequest
+    from accel_train.resilience.preempt import LAUNCHED_BY, StopRequest
     stop = StopRequest()
     stop.any_launcher_gone = True  # (agreed: some rank's launcher is gone)
     monkeypatch.setenv(LAUNCHED_BY, "no")

@@ -90,8 +90,7 @@ LAYERS = [
      ["accel_train.checkpoint", "accel_train.resume", "accel_train.changes", "accel_train.runs",
       "accel_train.transfer"]),
     ("resilience: stop requests and agreed checks, survivor, heartbeat, how a run's status ends",
-     ["accel_train.preempt", "accel_train.survivor", "accel_train.device_copy",
-      "accel_train.heartbeat", "accel_train.status"]),
+     ["accel_train.resilience", "accel_train.status"]),
     ("train: the loop, building a run, evaluation, optimizer, metrics, exports, divergence",
      ["accel_train.loop", "accel_train.setup", "accel_train.evaluate", "accel_train.optim",
       "accel_train.metrics", "accel_train.outputs", "accel_train.divergence"]),
@@ -125,12 +124,13 @@ def test_no_module_imports_a_layer_above_its_own():
 def test_the_layer_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
     data = tmp_path / "accel_train" / "data"
     data.mkdir(parents=True)
-    (data / "images.py").write_text("def f():\n    from ..preempt import pending_stop\n")
-    (tmp_path / "accel_train" / "preempt.py").write_text("")
+    (data / "images.py").write_text("def f():\n    from ..resilience.preempt import pending_stop\n")
+    (tmp_path / "accel_train" / "resilience").mkdir()
+    (tmp_path / "accel_train" / "resilience" / "preempt.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     graph = {"accel_train.data.images": imports_of(data / "images.py")}
     assert upward_imports(graph) == [
-        "accel_train.data.images (data) imports accel_train.preempt (resilience)"]
+        "accel_train.data.images (data) imports accel_train.resilience.preempt (resilience)"]
     with pytest.raises(AssertionError, match="accel_train.nowhere is in no layer"):
         layer_of("accel_train.nowhere")
 

@@ -1,4 +1,4 @@
-"""The survivor save (accel_train/survivor.py): a lost peer costs at most the step in flight. Real ranks killed and
+"""The survivor save (accel_train/resilience/survivor.py): a lost peer costs at most the step in flight. Real ranks killed and
 stopped; the pure parts in-process. (Two hosts, a machine lost with its disk: test_multinode.py.)"""
 
 import json
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train import heartbeat, preempt, survivor
+from accel_train.resilience import heartbeat, preempt, survivor
 from conftest import CONFIGS, ROOT, TINY, TINY_GN, Job, clean_env, run, run_cli, steps_logged, trainer_pids, wait_for
 
 # 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each (test_resnet), 2 epochs;

@@ -38,11 +38,21 @@ from accelerate.utils import gather_object
 from accelerate.utils.constants import OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from .checkpoint import TrainState, save_safetensors
+from ..checkpoint import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
-from .errors import is_lost_peer, note_bad_input, peer_gone
-from .files import (EMA_FILE, HISTORY, METRICS_FILE, MODEL_CONFIG_FILE, STEPS_FILE, complete, dumps, publish, seal,
-                    step_dir)
+from ..errors import is_lost_peer, note_bad_input, peer_gone
+from ..files import (
+    EMA_FILE,
+    HISTORY,
+    METRICS_FILE,
+    MODEL_CONFIG_FILE,
+    STEPS_FILE,
+    complete,
+    dumps,
+    publish,
+    seal,
+    step_dir,
+)
 from .heartbeat import Heartbeat, alive, reachable
 from .preempt import SIGNALS
 

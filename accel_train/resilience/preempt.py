@@ -18,7 +18,14 @@ import sys
 import threading
 import time
 
-from .errors import EXIT_INTERRUPTED, EXIT_LOST_PEER, EXIT_PREEMPTED, Preempted, of_step, report_status
+from ..errors import (
+    EXIT_INTERRUPTED,
+    EXIT_LOST_PEER,
+    EXIT_PREEMPTED,
+    Preempted,
+    of_step,
+    report_status,
+)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -80,7 +87,7 @@ class StopRequest:
 
     @property
     def name(self) -> str:
-        from . import PARENT
+        from .. import PARENT
         gone = self.launcher_gone
         if self.any_launcher_gone and not (gone or self.signal) and LAUNCHED_BY in os.environ and os.getppid() != PARENT:
             gone = PARENT  # (its own watch polls once a second: a local peer's may have agreed first)
@@ -125,7 +132,7 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
     if LAUNCHED_BY not in os.environ or getattr(watch_launcher, "started", False):
         return
     watch_launcher.started = True
-    from . import PARENT
+    from .. import PARENT
 
     def poll():
         gone = orphaned_at_start(PARENT)

@@ -64,7 +64,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from .loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
-    from .runs import release_output_dir
+    from .checkpoint.output_dir import release_output_dir
     try:
         with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line
             return loop_train(cfg, given)

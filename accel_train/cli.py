@@ -19,7 +19,7 @@ import typing
 import yaml
 
 from . import __version__
-from .changes import run_data
+from .checkpoint.changes import run_data
 from .config import TrainConfig, fields
 from .flag_types import base_type
 from .status import status_of

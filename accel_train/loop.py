@@ -17,7 +17,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import tqdm
 
-from .checkpoint import Checkpointer
+from .checkpoint.checkpointer import Checkpointer
 from .config import TrainConfig
 from .data import set_loader_epoch
 from .divergence import NonFiniteWatch

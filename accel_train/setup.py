@@ -20,8 +20,8 @@ from timm.utils import ModelEmaV3
 
 from . import __version__, pretrained
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
-from .changes import log_changes, schedule_changed, settings
-from .checkpoint import TrainState, load_checkpoint, load_ema, read_history
+from .checkpoint.changes import log_changes, schedule_changed, settings
+from .checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
 from .config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
 from .data.info import listed
@@ -39,8 +39,8 @@ from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, 
 from .resilience.preempt import checkpoint_interval_text, pending_stop
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .recipes import RECIPE_FLAGS
-from .resume import Decision, batches_done, check_data, decide, reconcile
-from .runs import check_output_dir_free, hold_output_dir, start_branch
+from .checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
+from .checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
 from .user import Given, check_forward, rebuild_problem, unused_parameters
 
 logger = get_logger("accel_train")

@@ -27,7 +27,7 @@ from accel_train.outputs import lr_curve
 from accel_train.metrics import Pace, slow_run_warning
 from accel_train.outputs import plot_curves
 from accel_train.model import create_model, init_normalisation
-from accel_train.resume import keep_run_math, reconcile
+from accel_train.checkpoint.resume import keep_run_math, reconcile
 from conftest import check_best, launch, run_cli
 from test_imagefolder import write_image_folder
 

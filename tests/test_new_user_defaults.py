@@ -18,7 +18,7 @@ from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.outputs import lr_curve, lr_of_step
 from accel_train.setup import schedule
-from accel_train.resume import reconcile
+from accel_train.checkpoint.resume import reconcile
 from conftest import run_cli
 from test_imagefolder import write_image_folder
 

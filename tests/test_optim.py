@@ -13,14 +13,14 @@ import timm
 import torch
 from safetensors.torch import load_file
 
-from accel_train.changes import check_changes, settings
+from accel_train.checkpoint.changes import check_changes, settings
 from accel_train.config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.loop import reseed
 from accel_train.metrics import EpochMeter
 from accel_train.optim import build_optimizer, criterion, known_optimizers, mixing, schedule
 from accel_train.outputs import lr_of_step
-from accel_train.resume import keep_run_math
+from accel_train.checkpoint.resume import keep_run_math
 
 from conftest import launch, steps_logged
 

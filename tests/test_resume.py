@@ -18,7 +18,7 @@ from accel_train.files import checkpoint_dirs
 from accel_train.cli import parse_train_args
 from accel_train.errors import ConfigError
 from accel_train.model import create_model
-from accel_train.resume import check_data, reconcile
+from accel_train.checkpoint.resume import check_data, reconcile
 
 from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 from test_checkpoint import assert_same_train_rows
@@ -151,7 +151,7 @@ def test_the_flags_every_machine_must_share_are_named_and_per_machine_paths_are_
     # started without --resume auto
     from types import SimpleNamespace
 
-    from accel_train.resume import _check_flags, _report
+    from accel_train.checkpoint.resume import _check_flags, _report
 
     def report(rank, *args):
         accelerator = SimpleNamespace(process_index=rank, is_local_main_process=False)
@@ -286,7 +286,7 @@ def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on)
     """README (resume, each machine's own disk): --resume auto continues from the newest complete step any machine
     holds. Issue 39: every test put the newest copy on the last machine, so taking the last machine's step passed."""
     from accel_train.config import TrainConfig
-    from accel_train.resume import _choose
+    from accel_train.checkpoint.resume import _choose
     listings = [[(8, "run"), (16, "run")], [(8, "run"), (16, "run")], [(8, "run"), (16, "run")]]
     listings[newest_on].append((24, "run"))
     reports = [{"listing": listing, "launch": "run", "explicit": None} for listing in listings]
@@ -302,7 +302,7 @@ def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_
     exit 2, and the directory is left as it was; once the holder ends, the directory is free again."""
     import socket
 
-    from accel_train.runs import LOCK_FILE, hold_output_dir, release_output_dir
+    from accel_train.checkpoint.output_dir import LOCK_FILE, hold_output_dir, release_output_dir
     out = tmp_path / "out"
     launch("cpu.yaml", small(out, "--max_steps", "1"))  # a finished run in it: the holder is named, not the run
     hold_output_dir(out)
@@ -324,7 +324,7 @@ def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_
 LATE_LOCKER = """
 import os, sys
 from pathlib import Path
-import accel_train.runs as runs
+import accel_train.checkpoint.output_dir as runs
 real, waited = os.open, []
 def late_open(path, *args, **kwargs):
     fd = real(path, *args, **kwargs)
@@ -354,7 +354,7 @@ def test_a_job_that_opened_the_lock_file_before_its_release_deleted_it_is_never_
     """The lock file a refused start made is deleted on release; a second job that had opened it just before
     locked the deleted file, and the first job's next hold made a new one: both held the directory. Only the lock
     on the file at the path counts."""
-    from accel_train.runs import LOCK_FILE, hold_output_dir, release_output_dir
+    from accel_train.checkpoint.output_dir import LOCK_FILE, hold_output_dir, release_output_dir
     out = tmp_path / "out"
     out.mkdir()
     hold_output_dir(out)  # (this look made the lock file: a refused start deletes it)

@@ -331,7 +331,8 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
                                                                     batch):
     from accelerate import Accelerator
 
-    from accel_train import checkpoint, loop, metrics
+    from accel_train.checkpoint import checkpointer as checkpoint
+    from accel_train import loop, metrics
     out = tmp_path / "out"
     if where == "the step's all-reduce":
         lose_peer_at(monkeypatch, Accelerator, "backward", micro_batches())
@@ -375,7 +376,7 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
 def test_survivors_that_saved_different_steps_resume_from_the_newest():
     # a ring all-reduce can complete on some ranks and not others: machine 1's survivor saved one step more
     from accel_train.config import TrainConfig
-    from accel_train.resume import _choose
+    from accel_train.checkpoint.resume import _choose
     reports = [{"listing": [(16, "run"), (21, "run")]}, {"listing": [(16, "run"), (22, "run")]}]
     assert _choose(TrainConfig(resume="auto"), reports) == ((22, "run"), {"run"})
 
@@ -543,14 +544,14 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
         os.close(read)
         os.close(write)
     # and the flag the watch reads is the one a real save sets while it writes
-    from accel_train.checkpoint import Checkpointer
+    from accel_train.checkpoint.checkpointer import Checkpointer
     seen = []
     ckpt = object.__new__(Checkpointer)
     ckpt.accelerator, ckpt.output_dir, ckpt.run_math, ckpt.model, ckpt.ema, ckpt.keep = None, None, {}, None, None, 2
     ckpt.facts, ckpt.history, ckpt.writing, ckpt.meter, ckpt.buffers_shared = None, dict, False, None, None
     ckpt.decision = types.SimpleNamespace(writer=True, shared=True)
     ckpt.watch = types.SimpleNamespace(check=lambda *a: None)
-    monkeypatch.setattr("accel_train.checkpoint.save_checkpoint", lambda *a, **k: seen.append(ckpt.writing) or "p")
+    monkeypatch.setattr("accel_train.checkpoint.checkpointer.save_checkpoint", lambda *a, **k: seen.append(ckpt.writing) or "p")
     assert ckpt.save(types.SimpleNamespace(step=3)) == "p" and seen == [True] and ckpt.writing is False
 
 

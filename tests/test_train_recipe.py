@@ -18,7 +18,7 @@ from accel_train.data import build_data
 from accel_train.data.crops import resized_crop, rrc_bicubic, rrc_boxes, store_size
 from accel_train.data.images import Decode, decode_image
 from accel_train.errors import ConfigError
-from accel_train.resume import keep_run_math
+from accel_train.checkpoint.resume import keep_run_math
 from conftest import TINY_GN, launch
 from test_imagefolder import write_image_folder
 

@@ -36,7 +36,7 @@ class Mutant:
 
 MUTANTS = [
     Mutant("resume_newest", "--resume auto continues from the newest complete step any machine holds",
-           "accel_train/resume.py",
+           "accel_train/checkpoint/resume.py",
            'if entry]  # (own, or its start)\n        return (max(found) if found else None)',
            'if entry]  # (own, or its start)\n        return (found[-1] if found else None)',
            ("tests/test_resume.py::test_resume_auto_takes_the_newest_step_whichever_machine_holds_it",)),
@@ -65,7 +65,7 @@ MUTANTS = [
            r'stamp = f"{st.st_size}\0{st.st_mtime_ns}"',
            ("tests/test_folder_edges.py::test_a_file_replaced_with_the_same_size_and_mtime_is_decoded_again",)),
     Mutant("checkpoint_unchecked", "no checkpoint holds non-finite weights (the newest finite one is named)",
-           "accel_train/checkpoint.py",
+           "accel_train/checkpoint/checkpointer.py",
            "self.watch.check(self.accelerator, state.step, self.model)", "self.watch.check(self.accelerator, state.step)",
            ("tests/test_divergence.py::test_a_checkpoint_is_never_written_with_non_finite_weights",)),
     Mutant("resume_lr", "after a resume every step trains with the lr of its global step",
@@ -81,7 +81,7 @@ MUTANTS = [
            "overflowed = next((s - 2 for s in states if s >= 2), -1) if 0 not in states else -1",
            "overflowed = -1",
            ("tests/test_divergence.py::test_a_finite_weight_whose_norm_overflows_stops_the_run",)),
-    Mutant("output_dir_lock", "two jobs never write one output directory at once", "accel_train/runs.py",
+    Mutant("output_dir_lock", "two jobs never write one output directory at once", "accel_train/checkpoint/output_dir.py",
            "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n", "            pass\n",
            ("tests/test_resume.py::test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder",)),
     Mutant("export_local_main", "the model and the run's outputs are written by the main process only",

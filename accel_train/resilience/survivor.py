@@ -38,7 +38,7 @@ from accelerate.utils import gather_object
 from accelerate.utils.constants import OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
-from ..checkpoint import TrainState, save_safetensors
+from ..checkpoint.checkpointer import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
 from ..errors import is_lost_peer, note_bad_input, peer_gone
 from ..files import (

@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 APPLIED = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "momentum", "weight_decay", "label_smoothing",
            "clip_grad", "ema", "ema_decay", "mixed_precision", "optimizer", "layer_decay", "sched", "sched_kwargs",

@@ -30,11 +30,23 @@ from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
 from .changes import settings_from_flags
-from .errors import ConfigError
-from .files import (CKPT_DIR, EMA_FILE, HISTORY, MODEL_CONFIG_FILE, RNG_PREFIX, STATE_FILE, checkpoint_dirs,
-                    dumps, read_jsonl, seal, step_dir, sync_dir)
-from .hang import PROGRESS
-from .runs import delete_set_aside
+from ..errors import ConfigError
+from ..files import (
+    CKPT_DIR,
+    EMA_FILE,
+    HISTORY,
+    MODEL_CONFIG_FILE,
+    RNG_PREFIX,
+    STATE_FILE,
+    checkpoint_dirs,
+    dumps,
+    read_jsonl,
+    seal,
+    step_dir,
+    sync_dir,
+)
+from ..hang import PROGRESS
+from .output_dir import delete_set_aside
 
 @dataclass
 class TrainState:

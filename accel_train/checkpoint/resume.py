@@ -27,13 +27,23 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .changes import check_changes
-from .files import (CKPT_DIR, MODEL_CONFIG_FILE, MODEL_FILE, STATE_FILE, checkpoint_dirs, complete, damage,
-                    nothing_to_resume, resumed_from, step_dir)
-from .config import TrainConfig
-from .defaults import BATCH_SIZE
-from .errors import ConfigError
-from .ranks import rank0s
-from .runs import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
+from ..files import (
+    CKPT_DIR,
+    MODEL_CONFIG_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    checkpoint_dirs,
+    complete,
+    damage,
+    nothing_to_resume,
+    resumed_from,
+    step_dir,
+)
+from ..config import TrainConfig
+from ..defaults import BATCH_SIZE
+from ..errors import ConfigError
+from ..ranks import rank0s
+from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
 
 PROBE = ".accel_train-probe-"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], final: Path) -> None:

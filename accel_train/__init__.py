@@ -12,7 +12,7 @@ __all__ = ["TrainConfig", "train"]
 
 def __getattr__(name):
     if name == "TrainConfig":
-        from .config import TrainConfig
+        from .config.train_config import TrainConfig
         return TrainConfig
     if name == "train":
         from .api import train

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, is_lost_peer, lost_peer, note_aborts
 from .exits import exit_rank
 from .files import MODEL_FILE, missing_dirs, remove_if_empty

@@ -20,8 +20,8 @@ import yaml
 
 from . import __version__
 from .checkpoint.changes import run_data
-from .config import TrainConfig, fields
-from .flag_types import base_type
+from .config.train_config import TrainConfig, fields
+from .config.flag_types import base_type
 from .status import status_of
 from .errors import EXIT_OK, ConfigError, Parser
 from .exits import exit_rank

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from .config import MAX_WORKERS, TrainConfig
+from .config.train_config import MAX_WORKERS, TrainConfig
 from .errors import counted
 
 

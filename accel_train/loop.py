@@ -18,7 +18,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import tqdm
 
 from .checkpoint.checkpointer import Checkpointer
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .data import set_loader_epoch
 from .divergence import NonFiniteWatch
 from .evaluate import evaluate

@@ -22,7 +22,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
 from .errors import ConfigError
-from .flag_types import json_kwargs
+from .config.flag_types import json_kwargs
 
 
 def build_optimizer(cfg, model: torch.nn.Module, num_processes: int) -> torch.optim.Optimizer:

@@ -15,7 +15,7 @@ from accelerate.logging import get_logger
 
 from . import __version__
 from .checkpoint.checkpointer import _state_dict_cpu, save_safetensors
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .errors import ConfigError
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)

@@ -22,10 +22,10 @@ from . import __version__, pretrained
 from .accelerator import make_accelerator, prepare_output_dir, tracker_config
 from .checkpoint.changes import log_changes, schedule_changed, settings
 from .checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
-from .config import TrainConfig
+from .config.train_config import TrainConfig
 from .data import Data, build_data, device_budget, given_data
 from .data.info import listed
-from .defaults import dropped_note
+from .config.defaults import dropped_note
 from .errors import ConfigError, clear_notes, counted
 from .files import CONFIG_FILE
 from .freeze import freeze
@@ -38,7 +38,7 @@ from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size,
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .resilience.preempt import checkpoint_interval_text, pending_stop
 from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
-from .recipes import RECIPE_FLAGS
+from .config.recipes import RECIPE_FLAGS
 from .checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
 from .checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
 from .user import Given, check_forward, rebuild_problem, unused_parameters

@@ -64,7 +64,7 @@ def write_photo(path: Path, photo: tuple[int, int], seed) -> None:
 
 def ours(args, pipeline: str, workers: int | None, full_decode: bool = False):
     """(batches: an iterator of normalised batches on the device, workers, notes)."""
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     from accel_train.data import build_data
     from PIL import JpegImagePlugin
     # full: every pixel decoded, as without Image.draft (the loader's workers, forked later, inherit the patch)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     if args.device == "cpu":  # this process is the device: it normalises (every case: timm's prefetcher, our inputs)
         torch.set_num_threads(1)  # with one thread; two oversubscribe the cores the workers use (0.67 vs 0.24 ms/img)
     from accel_train.cores import worker_count
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     default_workers = worker_count(TrainConfig())[0]
     cores = len(os.sched_getaffinity(0))
     makers = {"cpu0": lambda: ours(args, "cpu", 0), "cpu": lambda: ours(args, "cpu", None),

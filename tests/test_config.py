@@ -6,7 +6,7 @@ import yaml
 
 from accel_train.cli import parse_train_args, train_parser
 from accel_train.cli import load_yaml
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from conftest import ROOT, run_cli
 

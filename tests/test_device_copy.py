@@ -13,7 +13,7 @@ from torch.distributed import DistBackendError
 
 from accel_train import accelerator, hardware
 from accel_train.resilience import device_copy
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import is_lost_peer
 from test_launch import dry_run, hw, parse  # noqa: F401  (hw is a fixture)
 

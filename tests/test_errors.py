@@ -103,7 +103,7 @@ def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
     # end_workers this script hung there (found by a probe of the cache's speed, issue 25).
     script = tmp_path / "raises.py"
     script.write_text(
-        "from accel_train.config import TrainConfig\n"
+        "from accel_train.config.train_config import TrainConfig\n"
         "from accel_train.data import build_data\n"
         "data = build_data(TrainConfig(pipeline='cpu', train_samples=64, test_samples=8, batch_size=4, "
         "num_workers=1), 'cpu')\n"
@@ -130,7 +130,7 @@ def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
     script.write_text(
         "import os, time\n"
         "from torch.utils.data import DataLoader\n"
-        "from accel_train.config import TrainConfig\n"
+        "from accel_train.config.train_config import TrainConfig\n"
         "from accel_train.data.workers import loader_kwargs\n"
         "from accel_train.resilience.preempt import StopRequest\n"
         "if __name__ == '__main__':\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data, decode_image
 from accel_train import cores
 from accel_train.data import cache

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from accel_train import pretrained
 from accel_train.precision import check as gradcheck
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.freeze import freeze, frozen_names
 

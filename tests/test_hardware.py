@@ -8,7 +8,7 @@ import types
 import pytest
 
 from accel_train import hardware
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
 from conftest import CONFIGS, ROOT, clean_env, launch, run_cli
 from test_launch import BF16_CPU, PLAIN_CPU, dry_run, hw, parse  # noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.data import CIFAR10, DataInfo, build_data, crop_flip, crop_flip_params, decode_image
 from conftest import clean_env, launch, run_cli, write_cifar

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.accelerator import check_one_group
 from accel_train.metrics import EpochMeter

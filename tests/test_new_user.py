@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from accel_train.files import BEST_FILE
 from accel_train.outputs import BestModel, best_row, export_model, exported_best
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.data import DataInfo, build_data, native_size
 from accel_train.commands.evaluate import load_exported

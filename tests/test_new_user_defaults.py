@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from accel_train.commands.evaluate import load_exported
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo
-from accel_train.defaults import dropped_note
+from accel_train.config.defaults import dropped_note
 from accel_train.errors import ConfigError
 from accel_train.model import create_model
 from accel_train.outputs import lr_curve, lr_of_step
@@ -205,7 +205,7 @@ def test_predict_csv_quotes_what_needs_it(exported, capsys):
 def test_the_default_batch_is_at_least_2_and_an_automatic_one_is_not_warned_about(tmp_path):
     """A review found batch 1 for tiny data (BatchNorm's traceback on a 1x1 map, exit 1) and the dropped-data warning
     said of the automatic batch itself ('--batch_size 1 ... the default for this data drops 4')."""
-    from accel_train.defaults import auto_batch
+    from accel_train.config.defaults import auto_batch
     assert auto_batch(12, 8) == 2 and auto_batch(3, 1) == 2 and auto_batch(40, 2) == 2 and auto_batch(4000, 1) == 128
     run = ["--model", "test_resnet", "--mixed_precision", "no", "--data", "random", "--test_samples", "8", "--epochs",
            "1", "--plot", "false"]

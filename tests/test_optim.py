@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from accel_train.checkpoint.changes import check_changes, settings
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.loop import reseed
 from accel_train.metrics import EpochMeter

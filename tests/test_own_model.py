@@ -144,7 +144,7 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     import sys
 
     from accel_train.user import name_of
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     from accel_train.precision.check import check
     from accel_train.precision.cache import cache_key
     from accel_train.hardware import DeviceFacts
@@ -198,7 +198,7 @@ def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_loca
     import importlib
     import sys
 
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     from accel_train.precision.cache import cache_key
     from accel_train.hardware import DeviceFacts
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 
 from accel_train.files import EMA_FILE
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
 from accel_train.evaluate import evaluate
 from accel_train.model import create_model

@@ -285,7 +285,7 @@ def test_cpu_pipeline_with_workers_resumes_exactly(tmp_path):
 def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on):
     """README (resume, each machine's own disk): --resume auto continues from the newest complete step any machine
     holds. Issue 39: every test put the newest copy on the last machine, so taking the last machine's step passed."""
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     from accel_train.checkpoint.resume import _choose
     listings = [[(8, "run"), (16, "run")], [(8, "run"), (16, "run")], [(8, "run"), (16, "run")]]
     listings[newest_on].append((24, "run"))

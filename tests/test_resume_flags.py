@@ -9,7 +9,7 @@ import torch
 import yaml
 from timm.scheduler import create_scheduler_v2
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 
 from conftest import TINY, run_cli
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo, build_data, decode_image
 from accel_train.data.images import check_images
 from accel_train.errors import ConfigError

@@ -80,7 +80,7 @@ LAYERS = [
     ("model: timm's and your own, freeze, pretrained weights",
      ["accel_train.model", "accel_train.user", "accel_train.freeze", "accel_train.pretrained"]),
     ("config: TrainConfig, flag types, automatic defaults, the recipe's flags",
-     ["accel_train.config", "accel_train.flag_types", "accel_train.defaults", "accel_train.recipes"]),
+     ["accel_train.config"]),
     ("platform: the Accelerator, hardware facts, cores, a backend's environment",
      ["accel_train.accelerator", "accel_train.hardware", "accel_train.cores",
       "accel_train.backend_env", "accel_train.accel_config"]),
@@ -97,7 +97,7 @@ LAYERS = [
     ("the command line and the launcher",
      ["accel_train.cli", "accel_train.__main__", "accel_train.launcher"]),
 ]
-FACE = {("accel_train", "accel_train.api"), ("accel_train", "accel_train.config")}
+FACE = {("accel_train", "accel_train.api"), ("accel_train", "accel_train.config.train_config")}
 
 
 def layer_of(module: str) -> int:

@@ -375,7 +375,7 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
 
 def test_survivors_that_saved_different_steps_resume_from_the_newest():
     # a ring all-reduce can complete on some ranks and not others: machine 1's survivor saved one step more
-    from accel_train.config import TrainConfig
+    from accel_train.config.train_config import TrainConfig
     from accel_train.checkpoint.resume import _choose
     reports = [{"listing": [(16, "run"), (21, "run")]}, {"listing": [(16, "run"), (22, "run")]}]
     assert _choose(TrainConfig(resume="auto"), reports) == ((22, "run"), {"run"})

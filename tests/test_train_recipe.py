@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accel_train.config import TrainConfig
+from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
 from accel_train.data.crops import resized_crop, rrc_bicubic, rrc_boxes, store_size
 from accel_train.data.images import Decode, decode_image
@@ -96,7 +96,7 @@ def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
     assert whole.shape == (3, 96, 96)  # the whole image, squashed: RandomResizedCrop's store
     # the default: timm's 0.875, or the weights' own where timm's pretrained weights are used (--pretrained)
     from types import SimpleNamespace
-    from accel_train.recipes import default_crop_pct
+    from accel_train.config.recipes import default_crop_pct
     assert default_crop_pct(TrainConfig(data="imagefolder")) == 0.875
     assert default_crop_pct(SimpleNamespace(crop_pct=None, pretrained=True, model="resnet18.a1_in1k")) == 0.95
     assert default_crop_pct(SimpleNamespace(crop_pct=0.8, pretrained=True, model="resnet18")) == 0.8

@@ -14,10 +14,10 @@ import socket
 import time
 from pathlib import Path
 
-from ..config import TrainConfig
+from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, checkpoint_dirs
-from ..recipes import RECIPE_FLAGS
+from ..config.recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
 # size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes

@@ -39,8 +39,8 @@ from ..files import (
     resumed_from,
     step_dir,
 )
-from ..config import TrainConfig
-from ..defaults import BATCH_SIZE
+from ..config.train_config import TrainConfig
+from ..config.defaults import BATCH_SIZE
 from ..errors import ConfigError
 from ..ranks import rank0s
 from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike

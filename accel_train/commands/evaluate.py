@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig
+from ..config.train_config import TrainConfig
 from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE

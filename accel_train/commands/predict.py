@@ -48,7 +48,7 @@ def image_paths(args: list[str]) -> list[Path]:
 def held_out_files(checkpoint, info) -> list[Path]:
     """The files of train/ that the run which wrote `checkpoint` held out (--val_split), as it
     chose them."""
-    from ..config import TrainConfig
+    from ..config.train_config import TrainConfig
     from ..data.folders import held_out, image_folder_splits, scan_split
     from .evaluate import recorded_run
     run = recorded_run(checkpoint)

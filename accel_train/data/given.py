@@ -12,11 +12,11 @@ import numbers
 import torch
 from torch.utils.data import DataLoader
 
-from ..config import TrainConfig
+from ..config.train_config import TrainConfig
 from ..cores import worker_count
-from ..defaults import auto_batch
+from ..config.defaults import auto_batch
 from ..errors import ConfigError
-from ..recipes import per_sample
+from ..config.recipes import per_sample
 from .info import DataError, DataInfo
 from .pipeline import Data
 from .workers import loader_kwargs

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import SIZE_SAMPLE
+from ..config.train_config import SIZE_SAMPLE
 from ..errors import Preempted, counted
 from .info import DataError
 

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ..config import TrainConfig
+from ..config.train_config import TrainConfig
 from ..cores import worker_count
-from ..defaults import BATCH_SIZE, auto_batch
+from ..config.defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
-from ..recipes import per_sample
+from ..config.recipes import per_sample
 from .augment import Normalize, crop_flip, crop_flip_params
 from .cache import open_cache
 from .images import decode_image, never

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..recipes import TRIVIAL, parse_pair, train_crop
+from ..config.recipes import TRIVIAL, parse_pair, train_crop
 from .augment import crop_flip_each, crop_flip_params, mix32, sample_hash
 from .crops import resized_crop, resized_crop_each, rrc_bicubic, rrc_boxes, rrc_flips
 

@@ -8,7 +8,7 @@ import atexit
 
 import torch
 
-from ..config import TrainConfig
+from ..config.train_config import TrainConfig
 from ..cores import worker_count
 from ..exits import end_workers
 

@@ -20,7 +20,7 @@ def say(line: str) -> None:
 
 def trainer_default(name: str):
     # (only where needed: it imports PyYAML, which a bare interpreter may lack)
-    from ..config import TrainConfig
+    from ..config.train_config import TrainConfig
 
     return next(f.default for f in fields(TrainConfig) if f.name == name)
 

@@ -9,7 +9,7 @@ import math
 import types
 import typing
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def check_types_and_choices(cfg) -> None:

@@ -15,7 +15,7 @@ import yaml
 from . import recipes
 from .defaults import (BATCH_SIZE, CIFAR_STEM_MAX, MIN_STEPS, OPTIMIZER_DEFAULTS, infer_data, optimizer_family,
                        resolve_auto)
-from .errors import ConfigError
+from ..errors import ConfigError
 from .flag_types import at_least, check_types_and_choices, json_kwargs, rgb
 
 

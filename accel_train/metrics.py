@@ -10,7 +10,7 @@ import torch
 
 from .errors import ConfigError
 from .files import METRICS_FILE, STEPS_FILE, dumps, read_jsonl
-from .ranks import rank0s
+from .platform.ranks import rank0s
 
 
 class EpochMeter:

@@ -21,7 +21,7 @@ from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FI
                     MODEL_FILE, STEPS_FILE)
 from .metrics import MetricsLog
 from .model import bare_model
-from .ranks import main_process_writes
+from .platform.ranks import main_process_writes
 
 if TYPE_CHECKING:
     from .setup import Run

@@ -19,7 +19,7 @@ from accelerate.utils import gather_object, set_seed
 from timm.utils import ModelEmaV3
 
 from . import __version__, pretrained
-from .accelerator import make_accelerator, prepare_output_dir, tracker_config
+from .platform.accelerator import make_accelerator, prepare_output_dir, tracker_config
 from .checkpoint.changes import log_changes, schedule_changed, settings
 from .checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
 from .config.train_config import TrainConfig
@@ -31,13 +31,13 @@ from .files import CONFIG_FILE
 from .freeze import freeze
 from .precision.check import check_run_precision, first_batch
 from .hang import PROGRESS
-from .hardware import channels_last_default
+from .platform.hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
 from .model import (bare_model, cifar_stem_fits, create_model, fixed_input_size, init_model_code, init_normalisation,
                     init_stem, load_init_weights, wrappers)
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
 from .resilience.preempt import checkpoint_interval_text, pending_stop
-from .ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
+from .platform.ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
 from .config.recipes import RECIPE_FLAGS
 from .checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
 from .checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch

@@ -164,7 +164,7 @@ def scaling(args) -> list[tuple[str, float]]:
 
 
 def cpu_flags_line() -> str:
-    from accel_train.hardware import CPU_BF16_X86, best_precision, device_facts
+    from accel_train.platform.hardware import CPU_BF16_X86, best_precision, device_facts
     facts = device_facts(cpu=True)
     shown = [f for f in (*CPU_BF16_X86, "amx_tile", "avx512_fp16", "avx512_vnni", "avx512f", "avx2", "bf16", "asimd")
              if f in facts.cpu_flags]

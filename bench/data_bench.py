@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cpu":  # this process is the device: it normalises (every case: timm's prefetcher, our inputs)
         torch.set_num_threads(1)  # with one thread; two oversubscribe the cores the workers use (0.67 vs 0.24 ms/img)
-    from accel_train.cores import worker_count
+    from accel_train.platform.cores import worker_count
     from accel_train.config.train_config import TrainConfig
     default_workers = worker_count(TrainConfig())[0]
     cores = len(os.sched_getaffinity(0))

@@ -61,9 +61,9 @@ quiet() { bounded grep --line-buffered -v 'it/s]$' || true; }  # (a pipeline's s
 small=(--data random --train_samples 5120 --test_samples 1000 --batch_size 256)
 gpu_launch=("$PYTHON" -m accelerate.commands.launch --config_file accelerate_configs/1node_gpu.yaml --num_processes 1)
 
-check_precision() {  # first word: the choice; the rest: why (accel_train.hardware, as launch.sh asks it)
+check_precision() {  # first word: the choice; the rest: why (accel_train.platform.hardware, as launch.sh asks it)
   local line
-  line="$(run "$PYTHON" -m accel_train.hardware --config_precision bf16)" || return
+  line="$(run "$PYTHON" -m accel_train.platform.hardware --config_precision bf16)" || return
   echo "$line"
   ((dry)) || "$PYTHON" -c 'import json, sys; print(json.dumps(dict(chosen=sys.argv[1].split()[0], reason=sys.argv[1])))' \
     "$line" > "$out/precision.json"
@@ -72,7 +72,7 @@ check_launch() {  # launch.sh picks the config, process count, precision and NCC
   local status=0 printed v
   printed="$(run bash launch.sh --dry-run --data random --timeout_s 120)" || return
   echo "$printed"
-  # NCCL's settings (docs/failures.md, accel_train/accelerator.py FAILURE_ENV and MONITOR_ENV: the watchdog's monitor
+  # NCCL's settings (docs/failures.md, accel_train/platform/accelerator.py FAILURE_ENV and MONITOR_ENV: the watchdog's monitor
   # after --timeout_s; issue 37), exported on a real GPU host; the 2-epoch run below starts its group under them
   for v in TORCH_NCCL_ASYNC_ERROR_HANDLING=2 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=120; do
     ((dry)) || [[ "$printed" == *" $v "* ]] || { echo "launch: launch.sh --dry-run does not export $v"; keep 1; }

@@ -5,7 +5,7 @@
 # sends SIGTERM, which the trainer answers with a checkpoint, and SIGKILL 10 s later)
 #   1. smoke:      launch.sh --smoke-test on 1node_npu.yaml (every rank in one HCCL group of the right size)
 #   2. train:      2 short epochs of random data on every NPU, bf16 where the chip has it
-#                  (the SoC name: accel_train.hardware, as the trainer), else fp16; dropout and drop path on
+#                  (the SoC name: accel_train.platform.hardware, as the trainer), else fp16; dropout and drop path on
 #   3. resume:     the same run stopped at a checkpoint, its random_states_*.pkl deleted, resumed:
 #                  the largest weight difference to the uninterrupted run
 #   4. throughput: images/s of the training run's last epoch (metrics.jsonl)
@@ -39,9 +39,9 @@ mkdir -p "$out"
 date -u
 ((dry)) || npu-smi info 2>/dev/null | head -n 12
 nproc="$(probe 'torch.npu.device_count()' N)"
-# the precision the trainer itself chooses for this SoC (accel_train/hardware.py), so the run is never refused
+# the precision the trainer itself chooses for this SoC (accel_train/platform/hardware.py), so the run is never refused
 if ((dry)); then precision='bf16|fp16'; else
-  precision="$(timeout -k 10 120 "$PYTHON" -m accel_train.hardware --config_precision bf16 2>/dev/null)"; precision="${precision%% *}"
+  precision="$(timeout -k 10 120 "$PYTHON" -m accel_train.platform.hardware --config_precision bf16 2>/dev/null)"; precision="${precision%% *}"
 fi
 versions="$(probe '"torch", torch.__version__, "torch_npu", torch_npu.__version__' 'torch ? torch_npu ?')"
 echo "$versions; $nproc NPU(s), $precision"

@@ -209,7 +209,7 @@ def in_process(args: list, timeout: float, env: dict | None, cwd, config: str | 
     try:
         with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(err), warnings.catch_warnings(), \
-                mock.patch("accel_train.accelerator.parent_launch", lambda: launched):
+                mock.patch("accel_train.platform.accelerator.parent_launch", lambda: launched):
             warnings.simplefilter("default")
             warnings.showwarning = warn
             os.chdir(cwd)

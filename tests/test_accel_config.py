@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from accel_train import accel_config
+from accel_train.platform import accel_config
 from conftest import CONFIGS
 
 

@@ -63,7 +63,7 @@ def test_unknown_key_is_refused(tmp_path):
 def test_the_npu_configs_name_the_fact_launch_sh_chooses_bf16_by():
     """issue 41 item 9: 1node_npu.yaml said launch.sh asks torch.npu.is_bf16_supported(); it (and the trainer) match
     the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name: Accelerate's answer is True on every NPU)."""
-    from accel_train import hardware
+    from accel_train.platform import hardware
     assert hardware.NPU_BF16.pattern and "get_device_name(0)" in open(hardware.__file__).read()
     for name in ALL:
         text = (CONFIGS / name).read_text()

@@ -3,7 +3,8 @@ a busy 2-core machine ran 7x slower with torch's default threads than with one, 
 
 import torch
 
-from accel_train import TrainConfig, cores
+from accel_train import TrainConfig
+from accel_train.platform import cores
 from conftest import clean_env, run_cli
 
 

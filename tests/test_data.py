@@ -274,7 +274,7 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
     """--num_workers auto: the process's CPU affinity (os.sched_getaffinity) shared by the processes on this machine
     (LOCAL_WORLD_SIZE, read by Accelerate's get_cpu_distributed_information), at most MAX_WORKERS; given, as given."""
     from accel_train.config.train_config import MAX_WORKERS
-    from accel_train.cores import worker_count
+    from accel_train.platform.cores import worker_count
     from accel_train.data.workers import _leave_signals_to_the_trainer, loader_kwargs
     for cores, local, expected in ((2, 1, 2), (2, 2, 1), (3, 4, 1), (16, 2, MAX_WORKERS), (64, 2, MAX_WORKERS)):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))

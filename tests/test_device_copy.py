@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed import DistBackendError
 
-from accel_train import accelerator, hardware
+from accel_train.platform import accelerator, hardware
 from accel_train.resilience import device_copy
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import is_lost_peer

@@ -12,7 +12,7 @@ from PIL import Image
 
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data, decode_image
-from accel_train import cores
+from accel_train.platform import cores
 from accel_train.data import cache
 from accel_train.data.folders import scan_split, subset
 from conftest import clean_env, launch, run_cli

@@ -86,7 +86,7 @@ def test_the_precision_check_skips_the_frozen_layers(monkeypatch):
     assert checked and not any(n.startswith(("conv1", "layer1", "layer2")) for n in checked), checked
     assert any(n.startswith("layer3") for n in checked) and "fc" in checked
     # a verdict remembered for a partly frozen model is not one for the whole model: its frozen layers went unchecked
-    from accel_train.hardware import DeviceFacts
+    from accel_train.platform.hardware import DeviceFacts
     from accel_train.precision.cache import cache_key
     c, facts = TrainConfig(data="random", model="test_resnet"), DeviceFacts("cpu", "x")
     keys = [cache_key(c, 10, (8, 3, 32, 32), "bf16", facts, m)

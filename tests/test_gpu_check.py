@@ -28,7 +28,7 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
     for check in ("syncs", "compile", "resume", "reduce_overhead"):
         assert f"bench/cuda_checks.py {check.replace('reduce_overhead', 'compile')} --json " \
                f"{tmp_path}/gpu_check/{check}.json" in proc.stdout
-    assert "python3 -m accel_train.hardware --config_precision bf16" in proc.stdout  # the chosen precision
+    assert "python3 -m accel_train.platform.hardware --config_precision bf16" in proc.stdout  # the chosen precision
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
     assert list(summary) == CHECKS
     lines = proc.stdout.splitlines()
@@ -78,9 +78,9 @@ from pathlib import Path
 a = sys.argv[1:]
 if a[0] == "-c" and "import torch" not in a[1]:
     os.execv({python!r}, [{python!r}] + a)
-if a[:2] == ["-m", "accel_train.hardware"]:
+if a[:2] == ["-m", "accel_train.platform.hardware"]:
     sys.exit(print("bf16 precision bf16: the stub's"))
-if a[:2] == ["-m", "accel_train.accel_config"] or a[0] == "-c":
+if a[:2] == ["-m", "accel_train.platform.accel_config"] or a[0] == "-c":
     sys.exit(0)
 for flag in ("--output_dir", "--make"):
     if flag in a:

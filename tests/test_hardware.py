@@ -1,4 +1,4 @@
-"""The precision and memory format each device really has (accel_train/hardware.py), chosen by the trainer
+"""The precision and memory format each device really has (accel_train/platform/hardware.py), chosen by the trainer
 and by launch.sh. Every capability is mocked: CUDA compute capability, Ascend SoC name, CPU flags."""
 
 import json
@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from accel_train import hardware
+from accel_train.platform import hardware
 from accel_train.config.train_config import TrainConfig
-from accel_train.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
+from accel_train.platform.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
 from conftest import CONFIGS, ROOT, clean_env, launch, run_cli
 from test_launch import BF16_CPU, PLAIN_CPU, dry_run, hw, parse  # noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)
 
@@ -175,7 +175,7 @@ def test_compile_on_npu_without_an_inductor_backend_is_one_line(monkeypatch):
 
 
 def test_asked_precision_flag_then_launcher_then_nothing():
-    from accel_train.accelerator import asked_precision
+    from accel_train.platform.accelerator import asked_precision
     assert asked_precision(TrainConfig(mixed_precision="fp16"), {"ACCELERATE_MIXED_PRECISION": "bf16"}) == \
         ("fp16", "--mixed_precision fp16")
     asked, source = asked_precision(TrainConfig(), {"ACCELERATE_MIXED_PRECISION": "bf16"})
@@ -187,7 +187,7 @@ def test_asked_precision_flag_then_launcher_then_nothing():
 def test_a_launch_config_without_mixed_precision_leaves_it_to_the_device(tmp_path):
     """accelerate launch passes ACCELERATE_MIXED_PRECISION=no for a config that states no mixed_precision too (our
     CPU configs): its command line and config file tell the two apart."""
-    from accel_train.accelerator import asked_precision, launch_options
+    from accel_train.platform.accelerator import asked_precision, launch_options
     launched = {"ACCELERATE_MIXED_PRECISION": "no"}
     ours = ["--config_file", "accelerate_configs/2proc_cpu.yaml"]
     asked, source = asked_precision(TrainConfig(), launched, launch=(ours, ROOT))

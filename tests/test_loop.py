@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
-from accel_train.accelerator import check_one_group
+from accel_train.platform.accelerator import check_one_group
 from accel_train.metrics import EpochMeter
 from accel_train.model import create_model
 from conftest import ROOT, TINY, clean_env, launch, write_cifar
@@ -114,7 +114,7 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again
 def test_accelerate_launch_num_processes_2_with_a_one_process_config_is_refused_naming_the_config(tmp_path):
     """Issue 40 item 4: `accelerate config default` + `accelerate launch --num_processes 2` silently trained one
     process (distributed_type NO). The trainer reads what its launcher was asked for and names the config to use."""
-    from accel_train.accelerator import asked_processes
+    from accel_train.platform.accelerator import asked_processes
     launched = {"ACCELERATE_MIXED_PRECISION": "no"}
     cmd = b"\0".join([b"python", b"-m", b"accelerate.commands.launch", b"--num_processes", b"2", b"-m", b"accel_train"])
     assert asked_processes(launched, cmd) == 2

@@ -147,7 +147,7 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     from accel_train.config.train_config import TrainConfig
     from accel_train.precision.check import check
     from accel_train.precision.cache import cache_key
-    from accel_train.hardware import DeviceFacts
+    from accel_train.platform.hardware import DeviceFacts
     shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
     monkeypatch.syspath_prepend(str(tmp_path))
     model = importlib.import_module("user_pkg.mod").build(10)
@@ -200,7 +200,7 @@ def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_loca
 
     from accel_train.config.train_config import TrainConfig
     from accel_train.precision.cache import cache_key
-    from accel_train.hardware import DeviceFacts
+    from accel_train.platform.hardware import DeviceFacts
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")
 

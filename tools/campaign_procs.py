@@ -52,7 +52,7 @@ def job_procs(tag: str, workers: set | None = None) -> list[Proc]:
         if read is None or marker not in read[0]:
             continue
         env, argv, ppid = read
-        cmd = b"\0".join(argv) + b"\0"  # (-m accel_train, not launch.sh's -m accel_train.accel_config check)
+        cmd = b"\0".join(argv) + b"\0"  # (-m accel_train, not launch.sh's -m accel_train.platform.accel_config check)
         if argv[0].endswith(b"bash") and any(a.endswith(b"launch.sh") for a in argv[1:3]) or (
                 argv[1:2] == [b"-c"] and b"accel_train.launcher" in cmd):  # (launch.sh, once it execs Python)
             kind = "launch.sh"

@@ -85,7 +85,7 @@ MUTANTS = [
            "            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n", "            pass\n",
            ("tests/test_resume.py::test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder",)),
     Mutant("export_local_main", "the model and the run's outputs are written by the main process only",
-           "accel_train/ranks.py",
+           "accel_train/platform/ranks.py",
            "if not accelerator.is_main_process:\n            return None",
            "if not accelerator.is_local_main_process:\n            return None",
            ("tests/test_outputs.py::test_only_the_global_main_process_writes_the_runs_outputs",)),

@@ -42,7 +42,7 @@ from ..files import (
 from ..config.train_config import TrainConfig
 from ..config.defaults import BATCH_SIZE
 from ..errors import ConfigError
-from ..ranks import rank0s
+from ..platform.ranks import rank0s
 from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
 

@@ -140,8 +140,8 @@ def main_evaluate(argv: list[str]) -> int:
     from accelerate.logging import get_logger
 
     from ..data import DataInfo, build_data, device_budget
-    from ..hardware import has_accelerator
-    from ..ranks import on_every_rank, rank0s
+    from ..platform.hardware import has_accelerator
+    from ..platform.ranks import on_every_rank, rank0s
     model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model, args.best)
     info = DataInfo.from_model_config(meta, *given_normalisation(args))
     data_name, run = args.data or meta.get("data", "cifar10"), recorded_run(args.checkpoint)

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..hardware import has_accelerator
+from ..platform.hardware import has_accelerator
 
 NUM_RE = re.compile(r"^Num processes: (\d+)\s*$", re.M)
 INDEX_RE = re.compile(r"^Process index: (\d+)\s*$", re.M)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..config.train_config import TrainConfig
-from ..cores import worker_count
+from ..platform.cores import worker_count
 from ..config.defaults import auto_batch
 from ..errors import ConfigError
 from ..config.recipes import per_sample

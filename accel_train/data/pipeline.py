@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..config.train_config import TrainConfig
-from ..cores import worker_count
+from ..platform.cores import worker_count
 from ..config.defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
 from ..config.recipes import per_sample

@@ -9,7 +9,7 @@ import atexit
 import torch
 
 from ..config.train_config import TrainConfig
-from ..cores import worker_count
+from ..platform.cores import worker_count
 from ..exits import end_workers
 
 PREFETCH = 2         # batches each DataLoader worker prepares ahead (torch's default), each in /dev/shm: 8 workers

@@ -29,10 +29,10 @@ from functools import partial
 import torch
 from accelerate.utils import gather_object, send_to_device
 
-from ..accelerator import fall_back_to_fp32
+from ..platform.accelerator import fall_back_to_fp32
 from ..errors import ConfigError
-from ..hardware import NAMES
-from ..ranks import said_once
+from ..platform.hardware import NAMES
+from ..platform.ranks import said_once
 from .cache import cache_key, cached, remember
 from .verdict import Verdict, combine, wrong_text
 

@@ -1,4 +1,4 @@
-"""`python -m accel_train.accel_config FILE`: launch.sh's check that an accelerate config loads with accelerate's
+"""`python -m accel_train.platform.accel_config FILE`: launch.sh's check that an accelerate config loads with accelerate's
 own loader (an unknown key, a bad `distributed_type` is an error) before anything starts; prints the one-line
 reason and exits 1 where it does not, 3 (with the interpreter's path) where this Python cannot import accelerate.
 
@@ -14,7 +14,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from .files import cache_dir
+from ..files import cache_dir
 
 
 def marker(path: str) -> Path | None:

@@ -169,7 +169,7 @@ def facts_from_env(text: str) -> DeviceFacts:
                            tuple(d["capability"]) if d.get("capability") else None,
                            frozenset(d.get("cpu_flags", ())), str(d.get("arch", platform.machine())))
     except (ValueError, KeyError, TypeError) as e:
-        from .errors import ConfigError
+        from ..errors import ConfigError
         raise ConfigError(f"ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least \"kind\" ({e}); "
                           "unset it or fix it") from None
 
@@ -245,10 +245,10 @@ def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tu
 
 
 def main(argv=None) -> int:
-    """`python -m accel_train.hardware [--cpu] [--config_precision P] [--keep]`: prints `<precision> <reason>`,
+    """`python -m accel_train.platform.hardware [--cpu] [--config_precision P] [--keep]`: prints `<precision> <reason>`,
     the precision launch.sh passes to accelerate launch (one cheap call: no torch import with --cpu)."""
     import argparse
-    p = argparse.ArgumentParser(prog="python -m accel_train.hardware")
+    p = argparse.ArgumentParser(prog="python -m accel_train.platform.hardware")
     p.add_argument("--cpu", action="store_true", help="the job runs on the CPU")
     p.add_argument("--config_precision", default="",
                    help="the accelerate config's mixed_precision (empty: it states none)")

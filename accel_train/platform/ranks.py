@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 from accelerate.utils import broadcast_object_list, gather_object
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @contextmanager

@@ -7,8 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from .config.train_config import MAX_WORKERS, TrainConfig
-from .errors import counted
+from ..config.train_config import MAX_WORKERS, TrainConfig
+from ..errors import counted
 
 
 def usable_cores() -> tuple[int, str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 # HCCL's own timeouts (CANN environment variables HCCL_CONNECT_TIMEOUT, default 120 s, 120..7200,
 # and HCCL_EXEC_TIMEOUT, default 1836 s); torch_npu asks for a process-group timeout above both,

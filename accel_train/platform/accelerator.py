@@ -17,12 +17,12 @@ from accelerate.logging import get_logger
 from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
                               LoggerType, ProjectConfiguration, TorchDynamoPlugin, is_npu_available)
 
-from .config.train_config import TrainConfig
+from ..config.train_config import TrainConfig
 from .cores import intra_op_threads
 from .backend_env import (FAILURE_ENV, HCCL_EXEC_TIMEOUT_MAX, HCCL_TIMEOUTS, MONITOR_ENV,  # noqa: F401
                           TORCHRUN_DEFAULT, derived_hccl_timeouts, failure_env, hccl_timeouts,
                           monitor_env)
-from .errors import ConfigError, note_backend
+from ..errors import ConfigError, note_backend
 from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, device_kind, has_accelerator
 from .ranks import said_once
 

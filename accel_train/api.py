@@ -20,7 +20,7 @@ from .exits import exit_rank
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
 from .resilience.preempt import SIGNALS, watch_launcher
 from .status import status_of
-from .user import Given, name_of
+from .model.own_model import Given, name_of
 
 
 def train(config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None, classes=None) -> dict:

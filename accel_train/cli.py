@@ -106,7 +106,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     values = {f.name: getattr(args, f.name) for f in fields()}
     flags = given(parser, argv)
     if ":" in str(file.get("model", "")) and "model" not in flags:  # code named by a file: the command line trusts it
-        from .user import allow_import
+        from .model.own_model import allow_import
         allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
     said = run_data(values, flags | set(file), load_yaml)  # a resume's data: the run's (unnamed)
     cfg = TrainConfig(**seed_data_alias(values, flags, file))

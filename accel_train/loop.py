@@ -24,7 +24,7 @@ from .divergence import NonFiniteWatch
 from .evaluate import evaluate
 from .hang import PROGRESS, HangReport
 from .metrics import EpochMeter, MetricsLog, Pace
-from .model import bare_model
+from .model.create import bare_model
 from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
 from .resilience.preempt import AgreedChecks, StopRequest
 from .setup import Run, setup

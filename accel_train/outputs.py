@@ -20,7 +20,7 @@ from .errors import ConfigError
 from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
                     MODEL_FILE, STEPS_FILE)
 from .metrics import MetricsLog
-from .model import bare_model
+from .model.create import bare_model
 from .platform.ranks import main_process_writes
 
 if TYPE_CHECKING:

@@ -429,7 +429,7 @@ def check_best(out: Path) -> dict:
     from safetensors.torch import load_file
 
     from accel_train.files import BEST_FILE, EMA_FILE
-    from accel_train.model import plain_state_dict
+    from accel_train.model.create import plain_state_dict
     from accel_train.outputs import best_row, exported_best
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     best = best_row(rows)

@@ -12,7 +12,7 @@ import pytest
 from accelerate.utils import set_seed
 from safetensors.torch import load_file
 
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 
 from conftest import TINY_GN, launch
 

@@ -12,11 +12,11 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from accel_train import pretrained
+from accel_train.model import pretrained
 from accel_train.precision import check as gradcheck
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
-from accel_train.freeze import freeze, frozen_names
+from accel_train.model.freeze import freeze, frozen_names
 
 from conftest import clean_env, launch
 from test_precision_check import BF16_CPU

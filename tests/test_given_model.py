@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from accel_train import TrainConfig
-from accel_train.model import create_model
-from accel_train.user import name_of
+from accel_train.model.create import create_model
+from accel_train.model.own_model import name_of
 from conftest import run_cli
 from test_own_model import in_process_train
 from tests_pkg.netmod import Net, build
@@ -19,7 +19,7 @@ from tests_pkg.netmod import Net, build
 
 def problem(given):
     """What setup says of `given` (a module, or a factory called with num_classes=4) recorded under user.name_of."""
-    from accel_train.user import rebuild_problem
+    from accel_train.model.own_model import rebuild_problem
     model = given if isinstance(given, torch.nn.Module) else given(num_classes=4)
     rebuild = functools.partial(create_model, name_of(given), "imagenet", 4, 16)
     return rebuild_problem(model, rebuild, torch.randn(2, 3, 16, 16))

@@ -13,7 +13,7 @@ from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.platform.accelerator import check_one_group
 from accel_train.metrics import EpochMeter
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from conftest import ROOT, TINY, clean_env, launch, write_cifar
 
 FORBIDDEN = (r"\.cuda\(", r"torch\.distributed", r"DistributedSampler", r"DistributedDataParallel\(",

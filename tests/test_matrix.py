@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from accel_train.files import BEST_FILE, EMA_FILE
 from accel_train.cli import parse_train_args
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from conftest import CONFIGS, TINY, check_best, launch, run_cli, wait_all
 
 SMALL = [*TINY, "--train_samples", "64", "--test_samples", "16", "--batch_size", "8", "--epochs", "1",

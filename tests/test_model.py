@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 from accel_train.errors import ConfigError
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 
 
 @pytest.mark.parametrize("stem", ["cifar", "imagenet"])

@@ -26,7 +26,7 @@ from accel_train.commands.predict import main_predict
 from accel_train.outputs import lr_curve
 from accel_train.metrics import Pace, slow_run_warning
 from accel_train.outputs import plot_curves
-from accel_train.model import create_model, init_normalisation
+from accel_train.model.create import create_model, init_normalisation
 from accel_train.checkpoint.resume import keep_run_math, reconcile
 from conftest import check_best, launch, run_cli
 from test_imagefolder import write_image_folder
@@ -270,7 +270,12 @@ def test_fine_tuning_on_two_ranks_keeps_the_weights_normalisation_and_exports_th
 
 
 def test_auto_stem_fits_the_model_and_the_fine_tuned_weights(tmp_path):
-    from accel_train.model import cifar_stem_fits, init_stem, load_init_weights, plain_state_dict
+    from accel_train.model.create import (
+        cifar_stem_fits,
+        init_stem,
+        load_init_weights,
+        plain_state_dict,
+    )
     # --stem auto: the cifar stem only where it applies (a ResNet's single conv1 + maxpool), else timm's own
     assert cifar_stem_fits("resnet18") and not cifar_stem_fits("efficientnet_b0")
     assert not cifar_stem_fits("resnet18d") and not cifar_stem_fits("vit_tiny_patch16_224")

@@ -15,7 +15,7 @@ from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo
 from accel_train.config.defaults import dropped_note
 from accel_train.errors import ConfigError
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from accel_train.outputs import lr_curve, lr_of_step
 from accel_train.setup import schedule
 from accel_train.checkpoint.resume import reconcile

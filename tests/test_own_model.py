@@ -143,7 +143,7 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     import shutil
     import sys
 
-    from accel_train.user import name_of
+    from accel_train.model.own_model import name_of
     from accel_train.config.train_config import TrainConfig
     from accel_train.precision.check import check
     from accel_train.precision.cache import cache_key
@@ -408,7 +408,7 @@ def test_the_check_on_one_batch_moves_nothing_of_the_run():
     # the training-mode forward of the check (it sees a tuple only that mode returns) leaves the BatchNorm statistics,
     # the random state and the mode as they were: the run trains the same with and without it. Lazy modules (no
     # buffers until a first forward) pass it too
-    from accel_train.user import check_forward
+    from accel_train.model.own_model import check_forward
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 10))
     x, before = torch.randn(2, 3, 8, 8), {k: v.clone() for k, v in net.state_dict().items()}
@@ -425,7 +425,7 @@ def test_the_check_on_one_batch_moves_nothing_of_the_run():
 def test_the_check_on_one_batch_leaves_a_sync_batchnorms_training_forward_to_the_device(monkeypatch):
     # under a process group SyncBatchNorm's training forward is a collective that refuses CPU tensors ("expected
     # input tensor to be on GPU"), and the check runs before prepare() moves the model: only eval mode is checked
-    from accel_train.user import check_forward
+    from accel_train.model.own_model import check_forward
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.SyncBatchNorm(4), torch.nn.AdaptiveAvgPool2d(1),
                               torch.nn.Flatten(), torch.nn.Linear(4, 10))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

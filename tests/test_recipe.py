@@ -18,7 +18,7 @@ from accel_train.files import EMA_FILE
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
 from accel_train.evaluate import evaluate
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from conftest import TINY, clean_env, launch, launcher_env
 
 

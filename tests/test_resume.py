@@ -17,7 +17,7 @@ from timm.utils import ModelEmaV3
 from accel_train.files import checkpoint_dirs
 from accel_train.cli import parse_train_args
 from accel_train.errors import ConfigError
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from accel_train.checkpoint.resume import check_data, reconcile
 
 from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for

@@ -78,7 +78,7 @@ LAYERS = [
      ["accel_train", "accel_train.errors", "accel_train.exits", "accel_train.files",
       "accel_train.hang"]),
     ("model: timm's and your own, freeze, pretrained weights",
-     ["accel_train.model", "accel_train.user", "accel_train.freeze", "accel_train.pretrained"]),
+     ["accel_train.model"]),
     ("config: TrainConfig, flag types, automatic defaults, the recipe's flags",
      ["accel_train.config"]),
     ("platform: the Accelerator, hardware facts, cores, a backend's environment, checks across ranks",

@@ -16,7 +16,7 @@ from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
 from accel_train.cli import load_yaml
 from accel_train.errors import ConfigError, Preempted
 from accel_train.data import DataError, check_images, decode_all
-from accel_train.model import create_model
+from accel_train.model.create import create_model
 from conftest import TINY, clean_env, launch, run_cli
 from test_imagefolder import write_image_folder
 from test_launch import dry_run, hw, parse  # noqa: F401 (hw: a fixture)

@@ -20,7 +20,7 @@ from ..config.train_config import TrainConfig
 from ..errors import ConfigError, Parser
 from ..evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
-from ..user import allow_import
+from ..model.own_model import allow_import
 
 
 # evaluate's batch where the run's is unknown. Memory: 2 ranks at 256 measured 1.35 GiB per rank (resnet18, cifar
@@ -37,7 +37,7 @@ def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str
     imported only with `trust` (--trust_model_code) or `named` the same (--model)."""
     from safetensors.torch import load_file
 
-    from ..model import create_model, plain_state_dict
+    from ..model.create import create_model, plain_state_dict
     root = Path(checkpoint)
     if root.suffix == ".safetensors" and not ema and not best:  # a weights file of the run (model_best's, ...)
         root, weights = root.parent, root

@@ -75,7 +75,7 @@ def dropped_note(cfg, samples: int, num_processes: int) -> str | None:
 
 def auto_stem_said(model: str) -> str:
     """The resolved-defaults entry for --stem auto at a small size on a model the cifar stem does not fit."""
-    if ":" in model:  # your own model (user.py)
+    if ":" in model:  # your own model (model/own_model.py)
         return f"--stem imagenet ({model}, your own model, unchanged; --stem cifar replaces a ResNet conv1 + maxpool)"
     return (f"--stem imagenet ({model} has no ResNet conv1 + maxpool for the cifar stem to replace: timm's stem "
             "unchanged; --stem cifar fits resnet18-style models)")

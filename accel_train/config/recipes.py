@@ -47,7 +47,7 @@ def default_crop_pct(cfg) -> float:
     if cfg.crop_pct is not None:
         return cfg.crop_pct
     if getattr(cfg, "init_from", None):
-        from ..model import init_facts
+        from ..model.create import init_facts
         facts = init_facts(cfg.init_from)
         if facts.get("data") == "imagefolder" and isinstance(facts.get("crop_pct"), (int, float)):
             return float(facts["crop_pct"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..files import cache_dir
-from ..user import code_digest, structure_digest
+from ..model.own_model import code_digest, structure_digest
 
 # in the cache key: a verdict of another version of the check is not reused (3: each layer alone
 # checked too)

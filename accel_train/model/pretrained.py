@@ -14,7 +14,7 @@ from pathlib import Path
 
 import timm
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")  # timm's hub names
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass

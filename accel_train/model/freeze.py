@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 BACKBONE = "backbone"
 _FROZEN_CLASSES: dict[type, type] = {}

@@ -10,9 +10,9 @@ import timm
 import torch
 import torch.nn as nn
 
-from .errors import ConfigError
-from .files import MODEL_CONFIG_FILE, MODEL_FILE
-from .user import build, import_callable, is_import_path
+from ..errors import ConfigError
+from ..files import MODEL_CONFIG_FILE, MODEL_FILE
+from .own_model import build, import_callable, is_import_path
 
 
 def apply_cifar_stem(model: nn.Module) -> nn.Module:
@@ -196,7 +196,7 @@ def init_model_code(cfg) -> str | None:
     line naming the path and how to allow it."""
     import json
 
-    from .user import allow_import
+    from .own_model import allow_import
     arch = init_facts(cfg.init_from).get("architecture")
     if not is_import_path(arch) or is_import_path(cfg.model):
         return None

@@ -63,7 +63,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     created = missing_dirs(cfg.output_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from .loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
+    from .training.loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
     from .checkpoint.output_dir import release_output_dir
     try:
         with logging_redirect_tqdm():  # log lines while the progress bar is open go above it, each on its own line

@@ -81,8 +81,8 @@ class Ours:
         if device.type == "cpu":
             os.environ["ACCELERATE_USE_CPU"] = "1"
         from accel_train.cli import parse_train_args
-        from accel_train.loop import train_step
-        from accel_train.setup import setup
+        from accel_train.training.loop import train_step
+        from accel_train.training.startup import setup
         self.train_step = train_step
         self.cfg = parse_train_args([
             "--data", "random", "--train_samples", str(max(args.batch_size * 8, 1024)), "--test_samples", "64",

@@ -191,7 +191,7 @@ def main() -> None:
                     if res.get("chosen") and i == r == 0:
                         print("   ours chose: " + " | ".join(res["chosen"]), flush=True)
             shutil.rmtree(data)
-        imports = {m: import_time(m, env) for m in ("torch", "timm", "accelerate", "accel_train.loop")}
+        imports = {m: import_time(m, env) for m in ("torch", "timm", "accelerate", "accel_train.training.loop")}
     walls = {k: sorted(r["wall"] for r in v) for k, v in results.items()}
     med = {k: v[len(v) // 2] for k, v in walls.items()}
     print(f"imports (s, each in a fresh process, cumulative): " + ", ".join(f"{k} {v:.2f}" for k, v in imports.items()))

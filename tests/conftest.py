@@ -430,7 +430,7 @@ def check_best(out: Path) -> dict:
 
     from accel_train.files import BEST_FILE, EMA_FILE
     from accel_train.model.create import plain_state_dict
-    from accel_train.outputs import best_row, exported_best
+    from accel_train.training.exports import best_row, exported_best
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     best = best_row(rows)
     assert best is not None and best == next(r for r in rows if r["test_acc"] == max(r["test_acc"] for r in rows))

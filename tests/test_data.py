@@ -193,7 +193,7 @@ def test_cpu_pipeline_augments_each_epoch_anew_through_the_prepared_loader(world
 
     from accelerate.data_loader import prepare_data_loader, skip_first_batches
 
-    from accel_train.loop import epoch_batches
+    from accel_train.training.loop import epoch_batches
     kw = dict(train_samples=24, test_samples=4, batch_size=4)
 
     def images(pipeline, epochs, done=0):

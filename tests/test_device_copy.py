@@ -221,7 +221,7 @@ def test_a_check_that_reads_an_aborted_all_gather_is_a_lost_peer_not_a_decision(
     """Under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 an all-gather queued behind a hung collective returns, once the
     watchdog aborted the communicator, whatever its output held: a stale row must not stop the job as diverged or
     preempted. Each row carries the step the ranks called the check at."""
-    from accel_train.divergence import NonFiniteWatch
+    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import LostPeer
     from accel_train.resilience.preempt import AgreedChecks, StopRequest
 

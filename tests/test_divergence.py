@@ -45,7 +45,7 @@ def assert_diverged_cleanly(out, stderr):
     assert m, errors[0]
     step, lr, kept = int(m.group(2)), float(m.group(3)), m.group(4)
     logged = step if "after step" in m.group(1) else step - 1  # the weights are checked when a step is checkpointed
-    assert "accel_train/loop.py" not in stderr and "Diverged" not in stderr  # no trainer traceback
+    assert "accel_train/training/loop.py" not in stderr and "Diverged" not in stderr  # no trainer traceback
     assert not (out / "model.safetensors").exists() and not (out / "model_config.json").exists()
     steps = strict_jsonl(out / "steps.jsonl")
     # every step before the diverged one is logged (log_every 1), none after; its lr is the one named
@@ -106,7 +106,7 @@ def test_an_infinite_loss_stops_the_run_as_a_nan_does(tmp_path):
     export, with `loss: null` in steps.jsonl)."""
     from types import SimpleNamespace
 
-    from accel_train.divergence import NonFiniteWatch
+    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import Diverged
 
     gather = SimpleNamespace(gather=lambda t: t)  # one process: gather is the identity
@@ -149,7 +149,7 @@ def test_a_finite_weight_whose_norm_overflows_stops_the_run(tmp_path):
     # issue 34 item 2: one real element at 1.6e32 (a wrong bf16 kernel's garbage reaches 6e35) is finite, but the
     # tensor's fp32 norm is inf; the check tested elements only, so such weights were exported (exit 0). A finite
     # tensor whose norm is not finite is absurd: every rank stops, naming it (and the precision that can cause it)
-    from accel_train.divergence import NonFiniteWatch
+    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import Diverged
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 2))
     watch = NonFiniteWatch(torch.device("cpu"), tmp_path, model, "bf16")

@@ -20,7 +20,7 @@ def rows(out):
 @pytest.mark.parametrize("where", ["the row's collective", "the training sums' reduce"])
 def test_a_peer_lost_at_the_epoch_end_leaves_the_real_row_or_none(tmp_path, monkeypatch, every_step,  # noqa: F811
                                                                    where):
-    from accel_train import metrics, outputs
+    from accel_train.training import metrics, exports as outputs
     out = tmp_path / "out"
     if where == "the row's collective":  # after the evaluation: the best export's agreement (main_process_writes)
         lose_peer_at(monkeypatch, outputs, "main_process_writes", lambda *a: True)
@@ -51,7 +51,7 @@ def test_a_survivor_save_mid_epoch_gives_a_row_that_says_it_is_partial(tmp_path,
                                                                       every_step):  # noqa: F811
     # the survivor saves without a collective: its own sums are not the epoch's, so it keeps none, and the resumed
     # epoch's row covers the batches after the save, marked so (a row as if whole understated the epoch in silence)
-    from accel_train import metrics
+    from accel_train.training import metrics
     out = tmp_path / "out"
     lose_peer_at(monkeypatch, metrics.MetricsLog, "log_step", lambda self, acc, s, *a: s == 5)
     monkeypatch.setattr(survivor.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))

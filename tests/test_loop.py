@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.platform.accelerator import check_one_group
-from accel_train.metrics import EpochMeter
+from accel_train.training.metrics import EpochMeter
 from accel_train.model.create import create_model
 from conftest import ROOT, TINY, clean_env, launch, write_cifar
 
@@ -98,7 +98,7 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again
     with rank 0 on every rank passed the suite)."""
     from types import SimpleNamespace
 
-    from accel_train.loop import reseed
+    from accel_train.training.loop import reseed
 
     def masks(rank, step=7, batch_in_epoch=3, accum=2):
         run = SimpleNamespace(state=SimpleNamespace(step=step, batch_in_epoch=batch_in_epoch), run_math={"seed": 42},

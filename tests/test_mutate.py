@@ -21,7 +21,7 @@ def test_every_mutant_applies_once_and_names_existing_tests(tmp_path):
     assert [p for m in mutate.MUTANTS for p in mutate.problems(m)] == []
     assert mutate.main(["--check"]) == 0
     # a mutant whose text is gone is reported, not silently skipped
-    (tmp_path / "accel_train").mkdir()
-    (tmp_path / "accel_train" / "loop.py").write_text("nothing to mutate here\n")
+    (tmp_path / "accel_train" / "training").mkdir(parents=True)
+    (tmp_path / "accel_train" / "training" / "loop.py").write_text("nothing to mutate here\n")
     gone = mutate.problems(mutate.MUTANTS[1], tmp_path)
     assert any("occurs 0 times" in p for p in gone) and any("no test" in p for p in gone), gone

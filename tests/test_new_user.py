@@ -17,15 +17,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from accel_train.files import BEST_FILE
-from accel_train.outputs import BestModel, best_row, export_model, exported_best
+from accel_train.training.exports import BestModel, best_row, export_model, exported_best
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
 from accel_train.data import DataInfo, build_data, native_size
 from accel_train.commands.evaluate import load_exported
 from accel_train.commands.predict import main_predict
-from accel_train.outputs import lr_curve
-from accel_train.metrics import Pace, slow_run_warning
-from accel_train.outputs import plot_curves
+from accel_train.training.exports import lr_curve
+from accel_train.training.metrics import Pace, slow_run_warning
+from accel_train.training.exports import plot_curves
 from accel_train.model.create import create_model, init_normalisation
 from accel_train.checkpoint.resume import keep_run_math, reconcile
 from conftest import check_best, launch, run_cli

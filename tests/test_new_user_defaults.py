@@ -16,8 +16,8 @@ from accel_train.data import DataInfo
 from accel_train.config.defaults import dropped_note
 from accel_train.errors import ConfigError
 from accel_train.model.create import create_model
-from accel_train.outputs import lr_curve, lr_of_step
-from accel_train.setup import schedule
+from accel_train.training.exports import lr_curve, lr_of_step
+from accel_train.training.startup import schedule
 from accel_train.checkpoint.resume import reconcile
 from conftest import run_cli
 from test_imagefolder import write_image_folder
@@ -161,7 +161,7 @@ def test_a_resume_keeps_the_checkpoints_global_batch():
 
 @pytest.fixture
 def exported(tmp_path):
-    from accel_train.outputs import export_model
+    from accel_train.training.exports import export_model
     out = tmp_path / "out"
     out.mkdir()
     export_model(create_model("test_resnet", "imagenet", num_classes=3), out,

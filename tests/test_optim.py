@@ -16,10 +16,16 @@ from safetensors.torch import load_file
 from accel_train.checkpoint.changes import check_changes, settings
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
-from accel_train.loop import reseed
-from accel_train.metrics import EpochMeter
-from accel_train.optim import build_optimizer, criterion, known_optimizers, mixing, schedule
-from accel_train.outputs import lr_of_step
+from accel_train.training.loop import reseed
+from accel_train.training.metrics import EpochMeter
+from accel_train.training.optim import (
+    build_optimizer,
+    criterion,
+    known_optimizers,
+    mixing,
+    schedule,
+)
+from accel_train.training.exports import lr_of_step
 from accel_train.checkpoint.resume import keep_run_math
 
 from conftest import launch, steps_logged
@@ -57,7 +63,7 @@ def test_timm_spellings_parse():
 
 
 def test_drop_rates_reach_timm_and_a_second_spelling_is_refused():
-    from accel_train.setup import model_extras
+    from accel_train.training.startup import model_extras
     fresh, resumed = SimpleNamespace(meta=None), SimpleNamespace(meta={"step": 3})
     assert model_extras(cfg(drop_path=0.1), fresh) == {"drop_path_rate": 0.1}
     assert model_extras(cfg(), fresh) == {}  # (0: not passed, so a model that takes none still builds)
@@ -166,7 +172,7 @@ def test_a_resume_refuses_another_optimizer_layer_decay_on_or_off_and_another_fr
 
 
 def test_mixup_needs_an_even_batch():
-    from accel_train.optim import check_mixing
+    from accel_train.training.optim import check_mixing
     with pytest.raises(ConfigError, match="--batch_size 7 must be even"):
         check_mixing(cfg(cutmix=1.0, batch_size=7))
 

@@ -46,7 +46,7 @@ def test_tensorboard_events_hold_the_scalars(finished):
     assert tags["epoch/test_acc"] == pytest.approx([r["test_acc"] for r in rows])
     # --tracker_project (issue 40 item 7: the project was always "accel_train"), --run_name as wandb's run name
     assert {p.parent.relative_to(out).parts[0] for p in out.rglob("events.out.tfevents.*")} == {"flowers"}
-    from accel_train.metrics import tracker_init_kwargs
+    from accel_train.training.metrics import tracker_init_kwargs
     assert tracker_init_kwargs(["wandb"], 0, "first") == {"wandb": {"name": "first"}}
 
 
@@ -173,7 +173,7 @@ def test_only_the_global_main_process_writes_the_runs_outputs(tmp_path):
     only by the root-only two-host test)."""
     from types import SimpleNamespace
 
-    from accel_train.outputs import main_process_writes
+    from accel_train.training.exports import main_process_writes
     wrote = []
     for rank, main, local_main in [(0, True, True), (2, False, True), (1, False, False)]:
         acc = SimpleNamespace(process_index=rank, num_processes=4, is_main_process=main,
@@ -193,7 +193,7 @@ def captured_figures(monkeypatch) -> list:
 def test_the_curves_say_only_what_was_logged_and_a_partial_epoch_starts_at_0(tmp_path, monkeypatch):
     # issue 40 item 8: with --log_every >= the steps of an epoch the step-loss line held only epoch-end points; a
     # --max_steps run's part of an epoch got axis ticks 0.945-1.05
-    from accel_train.outputs import plot_curves
+    from accel_train.training.exports import plot_curves
     figures = captured_figures(monkeypatch)
     rows = [{"epoch": e, "step": 4 * e, "train_loss": 1.0 / e, "train_acc": 0.5, "test_acc": 0.5, "lr": 0.1}
             for e in (1, 2, 3)]

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from accel_train.platform import accelerator
-from accel_train import loop
+from accel_train.training import loop
 from accel_train.config.train_config import TrainConfig
 from conftest import ROOT, TINY, clean_env, launch
 from test_launch import LAUNCH, dry_run, hw, parse  # noqa: F401  (hw is a fixture)

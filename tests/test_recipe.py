@@ -17,7 +17,7 @@ from timm.utils import ModelEmaV3
 from accel_train.files import EMA_FILE
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
-from accel_train.evaluate import evaluate
+from accel_train.training.evaluate import evaluate
 from accel_train.model.create import create_model
 from conftest import TINY, clean_env, launch, launcher_env
 
@@ -85,7 +85,7 @@ def test_trainers_ema_is_timms_ema_of_each_optimizer_steps_weights(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # The README's promises about the recipe (issue 29 item 10), checked on the objects the trainer builds: a Run from
-# accel_train.setup.setup, in this process, with the environment `accelerate launch --config_file cpu.yaml` gives
+# accel_train.training.startup.setup, in this process, with the environment `accelerate launch --config_file cpu.yaml` gives
 # ---------------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -93,7 +93,7 @@ def built_run(tmp_path, *flags):
     from accelerate.state import AcceleratorState, GradientState
 
     from accel_train.cli import parse_train_args
-    from accel_train.setup import setup
+    from accel_train.training.startup import setup
     cfg = parse_train_args([*TINY, "--train_samples", "32", "--test_samples", "8", "--batch_size", "8",
                             "--epochs", "2", "--output_dir", str(tmp_path / "out"), *map(str, flags)])
     AcceleratorState._reset_state(True)
@@ -158,8 +158,8 @@ def test_ddp_bucket_flags_reach_the_ddp_kwargs_accelerate_passes_to_ddp(tmp_path
 
 def test_model_best_is_the_first_of_equals_and_the_models_not_the_emas(tmp_path):
     from accel_train.files import BEST_FILE
-    from accel_train.metrics import MetricsLog
-    from accel_train.outputs import BestModel, exported_best, record_epoch
+    from accel_train.training.metrics import MetricsLog
+    from accel_train.training.exports import BestModel, exported_best, record_epoch
     with built_run(tmp_path, "--ema") as (cfg, run):
         metrics = MetricsLog(cfg, True, run.state, run.history, steps_per_epoch=run.steps_per_epoch)
         best = BestModel(cfg.output_dir, metrics.rows, True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel_train.outputs import exported_best
+from accel_train.training.exports import exported_best
 
 from conftest import ROOT, TINY, Job, clean_env, run, run_cli, trainer_pids, wait_for
 
@@ -37,11 +37,11 @@ def stopped_mid_epoch(tmp_path_factory):
     ("part"); the partial epoch 2 evaluates better than epoch 1, the whole epoch 2 does not. The accuracies are
     scripted by step (the runs are in this process): a seed found by trying held on one set of package versions
     only (it failed with today's: 0.109375 vs 0.109375)."""
-    import accel_train.loop
+    import accel_train.training.loop
     root = tmp_path_factory.mktemp("stopped")
     args = ["--lr", "1.0", "--seed", "11", "--log_every", "5"]
     scripted = {8: 0.5, 12: 0.75, 16: 0.25}
-    real = accel_train.loop.end_of_epoch
+    real = accel_train.training.loop.end_of_epoch
 
     def end_of_epoch(*a, **kw):
         row = real(*a, **kw)
@@ -49,7 +49,7 @@ def stopped_mid_epoch(tmp_path_factory):
             row["test_acc"] = scripted[row["step"]]
         return row
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(accel_train.loop, "end_of_epoch", end_of_epoch)
+        patch.setattr(accel_train.training.loop, "end_of_epoch", end_of_epoch)
         full = ok(run_cli(small(root / "full", *args)))
         ok(run_cli(small(root / "part", *args, "--max_steps", "12")))
         stopped = rows(root / "part" / "metrics.jsonl"), rows(root / "part" / "steps.jsonl")
@@ -75,16 +75,16 @@ def test_the_same_max_steps_command_resumed_keeps_the_best_model_and_warns_of_no
     # train, the rows kept whole. The cut-short epoch 2 evaluated better than epoch 1 but was never
     # exported; taken for the best, it deleted epoch 1's model_best.safetensors and warned of a best
     # model "trained before a resume" that never existed
-    import accel_train.loop
+    import accel_train.training.loop
     out, args = tmp_path / "out", ["--lr", "1.0", "--seed", "11", "--log_every", "5", "--max_steps", "12"]
-    scripted, real = {8: 0.5, 12: 0.75}, accel_train.loop.end_of_epoch
+    scripted, real = {8: 0.5, 12: 0.75}, accel_train.training.loop.end_of_epoch
 
     def end_of_epoch(*a, **kw):
         row = real(*a, **kw)
         if row is not None:
             row["test_acc"] = scripted[row["step"]]
         return row
-    monkeypatch.setattr(accel_train.loop, "end_of_epoch", end_of_epoch)
+    monkeypatch.setattr(accel_train.training.loop, "end_of_epoch", end_of_epoch)
     ok(run_cli(small(out, *args)))
     assert [r["test_acc"] for r in rows(out / "metrics.jsonl")] == [0.5, 0.75]
     assert exported_best(out)["epoch"] == 1

@@ -332,7 +332,7 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(tmp_path, mo
     from accelerate import Accelerator
 
     from accel_train.checkpoint import checkpointer as checkpoint
-    from accel_train import loop, metrics
+    from accel_train.training import loop, metrics
     out = tmp_path / "out"
     if where == "the step's all-reduce":
         lose_peer_at(monkeypatch, Accelerator, "backward", micro_batches())

@@ -18,7 +18,7 @@ import torch
 
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError, Parser
-from ..evaluate import evaluate
+from ..training.evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from ..model.own_model import allow_import
 

@@ -13,18 +13,27 @@ from typing import TYPE_CHECKING
 import torch
 from accelerate.logging import get_logger
 
-from . import __version__
-from .checkpoint.checkpointer import _state_dict_cpu, save_safetensors
-from .config.train_config import TrainConfig
-from .errors import ConfigError
-from .files import (BEST_FILE, CKPT_DIR, CONFIG_FILE, CURVES_FILE, EMA_EXPORT_FILE, METRICS_FILE, MODEL_CONFIG_FILE,
-                    MODEL_FILE, STEPS_FILE)
+from .. import __version__
+from ..checkpoint.checkpointer import _state_dict_cpu, save_safetensors
+from ..config.train_config import TrainConfig
+from ..errors import ConfigError
+from ..files import (
+    BEST_FILE,
+    CKPT_DIR,
+    CONFIG_FILE,
+    CURVES_FILE,
+    EMA_EXPORT_FILE,
+    METRICS_FILE,
+    MODEL_CONFIG_FILE,
+    MODEL_FILE,
+    STEPS_FILE,
+)
 from .metrics import MetricsLog
-from .model.create import bare_model
-from .platform.ranks import main_process_writes
+from ..model.create import bare_model
+from ..platform.ranks import main_process_writes
 
 if TYPE_CHECKING:
-    from .setup import Run
+    from .startup import Run
 
 logger = get_logger("accel_train")
 

@@ -17,18 +17,18 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import tqdm
 
-from .checkpoint.checkpointer import Checkpointer
-from .config.train_config import TrainConfig
-from .data import set_loader_epoch
+from ..checkpoint.checkpointer import Checkpointer
+from ..config.train_config import TrainConfig
+from ..data import set_loader_epoch
 from .divergence import NonFiniteWatch
 from .evaluate import evaluate
-from .hang import PROGRESS, HangReport
+from ..hang import PROGRESS, HangReport
 from .metrics import EpochMeter, MetricsLog, Pace
-from .model.create import bare_model
-from .outputs import BestModel, finish, lr_of_step, model_config, record_epoch
-from .resilience.preempt import AgreedChecks, StopRequest
-from .setup import Run, setup
-from .resilience.survivor import Survivor
+from ..model.create import bare_model
+from .exports import BestModel, finish, lr_of_step, model_config, record_epoch
+from ..resilience.preempt import AgreedChecks, StopRequest
+from .startup import Run, setup
+from ..resilience.survivor import Survivor
 
 logger = get_logger("accel_train")
 

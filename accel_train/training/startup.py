@@ -18,23 +18,23 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object, set_seed
 from timm.utils import ModelEmaV3
 
-from . import __version__
-from .model import pretrained
-from .platform.accelerator import make_accelerator, prepare_output_dir, tracker_config
-from .checkpoint.changes import log_changes, schedule_changed, settings
-from .checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
-from .config.train_config import TrainConfig
-from .data import Data, build_data, device_budget, given_data
-from .data.info import listed
-from .config.defaults import dropped_note
-from .errors import ConfigError, clear_notes, counted
-from .files import CONFIG_FILE
-from .model.freeze import freeze
-from .precision.check import check_run_precision, first_batch
-from .hang import PROGRESS
-from .platform.hardware import channels_last_default
+from .. import __version__
+from ..model import pretrained
+from ..platform.accelerator import make_accelerator, prepare_output_dir, tracker_config
+from ..checkpoint.changes import log_changes, schedule_changed, settings
+from ..checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
+from ..config.train_config import TrainConfig
+from ..data import Data, build_data, device_budget, given_data
+from ..data.info import listed
+from ..config.defaults import dropped_note
+from ..errors import ConfigError, clear_notes, counted
+from ..files import CONFIG_FILE
+from ..model.freeze import freeze
+from ..precision.check import check_run_precision, first_batch
+from ..hang import PROGRESS
+from ..platform.hardware import channels_last_default
 from .metrics import check_trackers, tracker_init_kwargs
-from .model.create import (
+from ..model.create import (
     bare_model,
     cifar_stem_fits,
     create_model,
@@ -46,12 +46,12 @@ from .model.create import (
     wrappers,
 )
 from .optim import build_optimizer, check_mixing, criterion as loss_of, mixing, recipe_line, schedule
-from .resilience.preempt import checkpoint_interval_text, pending_stop
-from .platform.ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
-from .config.recipes import RECIPE_FLAGS
-from .checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
-from .checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
-from .model.own_model import Given, check_forward, rebuild_problem, unused_parameters
+from ..resilience.preempt import checkpoint_interval_text, pending_stop
+from ..platform.ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
+from ..config.recipes import RECIPE_FLAGS
+from ..checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
+from ..checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
+from ..model.own_model import Given, check_forward, rebuild_problem, unused_parameters
 
 logger = get_logger("accel_train")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError
-from .files import METRICS_FILE, STEPS_FILE, dumps, read_jsonl
-from .platform.ranks import rank0s
+from ..errors import ConfigError
+from ..files import METRICS_FILE, STEPS_FILE, dumps, read_jsonl
+from ..platform.ranks import rank0s
 
 
 class EpochMeter:

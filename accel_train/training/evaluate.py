@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .hang import PROGRESS
-from .resilience.preempt import AgreedChecks
+from ..hang import PROGRESS
+from ..resilience.preempt import AgreedChecks
 
 
 @torch.no_grad()

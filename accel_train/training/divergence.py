@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import Diverged, of_step
-from .files import checkpoint_dirs
+from ..errors import Diverged, of_step
+from ..files import checkpoint_dirs
 
 
 class NonFiniteWatch:

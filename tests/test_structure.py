@@ -132,6 +132,21 @@ def test_the_layer_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
         layer_of("accel_train.nowhere")
 
 
+def test_the_public_names_survive_every_module_being_imported():
+    # a subpackage is set as an attribute of its parent once imported: one named `train` (or
+    # `TrainConfig`) would shadow the public name `from accel_train import train` gives
+    import importlib
+    import pkgutil
+
+    import accel_train
+    for info in pkgutil.walk_packages(accel_train.__path__, "accel_train."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    from accel_train import TrainConfig, api, train
+    assert train is api.train and callable(train) and isinstance(TrainConfig, type)
+    assert TrainConfig is api.TrainConfig and accel_train.__all__ == ["TrainConfig", "train"]
+
+
 def test_train_reads_on_one_screen():
     from accel_train.training.loop import train
     assert len(inspect.getsource(train).splitlines()) <= 60

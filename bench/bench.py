@@ -4,9 +4,9 @@
     python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last [--compile]
     python bench/bench.py --table              # fp32/bf16 x NCHW/channels_last, ours/bare in each, CPU flags
 
-"ours" is the real accel_train code path: `setup.setup()` (Accelerator, device-resident data pipeline,
+"ours" is the real accel_train code path: `startup.setup()` (Accelerator, device-resident data pipeline,
 timm model + stem, timm SGD, prepare) and per step `data.inputs()` (gather + crop + flip + normalise
-on the device) and `loop.train_step()`. "bare" is written here independently: the same timm model and
+on the device) and `loop.train_step()` + the optimizer step. "bare" is written here independently: the same timm model and
 stem, batch, precision and memory format, torch.optim.SGD (nesterov) and a fixed input batch already
 on the device (no data pipeline at all). They alternate in rounds so that machine noise hits both.
 The last line printed is `ratio=<ours/bare>` (median img/s over median img/s).
@@ -81,9 +81,9 @@ class Ours:
         if device.type == "cpu":
             os.environ["ACCELERATE_USE_CPU"] = "1"
         from accel_train.cli import parse_train_args
-        from accel_train.training.loop import train_step
+        from accel_train.training import loop
         from accel_train.training.startup import setup
-        self.train_step = train_step
+        self.loop = loop
         self.cfg = parse_train_args([
             "--data", "random", "--train_samples", str(max(args.batch_size * 8, 1024)), "--test_samples", "64",
             "--batch_size", str(args.batch_size), "--model", args.model, "--output_dir", args.output_dir,
@@ -105,9 +105,10 @@ class Ours:
 
     def step(self):
         x, y = self.next_inputs()
-        self.train_step(self.run, x, y, lock=self.lock)
-        if self.lock.locked():
-            self.lock.release()
+        self.loop.train_step(self.run, x, y)
+        with self.lock:  # (the optimizer step of loop.apply_step; its EMA, schedule and progress are left out)
+            self.run.optimizer.step()
+            self.run.optimizer.zero_grad(set_to_none=True)
 
 
 def timed(step, steps: int, batch: int, device) -> float:

@@ -194,6 +194,27 @@ def test_more_epochs_on_resume_rebuild_the_schedule(tmp_path, one_epoch):
     assert lrs[8] == pytest.approx(0.025)  # the peak (the old 1-epoch schedule had ended at min_lr 0)
 
 
+def test_every_resumed_step_trains_with_the_lr_its_row_says(tmp_path, one_epoch, monkeypatch):
+    # steps.jsonl's lr comes from the schedule as a function of the step (exports.lr_of_step): the
+    # optimizer's own lr at each step, the one it steps with, must be that one, the first resumed
+    # step's too (start-up sets it: startup.resume)
+    from accel_train.training import loop
+    used, real = {}, loop.apply_step
+
+    def recording(run, parts, grad_norm):
+        if run.accelerator.sync_gradients:
+            used[run.state.step + 1] = run.optimizer.param_groups[0]["lr"]
+        return real(run, parts, grad_norm)
+    monkeypatch.setattr(loop, "apply_step", recording)
+    out = tmp_path / "out"
+    shutil.copytree(one_epoch, out)
+    proc = run_cli(small(out, "--batch_size", "32", "--epochs", "2", "--resume", "auto"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (out / "steps.jsonl").read_text().splitlines())}
+    assert sorted(used) == list(range(9, 17)), used
+    assert [used[s] for s in used] == pytest.approx([logged[s] for s in used], rel=1e-9)
+
+
 def test_checkpoints_belong_to_a_run(tmp_path, one_epoch):
     out, other = tmp_path / "out", one_epoch  # other: a second run, 8 steps
     launch("cpu.yaml", small(out, "--batch_size", "32", "--epochs", "1", "--max_steps", "6",

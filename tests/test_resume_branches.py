@@ -44,10 +44,10 @@ def stopped_mid_epoch(tmp_path_factory):
     real = accel_train.training.loop.end_of_epoch
 
     def end_of_epoch(*a, **kw):
-        row = real(*a, **kw)
-        if row is not None:
-            row["test_acc"] = scripted[row["step"]]
-        return row
+        end = real(*a, **kw)
+        if end.row is not None:
+            end.row["test_acc"] = scripted[end.row["step"]]
+        return end
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(accel_train.training.loop, "end_of_epoch", end_of_epoch)
         full = ok(run_cli(small(root / "full", *args)))
@@ -80,10 +80,10 @@ def test_the_same_max_steps_command_resumed_keeps_the_best_model_and_warns_of_no
     scripted, real = {8: 0.5, 12: 0.75}, accel_train.training.loop.end_of_epoch
 
     def end_of_epoch(*a, **kw):
-        row = real(*a, **kw)
-        if row is not None:
-            row["test_acc"] = scripted[row["step"]]
-        return row
+        end = real(*a, **kw)
+        if end.row is not None:
+            end.row["test_acc"] = scripted[end.row["step"]]
+        return end
     monkeypatch.setattr(accel_train.training.loop, "end_of_epoch", end_of_epoch)
     ok(run_cli(small(out, *args)))
     assert [r["test_acc"] for r in rows(out / "metrics.jsonl")] == [0.5, 0.75]

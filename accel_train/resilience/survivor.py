@@ -8,7 +8,7 @@ line saying which step was saved where, in how many seconds (errors.lost_peer). 
 complete checkpoint on any machine (resume.py), so the relaunch loses no completed step.
 
 One step, exactly: the loop changes the weights, the step counter, the lr and the EMA only inside `survivor.lock`
-(from the optimizer step to the end of `after_step`), a region without any collective; the data position saved is the
+(Survivor.updating, around loop.apply_step), a region without any collective; the data position saved is the
 start of the accumulation window; the step's metrics row, when its reduce did not complete, is this rank's own loss.
 A failure inside that region (which holds no collective: only a bug) saves nothing.
 
@@ -125,7 +125,7 @@ class Survivor:
         # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
         # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
         # the module keeps them there (one fused copy per step, a few KB; none where no step is saved: readable_step):
-        # rank 0's at the end of the step before, exactly what rank 0 would save. Compiled: their own, at step_done.
+        # rank 0's at the end of the step before, exactly what rank 0 would save. Compiled: their own, as `updating` ends a step.
         module = acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None else None
         kept = set(module.state_dict()) if module is not None else set()
         named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
@@ -147,8 +147,17 @@ class Survivor:
         if module.training and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0:
             self._keep(state.step)
 
-    def step_done(self) -> None:
-        """The step is complete (weights, step, lr, EMA): the lock train_step took is released."""
+    @contextmanager
+    def updating(self, step_ends: bool):
+        """Around a micro-batch's update of the training state: where it ends an optimizer step (the
+        weights, step, lr and EMA change), under `lock`, so that a save sees the step whole or not
+        begun. A failure inside leaves the lock held: a save in the main thread then knows the state
+        is half updated and saves nothing."""
+        if not step_ends:
+            yield
+            return
+        self.lock.acquire()
+        yield  # (not in try/finally: an exception raised here skips the release on purpose)
         if self.buffers and not self.hooked:
             self._keep(self.run.state.step, own=True, locked=True)
         self.lock.release()

@@ -100,13 +100,14 @@ class BestModel:
             self.row, self.on_disk = row, True
 
 
-def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict) -> None:
+def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict | None
+                 ) -> None:
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is exported (main
     process) as model_best.safetensors, with its epoch, step and test_acc in the file's metadata. The row of an
     epoch that --max_steps cut short is recorded but is not a candidate: a resume drops that row (its epoch is
-    finished and evaluated again), and a best file written from it would replace the earlier best's. An empty row
-    (loop.end_of_epoch: the epoch's training numbers were lost with a peer) is not recorded, on every rank."""
-    if not row:
+    finished and evaluated again), and a best file written from it would replace the earlier best's. No row
+    (None, loop.EpochEnd: the epoch's training numbers were lost with a peer) is not recorded, on every rank."""
+    if row is None:
         return
     metrics.append(run.accelerator, row)
     whole = run.state.batch_in_epoch >= run.batches_per_epoch

@@ -147,9 +147,24 @@ def test_the_public_names_survive_every_module_being_imported():
     assert TrainConfig is api.TrainConfig and accel_train.__all__ == ["TrainConfig", "train"]
 
 
+# Lines at most 100 characters: the modules brought there so far (the rest still reach 120; each
+# joins this list as it is formatted, and the list then gives way to the linter's check)
+AT_100 = ["accel_train/__main__.py", "accel_train/*/__init__.py", "accel_train/launcher/[!o]*.py",
+          "accel_train/precision/*.py", "accel_train/platform/backend_env.py",
+          "accel_train/training/loop.py"]
+
+
+def test_the_modules_at_100_columns_stay_there():
+    files = sorted({p for pattern in AT_100 for p in ROOT.glob(pattern)})
+    assert len(files) >= 20, files
+    long = [f"{p.relative_to(ROOT)}:{n}" for p in files
+            for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    assert not long, long
+
+
 def test_train_reads_on_one_screen():
     from accel_train.training.loop import train
-    assert len(inspect.getsource(train).splitlines()) <= 60
+    assert len(inspect.getsource(train).splitlines()) <= 40
 
 
 def test_no_binary_or_large_file_is_tracked():

@@ -281,7 +281,7 @@ class FrozenWatch:
 def ranks_ended(status_dir: str, supervisor: Supervisor, stop_s: float) -> None:
     """Ranks of this attempt that outlive its launcher (torchrun starts each in a session of its
     own: a SIGKILLed agent leaves them running) stop by themselves with a checkpoint (exit 3,
-    accel_train/resilience/preempt.py watch_launcher); nothing is relaunched, and no status read, before every
+    resilience/preempt.py watch_launcher); nothing is relaunched, and no status read, before every
     process of the attempt on this machine has ended. Past `stop_s` they are SIGKILLed."""
     said = termed = False
     deadline = time.monotonic() + stop_s

@@ -139,7 +139,7 @@ def launch_args(
 
 def check_config(python: str, config: Path, env) -> None:
     """The config must load with accelerate's own loader (an unknown key is an error) before
-    anything starts, and before the precision probe prints its line (accel_train/platform/accel_config.py; a
+    anything starts, and before the precision probe prints its line (platform/accel_config.py; a
     file that loaded before is not read again). Status 3: this interpreter cannot import accelerate
     (a venv not activated): it is named, not the config."""
     try:
@@ -170,12 +170,13 @@ def check_config(python: str, config: Path, env) -> None:
 def probe_precision(
     python: str, device: str, config_precision: str | None, named: bool, env, say
 ) -> tuple[list[str], dict[str, str]]:
-    """A precision the device has (accel_train/platform/hardware.py; docs/speed.md: Precision and memory
+    """A precision the device has (platform/hardware.py; docs/speed.md: Precision and memory
     format per platform): bf16 where native, fp16 with loss scaling on pre-Ampere GPUs and Ascend
     910A, fp32 on CPUs without bf16. Our own configs get the device's best; a config the user named
     keeps its own where the device has it. Returns the launch arguments and the job's variables it
     adds."""
-    probe = [python, "-m", "accel_train.platform.hardware", "--config_precision", config_precision or ""]
+    probe = [python, "-m", "accel_train.platform.hardware"]
+    probe += ["--config_precision", config_precision or ""]
     probe += ["--cpu"] * (device == "cpu") + ["--keep"] * named
     try:
         chosen = subprocess.run(

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from ..errors import (
     EXIT_INTERRUPTED,
@@ -192,6 +193,19 @@ def stop_at_once(announce: bool) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
+class RankReport(NamedTuple):
+    """One rank's numbers at an agreed check, one column each of its all-gather (float64)."""
+
+    stop: float  # 1: a stop signal, 2: the launcher is gone too, 0: neither
+    first_nonfinite: float  # the divergence watch's first step with a non-finite loss (0: none)
+    step_s: float  # seconds per step since the last check
+    check_s: float  # what the last check cost
+    first_jump: float  # the divergence watch's first step whose weights jumped (0: none)
+    since_checkpoint_s: float  # seconds since the last checkpoint
+    write_s: float  # the last checkpoint write's seconds (-1: none measured)
+    step: float  # the step every rank calls the check at (last: errors.of_step reads it)
+
+
 class AgreedChecks:
     """The steps (or evaluation batches) at which the ranks agree on a stop request and on the non-finite
     watch: `due(step)` is pure arithmetic on numbers every rank holds; `agree(...)` is a collective.
@@ -199,7 +213,7 @@ class AgreedChecks:
     Bound: a stop is seen after at most max(MAX_S of work, one step) plus the check itself, then the
     checkpoint is written: well inside the 30 s torchrun gives workers after forwarding SIGTERM
     (pytorch#119856) unless one step takes more than ~20 s. Cost: a check is one all-gather of 8 numbers
-    per rank and one host read (which drains the device queue); the interval is at least 100x the
+    per rank (RankReport) and one host read (which drains the device queue); the interval is at least 100x the
     measured cost of the previous check (<= 1% of the time), and about TARGET_S of work otherwise."""
 
     TARGET_S, MAX_S, MAX_OVERHEAD = 2.0, 5.0, 0.01
@@ -223,23 +237,28 @@ class AgreedChecks:
         per_step = (start - self.since) / max(step - self.since_step, 1)
         since, write_s = (start - clock.saved_at, clock.write_s or -1.0) if clock is not None else (0.0, -1.0)
         stop = float(self.stop.signal is not None) + bool(self.stop.launcher_gone)  # (2: a launcher is gone)
-        mine = torch.tensor([[stop, 0.0, per_step, self.cost, 0.0, since, write_s,
-                              float(step)]], dtype=torch.float64, device=accelerator.device)
+        report = RankReport(stop, 0.0, per_step, self.cost, 0.0, since, write_s, float(step))
+        mine = torch.tensor([report], dtype=torch.float64, device=accelerator.device)
+        if watch is not None:  # (they stay on the device until the one read below)
+            columns = RankReport._fields
+            mine[0, columns.index("first_nonfinite")] = watch.first
+            mine[0, columns.index("first_jump")] = watch.jumped
+        gathered = accelerator.gather(mine).reshape(-1, len(RankReport._fields)).tolist()
+        rows = [RankReport(*r) for r in of_step(gathered, step, "the agreed check")]
         if watch is not None:
-            mine[0, 1], mine[0, 4] = watch.first, watch.jumped  # stay on the device until the one read below
-        rows = of_step(accelerator.gather(mine).reshape(-1, 8).tolist(), step, "the agreed check")
-        if watch is not None:
-            watch.verdict([int(r[1]) for r in rows], True, step, [int(r[4]) for r in rows])
-        self.next = step + self.interval(max(r[2] for r in rows), max(r[3] for r in rows))
+            watch.verdict([int(r.first_nonfinite) for r in rows], True, step,
+                          [int(r.first_jump) for r in rows])
+        step_s = max(r.step_s for r in rows)
+        self.next = step + self.interval(step_s, max(r.check_s for r in rows))
         self.since, self.since_step = time.perf_counter(), step
         self.cost = self.since - start
-        write = max(r[6] for r in rows)
-        self.save_now = clock is not None and max(r[5] for r in rows) >= checkpoint_interval_s(
-            self.minutes, write if write >= 0 else None)
-        if clock is not None:  # (training's checks; an evaluation's count batches): how long a step may take
-            self.stop.step_s = max(r[2] for r in rows)
-        self.stop.agreed = any(r[0] for r in rows)  # (the survivor's signal watch stands down: survivor.py)
-        self.stop.any_launcher_gone = any(r[0] > 1 for r in rows)  # (every rank's status: 3)
+        write = max(r.write_s for r in rows)
+        self.save_now = clock is not None and max(r.since_checkpoint_s for r in rows) >= (
+            checkpoint_interval_s(self.minutes, write if write >= 0 else None))
+        if clock is not None:  # (training's checks; an evaluation's count batches): a step's length
+            self.stop.step_s = step_s
+        self.stop.agreed = any(r.stop for r in rows)  # (the survivor's signal watch stands down)
+        self.stop.any_launcher_gone = any(r.stop > 1 for r in rows)  # (every rank's status: 3)
         return self.stop.agreed
 
     def checkpoint_due(self, step: int, every: int) -> bool:

@@ -137,9 +137,9 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
     return {**values, "data": implied, "custom_data": None}
 
 
-# timm train.py's flags that a timm user types (issue 40 item 5): a near-miss hint misled (--sched "did you mean
-# --seed?", --aa "--data?") and the ACCEL_TRAIN_IGNORE_ARGS hint made another run than the one asked for (--opt
-# adamw trained SGD). Each is refused with what this trainer does instead, never let through, never "did you mean".
+# timm train.py's flags that a timm user types: a near-miss hint would mislead (--sched is not "--seed", --aa is
+# not "--data") and ignoring one would train another run than the one asked for (--opt adamw as SGD). Each is
+# refused with what this trainer does instead, never let through, never "did you mean".
 TIMM_FLAGS = {
     "--color-jitter": "here: --color_jitter", "--train-interpolation": "here: --train_interpolation",
     "--crop-pct": "here: --crop_pct", "--layer-decay": "here: --layer_decay",

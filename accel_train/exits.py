@@ -59,7 +59,7 @@ def end_workers() -> None:
         child.kill()
         child.join(5)
     # A worker still starting when we looked (fork copies the trainer's SIGTERM handler, which only records it)
-    # absorbs multiprocessing's one SIGTERM and then waits for batches: the exit hung (review25b). The others get
+    # absorbs multiprocessing's one SIGTERM and then waits for batches: the exit would hang. The others get
     # that SIGTERM here; one that becomes a loader worker meanwhile is killed.
     others = [c for c in daemonic if c.is_alive()]
     for child in others:

@@ -45,7 +45,7 @@ def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
 
 def resumed_from(output_dir, launch: str | None = None) -> Path | None:
     """The checkpoint an explicit --resume PATH started this output dir's run from, while it is complete: a relaunch's
-    --resume auto continues from it until the run has saved its own (issue 33 item 2). `launch`: only if recorded by
+    --resume auto continues from it until the run has saved its own. `launch`: only if recorded by
     that launch (launch.sh's ACCEL_TRAIN_RUN_ID: an --overwrite relaunch takes its own start, never an older one)."""
     try:
         record = json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())
@@ -59,8 +59,8 @@ def resumed_from(output_dir, launch: str | None = None) -> Path | None:
 
 def seal(folder: Path, meta: dict) -> None:
     """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes recorded in its
-    trainer_state.json, which is written and flushed last. Only that file used to be flushed (issue 33): after a
-    crash of the machine a "complete" step could hold data the disk never got."""
+    trainer_state.json, which is written and flushed last: after a crash of the machine a "complete" step
+    never holds data the disk did not get."""
     sizes = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != STATE_FILE:
@@ -187,8 +187,8 @@ def remove_if_empty(dirs: list[Path]) -> None:
 def publish(tmp: Path, final: Path) -> bool:
     """`tmp` renamed to `final` (then made durable); False where another survivor on the same storage renamed its
     complete copy first. An incomplete directory under the name (never a complete step: a crash's leftover) is
-    replaced, not taken for another survivor's copy (issue 33: os.replace onto it failed and the complete save was
-    discarded)."""
+    replaced, not taken for another survivor's copy (os.replace onto a non-empty directory fails: the complete
+    save would be discarded)."""
     for _ in range(2):
         try:
             os.replace(tmp, final)

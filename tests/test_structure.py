@@ -162,6 +162,15 @@ def test_the_modules_at_100_columns_stay_there():
     assert not long, long
 
 
+def test_the_package_says_why_not_its_history():
+    # which issue, review or campaign seed brought a line is git's to say; a comment says why now
+    import re
+    history = re.compile(r"\b(issues? \d+|review\s?\d+\w*|scenario \d{6,})", re.IGNORECASE)
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if history.search(line)]
+    assert not found, found
+
+
 def test_train_reads_on_one_screen():
     from accel_train.training.loop import train
     assert len(inspect.getsource(train).splitlines()) <= 40

@@ -79,11 +79,11 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
     follow are renamed out of every listing (`.overwritten-step_N`: neither resumed, nor taken for a step already
     saved, nor named by an error): --overwrite's earlier runs, and the newer steps of the branch that a resume from
     an older step abandons. They are deleted once this run has a complete checkpoint of its own (delete_set_aside);
-    a run that fails before that leaves them aside, so a relaunch with --resume auto continues this branch (issue
-    33 item 1: a survivor's save of the new branch was skipped over for the abandoned branch's newer step). Where an
+    a run that fails before that leaves them aside, so a relaunch with --resume auto continues this branch (a
+    survivor's save of the new branch is never skipped over for the abandoned branch's newer step). Where an
     explicit --resume PATH started the run, that checkpoint is recorded (ORIGIN_FILE, files.resumed_from): --resume
     auto continues from the newest complete step of the run, which is that checkpoint until the run saves its own
-    (issue 33 item 2: launch.sh's relaunch passes --resume auto). A fresh run drops an earlier record."""
+    (launch.sh's relaunch passes --resume auto). A fresh run drops an earlier record."""
     if not decision.writer:
         return
     set_aside(decision.overwritten, "--overwrite", "of an earlier run")

@@ -24,7 +24,7 @@ from ..model.own_model import allow_import
 
 
 # evaluate's batch where the run's is unknown. Memory: 2 ranks at 256 measured 1.35 GiB per rank (resnet18, cifar
-# stem, 32 px) and 2.6 GiB (imagenet stem, 224 px) on this 24 GiB machine (issue 40 item 10); the run's own training
+# stem, 32 px) and 2.6 GiB (imagenet stem, 224 px) on a 24 GiB machine; the run's own training
 # batch, the default, fit with gradients.
 EVAL_BATCH = 256
 

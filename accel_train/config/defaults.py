@@ -82,8 +82,8 @@ def auto_stem_said(model: str) -> str:
 
 
 def infer_data(data_dir: str, default_dir: bool) -> str:
-    """--data not given: the kind of data --data_dir holds, as timm infers a folder from its path (issue 40: a
-    --data_dir of photos without --data trained on random noise, silently). The default --data_dir trains the
+    """--data not given: the kind of data --data_dir holds, as timm infers a folder from its path (a
+    --data_dir of photos without --data must not train on random noise, silently). The default --data_dir trains the
     embedded default, random data; a --data_dir that holds neither kind is refused rather than ignored."""
     if default_dir:
         return "random"

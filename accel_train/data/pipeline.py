@@ -75,7 +75,7 @@ class TransformDataset(Dataset):
     the batch is written straight into shared memory (as torch's default_collate allocates one there), which is how
     it reaches the trainer without another copy; `inputs` then normalises it on the device (on a CPU too: Finish).
     uint8 is a quarter of the float bytes to write, send, pin and copy: on a CPU device, making float32 batches in
-    the workers cost them ~0.3 ms an image in fresh shared memory's page faults alone (bench/RESULTS.md, issue 25).
+    the workers cost them ~0.3 ms an image in fresh shared memory's page faults alone (bench/RESULTS.md).
 
     The crop and flip of sample i in epoch e are the device pipeline's hash of (seed, e, i), not the workers' RNG,
     so a resumed run (and any number of workers or ranks) augments exactly alike. The epoch lives in shared memory:

@@ -39,7 +39,7 @@ def problem(path: str) -> str | None:
     """None where accelerate's loader takes the file, else its reason in one line."""
     try:
         from accelerate.commands.config.config_args import load_config_from_file
-    except ImportError as e:  # (issue 39 item 2: launch.sh said "the config does not load")
+    except ImportError as e:  # (the interpreter is named, not the config: it would load elsewhere)
         raise CannotCheck(f"{sys.executable} cannot import {e.name or 'accelerate'} ({e}): activate the "
                           "environment accel_train is installed in, or set PYTHON=/path/to/its/python") from None
     try:

@@ -177,7 +177,7 @@ def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> Non
         raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: start the job "
                           "with launch.sh (or accelerate launch with a multi-node config), not python directly")
     asked = asked_processes(env)
-    if num_processes == 1 and asked > 1:  # (issue 40 item 4: Accelerate's behaviour, said with its fix)
+    if num_processes == 1 and asked > 1:  # (Accelerate's behaviour, said with its fix)
         raise ConfigError(f"accelerate launch --num_processes {asked} started one process: its config's "
                           "distributed_type is NO (as `accelerate config default` writes it), which runs one process "
                           "whatever --num_processes says; pass --config_file accelerate_configs/2proc_cpu.yaml (CPU "

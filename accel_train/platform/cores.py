@@ -28,7 +28,7 @@ def intra_op_threads(cfg: TrainConfig, env=os.environ, load: float | None = None
     else OMP_NUM_THREADS where the launcher or the user set it (torchrun sets 1 per rank); else the cores per process,
     and 1 where the machine was busy as the run started (the 1-minute load average, `load`, at least the cores: other
     work holds them; a one-process run on a busy 2-core machine measured 9 img/s with torch's default 2 threads and 67
-    with 1, issue 40)."""
+    with 1)."""
     if cfg.threads:
         return cfg.threads, f"intra-op threads {cfg.threads} per process (--threads)"
     if env.get("OMP_NUM_THREADS"):

@@ -108,8 +108,8 @@ def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "", fo
         return Choice("no", "", f"mixed precision {asked!r} is not one of {', '.join(PRECISIONS)}")
     ok, lacks = has(facts, asked)
     if ok:
-        # a fact, not a guess: which precision is faster for this model is not measured by the run (issue 40: the
-        # line said "bf16 is faster" where bf16 measured slower, and "start with launch.sh" under launch.sh)
+        # a fact, not a guess: which precision is faster for this model is not measured by the run (bf16
+        # measures slower on some CPUs), and the line never tells a launch.sh run to start with launch.sh
         other = f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure which is faster; " \
                 "bench/bench.py compares them here)" if asked == "no" and best != "no" else ""
         return Choice(asked, f"precision {NAMES[asked]}, as {source} asks{other}")

@@ -114,8 +114,7 @@ def launcher_status(signum: int | None, status: int, env=os.environ) -> str:
 
 # A launcher (`accelerate launch`: torchrun's agent, or its one-process launcher) whose ranks run on without it:
 # torchrun starts each rank in a session of its own, so a SIGKILL (or the OOM killer) that ends the agent leaves them
-# training, re-parented, outside any control, while launch.sh relaunches into the same output directory (issue 33
-# item 3). Each rank started by one watches, from the start of the run (api.run_training) every LAUNCHER_POLL_S,
+# training, re-parented, outside any control, while launch.sh relaunches into the same output directory. Each rank started by one watches, from the start of the run (api.run_training) every LAUNCHER_POLL_S,
 # whether the process that started it (its parent when the package was imported, accel_train.PARENT) is still its
 # parent (one gone before that is launch.sh's to find: it looks for every process of the attempt). Once it is not,
 # the rank signals itself SIGTERM: in training the ranks agree on a stop at their next agreed check, checkpoint that

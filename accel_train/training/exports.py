@@ -154,8 +154,7 @@ def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
 def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float, stop) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves, config; then the
     trackers are closed (accelerator.end_training). The stop handlers (`stop`) are uninstalled only then: a stop
-    signal after the last step (its default action would end the process mid-write, with no status: issue 36, the
-    fault campaign) is too late to stop anything, and the finished run ends with status 0."""
+    signal after the last step (its default action would end the process mid-write, with no status) is too late to stop anything, and the finished run ends with status 0."""
     accelerator, model, ema, info = run.accelerator, run.model, run.ema, run.data.info
     accelerator.wait_for_everyone()
     if cfg.compile:

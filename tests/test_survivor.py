@@ -555,6 +555,38 @@ def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkey
     assert ckpt.save(types.SimpleNamespace(step=3)) == "p" and seen == [True] and ckpt.writing is False
 
 
+def test_a_step_is_updated_under_the_lock_and_a_failure_inside_leaves_it_held(monkeypatch):
+    # Survivor.updating: the lock only around a micro-batch that ends a step, released as the step is
+    # whole; a failure inside keeps it, so the save in the main thread knows the state is half updated
+    import types
+    monkeypatch.setattr(survivor, "gather_object", lambda mine: mine + [("elsewhere", 1, 0)])
+    monkeypatch.setattr(survivor.Survivor, "_watch_signals", lambda self: None)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    acc = types.SimpleNamespace(num_processes=2, local_process_index=0, device=torch.device("cpu"),
+                                _models=[module], gradient_accumulation_steps=1)
+    run = types.SimpleNamespace(accelerator=acc, state=survivor.TrainState(), model=module)
+    saver = survivor.Survivor(run, types.SimpleNamespace(heartbeat_timeout_s=0, output_dir="x"), None,
+                              None, None)
+    try:
+        with saver.updating(False):
+            assert not saver.lock.locked()  # (inside a window: nothing of a step changes)
+        with saver.updating(True):
+            assert saver.lock.locked()
+            run.state.step = 7
+        assert not saver.lock.locked()
+        saver.hooked = False  # compiled: the step's own buffers are kept as the step ends
+        with saver.updating(True):
+            run.state.step = 8
+        assert (saver.kept_step, saver.kept_own, saver.lock.locked()) == (8, True, False)
+        with pytest.raises(RuntimeError):
+            with saver.updating(True):
+                raise RuntimeError("a bug in the update")
+        assert saver.lock.locked()
+        assert saver.save("a peer is gone", in_main=True).startswith("nothing saved: the failure came")
+    finally:
+        saver.close()
+
+
 def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(monkeypatch):
     # issue 41 item 4: on CUDA/NPU the survivor saves nothing (readable_step), yet on 2+ ranks it hooked the module and
     # copied its BatchNorm buffers on the device at every accumulation window's start, for that save

@@ -122,6 +122,12 @@ MUTANTS = [
            "never keeps an attempt alive", "accel_train/launcher/attempt.py",
            "os.waitpid(proc.pid, os.WNOHANG)", "pass",
            ("tests/test_launcher_attempt.py::test_a_launcher_that_is_pid_1_reaps_the_orphans_of_its_job",)),
+    Mutant("half_step_saved", "a failure while a rank applies a step saves nothing (never a half-updated step)",
+           "accel_train/resilience/survivor.py",
+           "        yield  # (not in try/finally: an exception raised here skips the release on purpose)\n",
+           "        try:\n            yield\n        except BaseException:\n            self.lock.release()\n"
+           "            raise\n",
+           ("tests/test_survivor.py::test_a_step_is_updated_under_the_lock_and_a_failure_inside_leaves_it_held",)),
 ]
 
 

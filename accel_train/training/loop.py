@@ -57,8 +57,8 @@ def train(cfg: TrainConfig, given=None) -> dict:
                 parts.watch.check(run.accelerator, run.state.step, run.model)  # the weights too
                 end = end_of_epoch(run, cfg, meter, epoch, stop, only_evaluation)
                 if end.stopped:  # the epoch's steps are saved; its evaluation is done again
-                    saved = parts.checkpoints.save(run.state)
-                    raise stop.stopped(f"stopped by {stop.name} while evaluating epoch "
+                    who, saved = stop.name, parts.checkpoints.save(run.state)  # (who: before)
+                    raise stop.stopped(f"stopped by {who} while evaluating epoch "
                                        f"{epoch + 1}; checkpoint {saved}; continue with "
                                        "--resume auto")
                 record_epoch(run, cfg, parts.metrics, parts.best, end.row)
@@ -78,7 +78,7 @@ class Parts:
     watch: NonFiniteWatch  # the divergence watch: read at the agreed checks and logged steps
     checks: AgreedChecks  # the steps, seconds apart, at which the ranks agree on a stop
     checkpoints: Checkpointer
-    progress: tqdm
+    progress: object  # accelerate's tqdm bar
     pace: Pace  # says early if the run takes hours
 
     @classmethod
@@ -145,8 +145,9 @@ def step_done(run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor,
         return True
     if parts.checks.due(state.step) and parts.checks.agree(acc, state.step, parts.watch,
                                                            parts.checkpoints):
+        who = stop.name  # (what stopped the ranks, before a signal during the save can change it)
         saved = parts.checkpoints.save(state)
-        raise stop.stopped(f"stopped by {stop.name} at step {state.step} (epoch {epoch + 1}); "
+        raise stop.stopped(f"stopped by {who} at step {state.step} (epoch {epoch + 1}); "
                            f"checkpoint {saved}; continue with --resume auto")
     if parts.checks.checkpoint_due(state.step, cfg.checkpoint_every):
         parts.checkpoints.save(state)

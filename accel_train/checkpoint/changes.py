@@ -1,6 +1,6 @@
 """What a resume may change. Every TrainConfig field is one of three kinds:
 
-- the run's math (runs.RUN_MATH, --grad_accum, the global batch, the training data's size): refused, naming the
+- the run's math (output_dir.RUN_MATH, --grad_accum, the global batch, the training data's size): refused, naming the
   flag (resume.reconcile, resume.check_data);
 - APPLIED, the optimisation settings: they take effect from the resumed step and the change is logged in one
   line. The checkpoint carries the optimizer's state (momentum buffers), not its settings: those are the flags'

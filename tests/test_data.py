@@ -287,7 +287,7 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
     assert kw["worker_init_fn"] is _leave_signals_to_the_trainer
     assert loader_kwargs(TrainConfig(), "cpu", workers=0) == dict(num_workers=0, persistent_workers=False,
                                                                  prefetch_factor=None, worker_init_fn=None,
-                                                                 pin_memory=False)
+                                                                 multiprocessing_context=None, pin_memory=False)
     data = build_data(TrainConfig(pipeline="cpu", train_samples=16, test_samples=8, batch_size=4), "cpu")
     assert data.train_loader.num_workers == 8 and "8 workers per process: 64 cores" in data.describe()
 

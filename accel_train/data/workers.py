@@ -11,6 +11,7 @@ import torch
 from ..config.train_config import TrainConfig
 from ..platform.cores import worker_count
 from ..exits import end_workers
+from ..forks import worker_context
 
 PREFETCH = 2         # batches each DataLoader worker prepares ahead (torch's default), each in /dev/shm: 8 workers
                      # x 2 x a uint8 batch of 256 at 224 px is 0.6 GB per rank
@@ -18,7 +19,8 @@ PREFETCH = 2         # batches each DataLoader worker prepares ahead (torch's de
 
 def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
     """The DataLoader settings of a loader that prepares samples on the CPU: `workers` (default worker_count)
-    persistent workers that leave stop signals to the trainer, PREFETCH batches each ahead, and on an accelerator
+    persistent workers, each seen to start (forks.py: a fork beside other threads can leave a child that never
+    runs), that leave stop signals to the trainer, PREFETCH batches each ahead, and on an accelerator
     pinned batches, so that Accelerate's copy to the device (non_blocking=True, see accelerator.make_accelerator) does
     not wait for it: a copy from pageable memory is a host sync."""
     workers = worker_count(cfg)[0] if workers is None else workers
@@ -27,6 +29,7 @@ def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
         _ends_workers_at_exit.append(True)
     return dict(num_workers=workers, persistent_workers=workers > 0, prefetch_factor=PREFETCH if workers else None,
                 worker_init_fn=_leave_signals_to_the_trainer if workers else None,
+                multiprocessing_context=worker_context() if workers else None,
                 pin_memory=torch.device(device).type != "cpu")
 
 

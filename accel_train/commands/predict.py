@@ -1,9 +1,11 @@
-"""`accel-train predict`: top-k classes with probabilities for image files or folders, from a finished run's model
-or one of its checkpoints.
+"""`accel-train predict`: top-k classes with probabilities for image files or folders, from a
+finished run's model or one of its checkpoints.
 
     accel-train predict --checkpoint output_dir cat.png ship.jpg
-    accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/   # a checkpoint, a folder
-    accel-train predict --checkpoint output_dir --format json my_photos/   # one JSON object per image (or csv)
+    accel-train predict --checkpoint output_dir/checkpoints/step_00000042 my_photos/
+        # a checkpoint, a folder
+    accel-train predict --checkpoint output_dir --format json my_photos/
+        # one JSON object per image (or csv)
     accel-train predict --checkpoint output_dir --held_out   # the files a --val_split run held out
 """
 
@@ -21,7 +23,8 @@ from .evaluate import given_normalisation, load_exported, model_code_flags, norm
 
 
 def load_image(path, info) -> torch.Tensor:
-    """An image file -> normalised (3, S, S) float tensor, exactly as the model saw its data (decode_image)."""
+    """An image file -> normalised (3, S, S) float tensor, exactly as the model saw its data
+    (decode_image)."""
     from torchvision.transforms.v2 import functional as TF
 
     from ..data import DataError, decode_image
@@ -33,7 +36,8 @@ def load_image(path, info) -> torch.Tensor:
 
 
 def image_paths(args: list[str]) -> list[Path]:
-    """Files as given; a folder gives its image files (extensions Pillow claims, recursively, sorted)."""
+    """Files as given; a folder gives its image files (extensions Pillow claims, recursively,
+    sorted)."""
     from ..data.folders import _image_extensions
     extensions, out = _image_extensions(), []
     for arg in map(Path, args):
@@ -62,8 +66,9 @@ def held_out_files(checkpoint, info) -> list[Path]:
 
 
 def predict_lines(model, info, paths: list[Path], top: int, batch: int = 64):
-    """Yields (path, [(class, probability), ...] or None, error or None) per image, in order: a file that cannot be
-    read is named, and the others are still predicted. `info`: the DataInfo of model_config.json (+ --mean/--std)."""
+    """Yields (path, [(class, probability), ...] or None, error or None) per image, in order: a file
+    that cannot be read is named, and the others are still predicted. `info`: the DataInfo of
+    model_config.json (+ --mean/--std)."""
     classes = info.classes
     for start in range(0, len(paths), batch):
         chunk, good, errors = paths[start:start + batch], [], {}
@@ -85,16 +90,17 @@ def predict_lines(model, info, paths: list[Path], top: int, batch: int = 64):
 
 
 class Printer:
-    """--format: 'text' (`file: class p%, ...`; an unreadable file named on stderr), 'json' (one object per line:
-    file and top classes with probabilities, or file and error) or 'csv' (a header, then a row per file: its top
-    classes and probabilities, or its error; fields quoted by the csv module where they hold a comma or a quote)."""
+    """--format: 'text' (`file: class p%, ...`; an unreadable file named on stderr), 'json' (one
+    object per line: file and top classes with probabilities, or file and error) or 'csv' (a header,
+    then a row per file: its top classes and probabilities, or its error; fields quoted by the csv
+    module where they hold a comma or a quote)."""
 
     def __init__(self, form: str, top: int):
         self.form, self.top = form, top
         self.csv = csv.writer(sys.stdout, lineterminator="\n") if form == "csv" else None
         if self.csv:
-            self.csv.writerow(["file", *(f"{k}_{n}" for n in range(1, top + 1) for k in ("class", "probability")),
-                               "error"])
+            self.csv.writerow(["file", *(f"{k}_{n}" for n in range(1, top + 1)
+                                         for k in ("class", "probability")), "error"])
 
     def __call__(self, path: Path, top: list | None, error: str | None) -> None:
         if self.form == "text":
@@ -103,9 +109,11 @@ class Printer:
             else:
                 print(f"{path}: " + ", ".join(f"{name} {p:.1%}" for name, p in top), flush=True)
         elif self.form == "json":
-            record = {"error": error} if error else {"top": [{"class": name, "probability": round(p, 6)}
-                                                             for name, p in top]}
-            print(json.dumps({"file": str(path), **record}, ensure_ascii=False), flush=True)  # (狗, not \u72d7)
+            record = ({"error": error} if error
+                      else {"top": [{"class": name, "probability": round(p, 6)}
+                                    for name, p in top]})
+            # (狗, not \u72d7)
+            print(json.dumps({"file": str(path), **record}, ensure_ascii=False), flush=True)
         else:
             cells = [c for name, p in (top or []) for c in (name, f"{p:.6f}")]
             self.csv.writerow([str(path), *cells, *[""] * (2 * self.top - len(cells)), error or ""])
@@ -114,15 +122,17 @@ class Printer:
 
 def main_predict(argv: list[str]) -> int:
     p = Parser(prog="accel-train predict",
-               description="Top-5 classes (the names of the data set the model was trained on) with "
-                           "probabilities for each image, from a finished run's model.")
-    p.add_argument("--checkpoint", required=True, help="output directory of a finished run, or a checkpoint folder "
+               description="Top-5 classes (the names of the data set the model was trained on) "
+                           "with probabilities for each image, from a finished run's model.")
+    p.add_argument("--checkpoint", required=True,
+                   help="output directory of a finished run, or a checkpoint folder "
                    "(<output_dir>/checkpoints/step_N)")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--format", default="text", choices=("text", "json", "csv"),
-                   help="text: 'file: class p%%, ...' per image; json: one object per line ({\"file\", \"top\": "
-                        "[{\"class\", \"probability\"}, ...]} or {\"file\", \"error\"}); csv: a header, then a row "
-                        "per image (file, class_1, probability_1, ..., error), quoted where a field needs it")
+                   help="text: 'file: class p%%, ...' per image; json: one object per line "
+                        "({\"file\", \"top\": [{\"class\", \"probability\"}, ...]} or "
+                        "{\"file\", \"error\"}); csv: a header, then a row per image "
+                        "(file, class_1, probability_1, ..., error), quoted where a field needs it")
     p.add_argument("images", nargs="*", help="image files or folders of them (resized to the "
                    "model's input size, centre crop); an unreadable file is named and the others "
                    "are still predicted (exit 2 at the end)")
@@ -132,7 +142,8 @@ def main_predict(argv: list[str]) -> int:
     normalisation_flags(p)
     args = p.parse_args(argv)
     from ..data import DataInfo
-    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model, args.best)
+    model, meta = load_exported(args.checkpoint, args.ema, args.trust_model_code, args.model,
+                                args.best)
     info = DataInfo.from_model_config(meta, *given_normalisation(args))
     if bool(args.images) == args.held_out:
         raise ConfigError("pass image files or folders, or --held_out (the files the run held "
@@ -145,7 +156,9 @@ def main_predict(argv: list[str]) -> int:
         bad += [path] if error else []
         say(path, top, error)
     if bad:
-        print(f"{len(bad)} of {len(paths)} images could not be read: {', '.join(map(str, bad[:10]))}"
-              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""), file=sys.stderr, flush=True)
+        print(f"{len(bad)} of {len(paths)} images could not be read: "
+              f"{', '.join(map(str, bad[:10]))}"
+              + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""),
+              file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     return 0

@@ -1,11 +1,13 @@
-"""--pretrained / --pretrained_path: timm's pretrained weights, loaded by timm.create_model(pretrained=True) itself, so
-timm adapts them as it does for its own users: a classifier of another class count is dropped and re-created, a ViT's
-position embeddings are resampled to --image_size, its patch embedding to another patch size.
+"""--pretrained / --pretrained_path: timm's pretrained weights, loaded by
+timm.create_model(pretrained=True) itself, so timm adapts them as it does for its own users: a
+classifier of another class count is dropped and re-created, a ViT's position embeddings are
+resampled to --image_size, its patch embedding to another patch size.
 
-Where they come from: --pretrained_path FILE (timm's pretrained_cfg_overlay=dict(file=FILE)), else the model's
-pretrained_cfg source: the Hugging Face hub cache (hf_hub_id) or torch.hub's (url). Under HF_HUB_OFFLINE=1 nothing is
-downloaded: weights that are not on disk are one line naming where to put them, before anything is built.
-(--init_from is the other way in: a model.safetensors of the model as built here, copied tensor by tensor.)
+Where they come from: --pretrained_path FILE (timm's pretrained_cfg_overlay=dict(file=FILE)), else
+the model's pretrained_cfg source: the Hugging Face hub cache (hf_hub_id) or torch.hub's (url).
+Under HF_HUB_OFFLINE=1 nothing is downloaded: weights that are not on disk are one line naming where
+to put them, before anything is built. (--init_from is the other way in: a model.safetensors of the
+model as built here, copied tensor by tensor.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import timm
 
 from ..errors import ConfigError
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")  # timm's hub names
+# timm's hub names
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
 
 
 def wanted(cfg) -> bool:
@@ -32,27 +35,30 @@ def create_kwargs(cfg) -> dict:
 
 
 def source_cfg(name: str):
-    """timm's pretrained_cfg of `name` (a tag picks the weights: resnet18.a1_in1k), or a ConfigError."""
+    """timm's pretrained_cfg of `name` (a tag picks the weights: resnet18.a1_in1k), or a
+    ConfigError."""
     if ":" in name:
-        raise ConfigError(f"--pretrained loads timm's weights for a timm model; {name} is your own: use --init_from "
-                          "FILE.safetensors")
+        raise ConfigError(f"--pretrained loads timm's weights for a timm model; {name} is your "
+                          "own: use --init_from FILE.safetensors")
     cfg = timm.models.get_pretrained_cfg(name) if timm.is_model(name) else None
     if cfg is None:
-        raise ConfigError(f"--pretrained: timm knows no pretrained weights for {name!r}; name a tag timm lists "
-                          f"(timm.list_pretrained('{name.split('.')[0]}*')) or pass --pretrained_path FILE")
+        raise ConfigError(f"--pretrained: timm knows no pretrained weights for {name!r}; name a "
+                          f"tag timm lists (timm.list_pretrained('{name.split('.')[0]}*')) or pass "
+                          "--pretrained_path FILE")
     return cfg
 
 
 def check_on_disk(cfg) -> str:
-    """Where the weights will be read from (the line to log); a ConfigError when they are not on disk and may not be
-    downloaded (HF_HUB_OFFLINE=1), or --pretrained_path names no file."""
+    """Where the weights will be read from (the line to log); a ConfigError when they are not on
+    disk and may not be downloaded (HF_HUB_OFFLINE=1), or --pretrained_path names no file."""
     if cfg.init_from:
-        raise ConfigError("--pretrained and --init_from both name the starting weights: pass one of them")
+        raise ConfigError("--pretrained and --init_from both name the starting weights: pass one "
+                          "of them")
     source = source_cfg(cfg.model)
     if cfg.pretrained_path:
         if not Path(cfg.pretrained_path).is_file():
-            raise ConfigError(f"--pretrained_path {cfg.pretrained_path}: no such file; pass timm's weights for "
-                              f"{cfg.model} (model.safetensors or a .pth state dict)")
+            raise ConfigError(f"--pretrained_path {cfg.pretrained_path}: no such file; pass timm's "
+                              f"weights for {cfg.model} (model.safetensors or a .pth state dict)")
         return f"--pretrained: {cfg.model} weights from {cfg.pretrained_path}"
     from huggingface_hub import constants, try_to_load_from_cache
     if source.hf_hub_id:
@@ -62,7 +68,8 @@ def check_on_disk(cfg) -> str:
             found = try_to_load_from_cache(repo, file, revision=revision or None)
             if isinstance(found, str):
                 return f"--pretrained: {cfg.model} weights from the Hugging Face cache ({found})"
-        where = (f"the Hugging Face cache, {constants.HF_HUB_CACHE}/models--{repo.replace('/', '--')} (`hf download "
+        where = ("the Hugging Face cache, "
+                 f"{constants.HF_HUB_CACHE}/models--{repo.replace('/', '--')} (`hf download "
                  f"{repo}` where there is internet, then copy that folder here)")
     elif source.url:
         import torch.hub
@@ -71,10 +78,12 @@ def check_on_disk(cfg) -> str:
             return f"--pretrained: {cfg.model} weights from torch.hub's cache ({cached})"
         where = f"torch.hub's cache, {cached} (from {source.url})"
     else:
-        raise ConfigError(f"--pretrained: timm has no source for {cfg.model}'s weights; pass --pretrained_path FILE")
+        raise ConfigError(f"--pretrained: timm has no source for {cfg.model}'s weights; pass "
+                          "--pretrained_path FILE")
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"--pretrained: {cfg.model}'s weights are not on disk and HF_HUB_OFFLINE=1 downloads "
-                          f"nothing; put them in {where}, or pass --pretrained_path FILE")
+        raise ConfigError(f"--pretrained: {cfg.model}'s weights are not on disk and "
+                          f"HF_HUB_OFFLINE=1 downloads nothing; put them in {where}, or pass "
+                          "--pretrained_path FILE")
     return f"--pretrained: {cfg.model} weights not on disk: timm downloads them to {where}"
 
 

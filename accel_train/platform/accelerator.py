@@ -1,5 +1,6 @@
-"""The Accelerator of a training run, as this platform needs it: the precision the device really has, the
-trackers, the collective timeout on every backend (HCCL's own timeouts below it), and one process group.
+"""The Accelerator of a training run, as this platform needs it: the precision the device really
+has, the trackers, the collective timeout on every backend (HCCL's own timeouts below it), and one
+process group.
 
 Nothing here names a device or a backend: the accelerate config the job was launched with does.
 """
@@ -14,16 +15,18 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                              LoggerType, ProjectConfiguration, TorchDynamoPlugin, is_npu_available)
+from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
+                              InitProcessGroupKwargs, LoggerType, ProjectConfiguration,
+                              TorchDynamoPlugin, is_npu_available)
 
 from ..config.train_config import TrainConfig
 from .cores import intra_op_threads
-from .backend_env import (FAILURE_ENV, HCCL_EXEC_TIMEOUT_MAX, HCCL_TIMEOUTS, MONITOR_ENV,  # noqa: F401
-                          TORCHRUN_DEFAULT, derived_hccl_timeouts, failure_env, hccl_timeouts,
-                          monitor_env)
+from .backend_env import (FAILURE_ENV, HCCL_EXEC_TIMEOUT_MAX, HCCL_TIMEOUTS,  # noqa: F401
+                          MONITOR_ENV, TORCHRUN_DEFAULT, derived_hccl_timeouts, failure_env,
+                          hccl_timeouts, monitor_env)
 from ..errors import ConfigError, note_backend
-from .hardware import DeviceFacts, choose_precision, compile_problem, device_facts, device_kind, has_accelerator
+from .hardware import (DeviceFacts, choose_precision, compile_problem, device_facts, device_kind,
+                       has_accelerator)
 from .ranks import said_once
 
 logger = get_logger("accel_train")
@@ -110,9 +113,10 @@ def config_without_precision(launch: tuple[list[str], Path] | None) -> str | Non
 def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Accelerator:
     if is_npu_available():
         hccl_timeouts(cfg.timeout_s)
-    # Ranks started on a host without an accelerator join one gloo group only if asked to run on cpu.
+    # Ranks on a host without an accelerator join one gloo group only if asked to run on cpu.
     cpu = not has_accelerator()
-    failure_env(device_kind(cpu))  # read when the process group is made: in Accelerator() (accelerate's PartialState)
+    # read when the process group is made: in Accelerator() (accelerate's PartialState)
+    failure_env(device_kind(cpu))
     monitor_env(device_kind(cpu), cfg.timeout_s)
     trackers = cfg.trackers()
     unknown = [t for t in trackers if t not in LoggerType.list()]
@@ -128,13 +132,17 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         cpu=cpu,
         mixed_precision="no" if refusal else choice.precision,
         gradient_accumulation_steps=cfg.grad_accum,
-        # --compile: Accelerate compiles in prepare(), after the DDP wrap (compile last, as it advises)
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None,
+        # --compile: Accelerate compiles in prepare(), after the DDP wrap (last, as it advises)
+        dynamo_plugin=(TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile
+                       else None),
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),  # (pinned batches)
-        kwargs_handlers=[  # the collective timeout on every backend; no backend named (Accelerate forces hccl on
-            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),  # NPU and refuses any other name)
+        # non_blocking: the batches are pinned
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
+        kwargs_handlers=[
+            # the collective timeout on every backend; no backend named (Accelerate forces hccl on
+            # NPU and refuses any other name)
+            InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),
             DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb,
                                           gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
         ],
@@ -144,7 +152,8 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
             raise ConfigError(refusal)
     check_one_group(accelerator.num_processes, cfg)
     if accelerator.num_processes > 1:
-        note_backend(accelerator.state.backend)  # how launch.sh reads this rank's SIGABRT, if it dies of one
+        # how launch.sh reads this rank's SIGABRT, if it dies of one
+        note_backend(accelerator.state.backend)
     accelerator.device_facts = facts
     asked_for = choice.precision != "no" and asked is not None
     accelerator.precision_source = source if asked_for else ""  # "": not asked
@@ -157,10 +166,11 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
 
 
 def fall_back_to_fp32(accelerator) -> None:
-    """Before prepare(): the run trains in fp32 after all (the precision check: the reduced precision computed wrong
-    gradients). Accelerate fixes the precision when the Accelerator is made and keeps it in three places that
-    autocast() and prepare() read (accelerate accelerator.py: native_amp, scaler; state.py: _mixed_precision, in
-    the state every Accelerator shares); tests/test_precision_check.py checks that fp32 took effect."""
+    """Before prepare(): the run trains in fp32 after all (the precision check: the reduced
+    precision computed wrong gradients). Accelerate fixes the precision when the Accelerator is made
+    and keeps it in three places that autocast() and prepare() read (accelerate accelerator.py:
+    native_amp, scaler; state.py: _mixed_precision, in the state every Accelerator shares);
+    tests/test_precision_check.py checks that fp32 took effect."""
     accelerator.state._mixed_precision = "no"
     accelerator.native_amp = False
     accelerator.scaler = None
@@ -168,25 +178,29 @@ def fall_back_to_fp32(accelerator) -> None:
 
 def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:
     """Refuse silent duplicate training: N processes launched that each train alone."""
-    launched = int(env.get("WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in env else 1  # torchrun counts ranks
+    # torchrun counts ranks
+    launched = int(env.get("WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in env else 1
     if launched > 1 and num_processes != launched:
-        raise ConfigError(f"the launcher started {launched} processes but they did not join one process group "
-                          f"(each sees {num_processes}); on a CPU host set use_cpu: true in the accelerate config "
-                          "or ACCELERATE_USE_CPU=1")
+        raise ConfigError(f"the launcher started {launched} processes but they did not join one "
+                          f"process group (each sees {num_processes}); on a CPU host set use_cpu: "
+                          "true in the accelerate config or ACCELERATE_USE_CPU=1")
     if (cfg.world_size or 1) > 1 and num_processes == 1:
-        raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: start the job "
-                          "with launch.sh (or accelerate launch with a multi-node config), not python directly")
+        raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: "
+                          "start the job with launch.sh (or accelerate launch with a multi-node "
+                          "config), not python directly")
     asked = asked_processes(env)
     if num_processes == 1 and asked > 1:  # (Accelerate's behaviour, said with its fix)
-        raise ConfigError(f"accelerate launch --num_processes {asked} started one process: its config's "
-                          "distributed_type is NO (as `accelerate config default` writes it), which runs one process "
-                          "whatever --num_processes says; pass --config_file accelerate_configs/2proc_cpu.yaml (CPU "
-                          "ranks) or 1node_gpu.yaml (GPUs), or start it with launch.sh")
+        raise ConfigError(f"accelerate launch --num_processes {asked} started one process: its "
+                          "config's distributed_type is NO (as `accelerate config default` writes "
+                          "it), which runs one process whatever --num_processes says; pass "
+                          "--config_file accelerate_configs/2proc_cpu.yaml (CPU ranks) or "
+                          "1node_gpu.yaml (GPUs), or start it with launch.sh")
 
 
 def asked_processes(env=os.environ, parent_cmdline: bytes | None = None) -> int:
     """The --num_processes that `accelerate launch` (the parent of a process it started: it sets
-    ACCELERATE_MIXED_PRECISION, utils/launch.py) was given on its command line; 1 where none, or not Linux."""
+    ACCELERATE_MIXED_PRECISION, utils/launch.py) was given on its command line; 1 where none, or
+    not Linux."""
     if "ACCELERATE_MIXED_PRECISION" not in env:
         return 1
     if parent_cmdline is None:
@@ -207,17 +221,18 @@ def prepare_output_dir(path) -> Path:
     """Every rank checks it can write there before any work starts."""
     out = Path(path)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output_dir {out} is a file, not a directory; pass a directory (it is created if missing)")
+        raise ConfigError(f"--output_dir {out} is a file, not a directory; pass a directory (it is "
+                          "created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir") \
-            from None
+        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable "
+                          "--output_dir") from None
     try:
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
-        raise ConfigError(f"output directory {out} is not writable ({e.strerror}); pass a writable --output_dir") \
-            from None
+        raise ConfigError(f"output directory {out} is not writable ({e.strerror}); pass a writable "
+                          "--output_dir") from None
     return out
 
 

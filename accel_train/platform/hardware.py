@@ -1,15 +1,15 @@
 """What the device really has: the precision and memory format a run gets, and why.
 
-`device_facts()` reads the hardware (torch, torch_npu, /proc/cpuinfo); everything else here is a pure
-function of those facts, so that tests can mock any device. Sources of each fact (docs/speed.md: Precision
-and memory format per platform):
+`device_facts()` reads the hardware (torch, torch_npu, /proc/cpuinfo); everything else here is a
+pure function of those facts, so that tests can mock any device. Sources of each fact
+(docs/speed.md: Precision and memory format per platform):
 
 - NVIDIA below compute capability 8.0 (V100 7.0, T4 7.5) has no bf16 convolutions in cuDNN, while
   `torch.cuda.is_bf16_supported()` counts emulation and says True: the capability decides here.
-- Ascend: bf16 exists on the A2/A3 series only (SoC names Ascend910B1..B4, Ascend910_93xx; HCCL lists
-  bf16 all-reduce only for them); the 910A family (Ascend910A/ProA/ProB/PremiumA and the bare
-  "Ascend910B", which is a 910A-generation SoC, torch_npu's SocVersion < 220) and the 310P have none.
-  Accelerate's `is_bf16_available()` answers True on every NPU (and on every CPU).
+- Ascend: bf16 exists on the A2/A3 series only (SoC names Ascend910B1..B4, Ascend910_93xx; HCCL
+  lists bf16 all-reduce only for them); the 910A family (Ascend910A/ProA/ProB/PremiumA and the bare
+  "Ascend910B", which is a 910A-generation SoC, torch_npu's SocVersion < 220) and the 310P have
+  none. Accelerate's `is_bf16_available()` answers True on every NPU (and on every CPU).
 - x86 CPUs without `avx512_bf16` or AMX (`amx_bf16`) run bf16 autocast far slower than fp32
   (pytorch#146508: 44-499x on AVX2-only CPUs; ~5x measured on an AVX-512 Xeon without avx512_bf16,
   bench/RESULTS.md), though `torch.ops.mkldnn._is_mkldnn_bf16_supported()` says True on any AVX-512
@@ -36,8 +36,9 @@ CPU_BF16_X86 = ("avx512_bf16", "amx_bf16")
 class DeviceFacts:
     kind: str                                   # "cpu", "cuda", "npu", or another torch device type
     name: str = ""                              # GPU name, NPU SoC name, CPU model
-    capability: tuple[int, int] | None = None   # CUDA: the lowest compute capability of the visible GPUs
-    cpu_flags: frozenset = field(default_factory=frozenset)  # x86 'flags' / aarch64 'Features' of /proc/cpuinfo
+    capability: tuple[int, int] | None = None   # CUDA: the visible GPUs' lowest compute capability
+    # x86 'flags' / aarch64 'Features' of /proc/cpuinfo
+    cpu_flags: frozenset = field(default_factory=frozenset)
     arch: str = ""                              # platform.machine()
 
     def bf16(self) -> tuple[bool, str]:
@@ -47,12 +48,15 @@ class DeviceFacts:
                 return False, f"{self.name or 'this GPU'}: compute capability unknown"
             ok = self.capability >= (8, 0)
             cc = "%d.%d" % self.capability
-            return ok, (f"{self.name or 'GPU'} (compute capability {cc}) has bf16 tensor cores" if ok else
-                        f"{self.name or 'GPU'} (compute capability {cc} < 8.0) has no bf16 convolutions in cuDNN")
+            return ok, (f"{self.name or 'GPU'} (compute capability {cc}) has bf16 tensor cores"
+                        if ok else
+                        f"{self.name or 'GPU'} (compute capability {cc} < 8.0) has no bf16 "
+                        "convolutions in cuDNN")
         if self.kind == "npu":
             ok = bool(NPU_BF16.match(self.name))
             return ok, (f"{self.name} (Ascend A2/A3 series) has bf16" if ok else
-                        f"{self.name or 'this NPU'} has no bf16 (the Ascend A2/A3 series, 910B1-B4/910_93xx, has it)")
+                        f"{self.name or 'this NPU'} has no bf16 (the Ascend A2/A3 series, "
+                        "910B1-B4/910_93xx, has it)")
         if self.kind == "cpu":
             arm = self.arch.lower() in ("aarch64", "arm64")
             found = ["bf16"] if arm and "bf16" in self.cpu_flags else \
@@ -60,8 +64,9 @@ class DeviceFacts:
             cpu = f"this CPU ({self.name})" if self.name else "this CPU"
             if found:
                 return True, f"{cpu} has native bf16 ({', '.join(found)})"
-            return False, (f"{cpu} has no native bf16 (no {'bf16 feature' if arm else 'avx512_bf16 or amx_bf16'}): "
-                           "bf16 autocast would run many times slower than fp32")
+            return False, (f"{cpu} has no native bf16 "
+                           f"(no {'bf16 feature' if arm else 'avx512_bf16 or amx_bf16'}): bf16 "
+                           "autocast would run many times slower than fp32")
         return False, f"no precision facts for {self.kind} devices"
 
 
@@ -93,13 +98,15 @@ class Choice:
     error: str | None = None  # set when the asked precision is refused (a ConfigError line)
 
 
-def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "", force: bool = False) -> Choice:
+def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "",
+                     force: bool = False) -> Choice:
     """The precision a run uses.
 
-    asked: None (nothing asked: the best the device has), or no|fp16|bf16 from `source` (a short phrase
-    naming where it was asked, e.g. "--mixed_precision bf16" or "the accelerate config's mixed_precision").
-    A precision the device lacks is refused (Choice.error, naming what to use), unless `force`.
-    Nothing asked: `source` names the rule that left it to the device (the start line says it)."""
+    asked: None (nothing asked: the best the device has), or no|fp16|bf16 from `source` (a short
+    phrase naming where it was asked, e.g. "--mixed_precision bf16" or "the accelerate config's
+    mixed_precision"). A precision the device lacks is refused (Choice.error, naming what to use),
+    unless `force`. Nothing asked: `source` names the rule that left it to the device (the start
+    line says it)."""
     best, why = best_precision(facts)
     if asked in (None, "auto"):
         rule = f"; the device's fastest: {source}" if source else ""
@@ -108,17 +115,20 @@ def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "", fo
         return Choice("no", "", f"mixed precision {asked!r} is not one of {', '.join(PRECISIONS)}")
     ok, lacks = has(facts, asked)
     if ok:
-        # a fact, not a guess: which precision is faster for this model is not measured by the run (bf16
-        # measures slower on some CPUs), and the line never tells a launch.sh run to start with launch.sh
-        other = f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure which is faster; " \
-                "bench/bench.py compares them here)" if asked == "no" and best != "no" else ""
+        # a fact, not a guess: which precision is faster for this model is not measured by the run
+        # (bf16 measures slower on some CPUs), and the line never tells a launch.sh run to start
+        # with launch.sh
+        other = (f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure "
+                 "which is faster; bench/bench.py compares them here)"
+                 if asked == "no" and best != "no" else "")
         return Choice(asked, f"precision {NAMES[asked]}, as {source} asks{other}")
     if force:
-        return Choice(asked, f"precision {NAMES[asked]}, as {source} asks, forced by --force_precision although "
-                             f"{lacks}")
-    return Choice(asked, "", f"{source} asks for {asked}, but {lacks}; use {best} instead (--mixed_precision {best}, "
-                             f"or mixed_precision: '{best}' in the accelerate config; launch.sh picks it by itself), "
-                             f"or add --force_precision to run {asked} anyway")
+        return Choice(asked, f"precision {NAMES[asked]}, as {source} asks, forced by "
+                             f"--force_precision although {lacks}")
+    return Choice(asked, "", f"{source} asks for {asked}, but {lacks}; use {best} instead "
+                             f"(--mixed_precision {best}, or mixed_precision: '{best}' in the "
+                             "accelerate config; launch.sh picks it by itself), or add "
+                             f"--force_precision to run {asked} anyway")
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
@@ -140,7 +150,8 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
 
 
 def has_accelerator() -> bool:
-    """A GPU (any torch accelerator) or an Ascend NPU is here; ranks on a host without one must ask for the cpu."""
+    """A GPU (any torch accelerator) or an Ascend NPU is here; ranks on a host without one must ask
+    for the cpu."""
     import torch
     from accelerate.utils import is_npu_available
     return torch.accelerator.is_available() or is_npu_available()
@@ -160,23 +171,25 @@ def device_kind(cpu: bool) -> str:
 
 
 def facts_from_env(text: str) -> DeviceFacts:
-    """ACCEL_TRAIN_DEVICE_FACTS='{"kind": "npu", "name": "Ascend910A"}' (or cuda + capability [7, 0], cpu +
-    cpu_flags and arch): states the facts instead of probing (tests; hosts where the probe cannot run)."""
+    """ACCEL_TRAIN_DEVICE_FACTS='{"kind": "npu", "name": "Ascend910A"}' (or cuda + capability
+    [7, 0], cpu + cpu_flags and arch): states the facts instead of probing (tests; hosts where the
+    probe cannot run)."""
     import json
     try:
         d = json.loads(text)
         return DeviceFacts(str(d["kind"]), str(d.get("name", "")),
                            tuple(d["capability"]) if d.get("capability") else None,
-                           frozenset(d.get("cpu_flags", ())), str(d.get("arch", platform.machine())))
+                           frozenset(d.get("cpu_flags", ())),
+                           str(d.get("arch", platform.machine())))
     except (ValueError, KeyError, TypeError) as e:
         from ..errors import ConfigError
-        raise ConfigError(f"ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least \"kind\" ({e}); "
-                          "unset it or fix it") from None
+        raise ConfigError(f"ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least \"kind\" "
+                          f"({e}); unset it or fix it") from None
 
 
 def device_facts(cpu: bool | None = None, cpuinfo: str = "/proc/cpuinfo") -> DeviceFacts:
-    """The facts of the device this process trains on. cpu=None: CPU when no accelerator is visible or
-    ACCELERATE_USE_CPU is set (as accel_train asks Accelerate for the CPU)."""
+    """The facts of the device this process trains on. cpu=None: CPU when no accelerator is visible
+    or ACCELERATE_USE_CPU is set (as accel_train asks Accelerate for the CPU)."""
     if os.environ.get("ACCEL_TRAIN_DEVICE_FACTS"):
         return facts_from_env(os.environ["ACCEL_TRAIN_DEVICE_FACTS"])
     if cpu is None:
@@ -189,7 +202,8 @@ def device_facts(cpu: bool | None = None, cpuinfo: str = "/proc/cpuinfo") -> Dev
     if kind == "npu":
         import torch
         import torch_npu  # noqa: F401
-        return DeviceFacts("npu", str(torch.npu.get_device_name(0)))  # the SoC name, e.g. Ascend910B3
+        # the SoC name, e.g. Ascend910B3
+        return DeviceFacts("npu", str(torch.npu.get_device_name(0)))
     if kind == "cpu":
         name, flags = cpu_info(cpuinfo)
         return DeviceFacts("cpu", name, cpu_flags=flags, arch=platform.machine())
@@ -197,17 +211,18 @@ def device_facts(cpu: bool | None = None, cpuinfo: str = "/proc/cpuinfo") -> Dev
 
 
 def channels_last_default(facts_kind: str) -> tuple[bool, str]:
-    """channels_last where it was measured faster (CPU: bench/RESULTS.md; CUDA tensor cores: NVIDIA's
-    and PyTorch's channels_last guidance); off on NPUs and elsewhere until measured."""
+    """channels_last where it was measured faster (CPU: bench/RESULTS.md; CUDA tensor cores:
+    NVIDIA's and PyTorch's channels_last guidance); off on NPUs and elsewhere until measured."""
     if facts_kind in ("cpu", "cuda"):
         return True, f"channels_last (measured faster on {facts_kind.upper()})"
-    return False, f"NCHW (channels_last is not measured faster on {facts_kind.upper()}: pass --channels_last to try it)"
+    return False, (f"NCHW (channels_last is not measured faster on {facts_kind.upper()}: pass "
+                   "--channels_last to try it)")
 
 
 def compile_problem(facts_kind: str) -> str | None:
-    """Why --compile cannot work on this device, or None. Inductor fails on NPUs with an older torch_npu;
-    newer torch_npu ships a beta Inductor NPU backend as torch_npu._inductor (TORCHINDUCTOR_NPU_BACKEND,
-    Ascend/pytorch docs)."""
+    """Why --compile cannot work on this device, or None. Inductor fails on NPUs with an older
+    torch_npu; newer torch_npu ships a beta Inductor NPU backend as torch_npu._inductor
+    (TORCHINDUCTOR_NPU_BACKEND, Ascend/pytorch docs)."""
     if facts_kind != "npu":
         return None
     import importlib.util
@@ -222,8 +237,8 @@ def compile_problem(facts_kind: str) -> str | None:
         have = f"torch_npu {version('torch_npu')}"
     except Exception:
         have = "this torch_npu"
-    return (f"--compile: {have} has no Inductor backend for NPUs (torch_npu._inductor, in newer releases); "
-            "drop --compile or install a torch_npu that has it")
+    return (f"--compile: {have} has no Inductor backend for NPUs (torch_npu._inductor, in newer "
+            "releases); drop --compile or install a torch_npu that has it")
 
 
 def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tuple[str, str]:
@@ -238,25 +253,27 @@ def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tu
         return config_precision, f"precision {NAMES[config_precision]}, as the config's " \
                                  f"mixed_precision: '{config_precision}' asks"
     if keep and config_precision != best:
-        lacks = has(facts, config_precision)[1] if config_precision in PRECISIONS else "unknown precision"
+        lacks = (has(facts, config_precision)[1] if config_precision in PRECISIONS
+                 else "unknown precision")
         return best, f"precision {NAMES[best]}, not the config's {config_precision}: {lacks}"
     return best, f"precision {NAMES[best]}: {why}; the device's fastest: launch.sh's pick for " \
                  "its own config"
 
 
 def main(argv=None) -> int:
-    """`python -m accel_train.platform.hardware [--cpu] [--config_precision P] [--keep]`: prints `<precision> <reason>`,
-    the precision launch.sh passes to accelerate launch (one cheap call: no torch import with --cpu)."""
+    """`python -m accel_train.platform.hardware [--cpu] [--config_precision P] [--keep]`: prints
+    `<precision> <reason>`, the precision launch.sh passes to accelerate launch (one cheap call: no
+    torch import with --cpu)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m accel_train.platform.hardware")
     p.add_argument("--cpu", action="store_true", help="the job runs on the CPU")
     p.add_argument("--config_precision", default="",
                    help="the accelerate config's mixed_precision (empty: it states none)")
-    p.add_argument("--keep", action="store_true", help="the user named the config: keep its precision if the "
-                   "device has it")
+    p.add_argument("--keep", action="store_true",
+                   help="the user named the config: keep its precision if the device has it")
     args = p.parse_args(argv)
-    precision, reason = launcher_choice(device_facts(cpu=True if args.cpu else None), args.config_precision,
-                                        args.keep)
+    precision, reason = launcher_choice(device_facts(cpu=True if args.cpu else None),
+                                        args.config_precision, args.keep)
     print(f"{precision} {reason}")
     return 0
 

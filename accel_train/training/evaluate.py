@@ -1,5 +1,6 @@
-"""Evaluation: the function the training loop calls at each epoch's end (and `accel-train evaluate` too):
-predictions and labels of the whole evaluation split, gathered over ranks, each sample counted once."""
+"""Evaluation: the function the training loop calls at each epoch's end (and `accel-train evaluate`
+too): predictions and labels of the whole evaluation split, gathered over ranks, each sample counted
+once."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from ..resilience.preempt import AgreedChecks
 def evaluate(accelerator, model, loader, data, tta: bool = False,
              stop=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Predictions and labels for the whole evaluation split, gathered over ranks, padding removed.
-    `stop` (training): a StopRequest the ranks agree on every few seconds of batches (AgreedChecks); None is
-    returned on every rank when it fires."""
+    `stop` (training): a StopRequest the ranks agree on every few seconds of batches (AgreedChecks);
+    None is returned on every rank when it fires."""
     model.eval()
     all_preds, all_labels = [], []
     checks = AgreedChecks(stop) if stop is not None else None
@@ -38,13 +39,14 @@ def evaluate(accelerator, model, loader, data, tta: bool = False,
 
 
 def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
-    """`x` with its last row repeated up to `size` rows, in its memory format (a shorter last batch would
-    make torch.compile compile another graph)."""
+    """`x` with its last row repeated up to `size` rows, in its memory format (a shorter last batch
+    would make torch.compile compile another graph)."""
     if len(x) >= size:
         return x
     fmt = torch.channels_last if x.dim() == 4 and not x.is_contiguous() and \
         x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-    padded = torch.empty((size, *x.shape[1:]), dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
+    padded = torch.empty((size, *x.shape[1:]), dtype=x.dtype,
+                         device=x.device).contiguous(memory_format=fmt)
     padded[:len(x)] = x
     padded[len(x):] = x[-1:]
     return padded

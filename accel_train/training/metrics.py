@@ -1,5 +1,5 @@
-"""Metrics: the epoch meter (every rank), metrics.jsonl / steps.jsonl and the trackers (written by the main
-process), the tracker check, and the early warning that a run will take hours."""
+"""Metrics: the epoch meter (every rank), metrics.jsonl / steps.jsonl and the trackers (written by
+the main process), the tracker check, and the early warning that a run will take hours."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class EpochMeter:
         self.reduced = None  # (the global sums at `samples` local samples, once reduced)
 
     def update(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        """`labels`: class indices, or --mixup/--cutmix's soft targets, whose largest share is the label counted (the
-        class that covers most of the mixed image; docs/fine-tuning.md)."""
+        """`labels`: class indices, or --mixup/--cutmix's soft targets, whose largest share is the
+        label counted (the class that covers most of the mixed image; docs/fine-tuning.md)."""
         labels = labels.argmax(1) if labels.dim() == 2 else labels
         n = labels.shape[0]
         self.loss_sum += loss.detach().double() * n
@@ -79,29 +79,32 @@ class EpochMeter:
         }
 
 
-SLOW_RUN_S = 3600  # a run whose training steps alone are estimated to take longer is told so, with flags that help
+# a run whose training steps alone are estimated to take longer is told so, with flags that help
+SLOW_RUN_S = 3600
 
 
 def slow_run_warning(cfg, seconds_per_step: float, steps_left: int) -> str | None:
-    """One line when `steps_left` steps at `seconds_per_step` take longer than SLOW_RUN_S: the estimate and the
-    flags that would shorten it for this configuration; None otherwise."""
+    """One line when `steps_left` steps at `seconds_per_step` take longer than SLOW_RUN_S: the
+    estimate and the flags that would shorten it for this configuration; None otherwise."""
     eta = seconds_per_step * steps_left
     if eta <= SLOW_RUN_S:
         return None
     size, hints = cfg.image_size or 32, []
     if cfg.stem == "cifar" and size > 32:
-        hints.append(f"--stem imagenet (timm's stem: ~16x less compute than the cifar stem at {size} px)")
+        hints.append("--stem imagenet (timm's stem: ~16x less compute than the cifar stem at "
+                     f"{size} px)")
     if size > 64:
         hints.append(f"--image_size {max(32, size // 2)} (4x fewer pixels)")
     hints += ["--epochs / --max_steps (a shorter run)", "--train_samples N (a subset)"]
-    return (f"this run will take about {eta / 3600:.1f} h ({steps_left} steps at {seconds_per_step:.2f} s/step, "
-            f"evaluation not counted); faster: " + ", ".join(hints))
+    return (f"this run will take about {eta / 3600:.1f} h ({steps_left} steps at "
+            f"{seconds_per_step:.2f} s/step, evaluation not counted); faster: " + ", ".join(hints))
 
 
 class Pace:
-    """Says early (once, main process) when the run will take hours. Timed on the host clock over steps
-    first+1 .. first+1+K (the first step, with its warm-up, is left out), with no host sync: on an accelerator
-    the host runs ahead of the device until its queue fills (a few steps), so the estimate can only be low."""
+    """Says early (once, main process) when the run will take hours. Timed on the host clock over
+    steps first+1 .. first+1+K (the first step, with its warm-up, is left out), with no host sync:
+    on an accelerator the host runs ahead of the device until its queue fills (a few steps), so the
+    estimate can only be low."""
 
     K = 3
 
@@ -126,29 +129,36 @@ class Pace:
 
 
 class MetricsLog:
-    """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps, at each epoch's last step
-    and where --max_steps stops), plus the trackers.
+    """metrics.jsonl (a row per epoch) and steps.jsonl (a row every --log_every steps, at each
+    epoch's last step and where --max_steps stops), plus the trackers.
 
-    Every rank holds the rows (their values are reduced over ranks, so they are the same everywhere, and
-    every checkpoint writer stores them); only the main process writes the files. A resumed run starts
-    from the rows its checkpoint carries (older checkpoints: the files, cut at the checkpoint's step), so
-    a replayed stretch is not counted twice and a machine with an empty disk still has the whole history.
+    Every rank holds the rows (their values are reduced over ranks, so they are the same everywhere,
+    and every checkpoint writer stores them); only the main process writes the files. A resumed run
+    starts from the rows its checkpoint carries (older checkpoints: the files, cut at the
+    checkpoint's step), so a replayed stretch is not counted twice and a machine with an empty disk
+    still has the whole history.
     """
 
-    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None, steps_per_epoch: int = 1,
-                 done: bool = False):
-        """`done`: the resumed run has nothing left to train (its checkpoint is where --max_steps stops): its rows
-        are kept whole (cut, they emptied metrics.jsonl and the final metrics of a rerun command)."""
-        self.path, self.steps_path = Path(cfg.output_dir) / METRICS_FILE, Path(cfg.output_dir) / STEPS_FILE
+    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None,
+                 steps_per_epoch: int = 1, done: bool = False):
+        """`done`: the resumed run has nothing left to train (its checkpoint is where --max_steps
+        stops): its rows are kept whole (cut, they emptied metrics.jsonl and the final metrics of a
+        rerun command)."""
+        self.path, self.steps_path = (Path(cfg.output_dir) / METRICS_FILE,
+                                      Path(cfg.output_dir) / STEPS_FILE)
         self.enabled = enabled
         self.rows, self.step_rows = [], []
         if resume_at is not None and resume_at.step > 0:
             if history is None:  # an older checkpoint: the files of this machine
-                history = {METRICS_FILE: read_jsonl(self.path), STEPS_FILE: read_jsonl(self.steps_path)}
-            # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch rewrites)
-            self.rows = [r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch or done]
+                history = {METRICS_FILE: read_jsonl(self.path),
+                           STEPS_FILE: read_jsonl(self.steps_path)}
+            # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch
+            # rewrites)
+            self.rows = [r for r in history.get(METRICS_FILE, [])
+                         if r["epoch"] <= resume_at.epoch or done]
             self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
-            # the row where --max_steps stopped (mid-epoch, off --log_every): one the uninterrupted run has not
+            # the row where --max_steps stopped (mid-epoch, off --log_every): one the uninterrupted
+            # run has not
             step = resume_at.step
             if self.step_rows and self.step_rows[-1]["step"] == step and step % cfg.log_every and \
                     step % steps_per_epoch and not done:
@@ -182,21 +192,23 @@ class MetricsLog:
 
 
 def tracker_init_kwargs(requested: list[str], step: int, run_name: str | None = None) -> dict:
-    """Start arguments per tracker (Accelerator.init_trackers' init_kwargs). TensorBoard: purge_step, the first step
-    this run logs (the resumed step + 1; 1 for a fresh start), so TensorBoard hides what an earlier attempt logged from
-    there on (SummaryWriter writes a SessionLog START at that step), as steps.jsonl is cut back to the checkpoint:
-    after a crash and --resume auto the curves go on from the checkpoint instead of going backwards. wandb: --run_name
+    """Start arguments per tracker (Accelerator.init_trackers' init_kwargs). TensorBoard:
+    purge_step, the first step this run logs (the resumed step + 1; 1 for a fresh start), so
+    TensorBoard hides what an earlier attempt logged from there on (SummaryWriter writes a
+    SessionLog START at that step), as steps.jsonl is cut back to the checkpoint: after a crash and
+    --resume auto the curves go on from the checkpoint instead of going backwards. wandb: --run_name
     as wandb.init's name."""
     wanted = set(requested)
     kwargs = {"tensorboard": {"purge_step": step + 1}} if {"tensorboard", "all"} & wanted else {}
-    return {**kwargs, "wandb": {"name": run_name}} if run_name and {"wandb", "all"} & wanted else kwargs
+    return ({**kwargs, "wandb": {"name": run_name}} if run_name and {"wandb", "all"} & wanted
+            else kwargs)
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:
     """Accelerate drops a tracker whose package is missing with only a warning: make that an error.
 
-    Trackers run on the main process only, so it is checked there and its verdict sent to every rank:
-    all ranks stop together with the same one-line error (or none does)."""
+    Trackers run on the main process only, so it is checked there and its verdict sent to every
+    rank: all ranks stop together with the same one-line error (or none does)."""
     missing = []
     if accelerator.is_main_process:
         active = {getattr(t, "name", type(t).__name__).lower() for t in accelerator.trackers}
@@ -204,5 +216,6 @@ def check_trackers(accelerator, requested: list[str]) -> None:
     if accelerator.num_processes > 1:
         missing = rank0s(missing)
     if missing:
-        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); install its "
-                          f"package (tensorboard: pip install 'accel_train[tensorboard]'), or drop --log_with")
+        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); "
+                          "install its package (tensorboard: pip install "
+                          "'accel_train[tensorboard]'), or drop --log_with")

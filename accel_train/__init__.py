@@ -1,12 +1,13 @@
 """accel_train: one training loop, any platform, through Hugging Face Accelerate.
 
-`from accel_train import TrainConfig, train` (api.py): the trainer from your own script; imported on first use, so
-`import accel_train` stays light."""
+`from accel_train import TrainConfig, train` (api.py): the trainer from your own script; imported on
+first use, so `import accel_train` stays light."""
 
 import os as _os
 
 __version__ = "0.1.0"
-PARENT = _os.getppid()  # the process that started this one, read first thing (preempt.watch_launcher)
+# the process that started this one, read first thing (preempt.watch_launcher)
+PARENT = _os.getppid()
 __all__ = ["TrainConfig", "train"]
 
 

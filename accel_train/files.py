@@ -1,5 +1,6 @@
-"""The run's files: every name accel_train writes in --output_dir and in a checkpoint, where checkpoints
-are found, and the JSON-lines helpers. Nothing else in the package spells a file name."""
+"""The run's files: every name accel_train writes in --output_dir and in a checkpoint, where
+checkpoints are found, and the JSON-lines helpers. Nothing else in the package spells a file
+name."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ from pathlib import Path
 MODEL_FILE = "model.safetensors"            # the trained model (main process only)
 MODEL_CONFIG_FILE = "model_config.json"     # timm name, stem, the data's description, final metrics
 EMA_EXPORT_FILE = "model_ema.safetensors"   # --ema: the EMA weights
-BEST_FILE = "model_best.safetensors"        # the weights of the epoch with the highest test_acc so far
-CONFIG_FILE = "config.yaml"                 # every flag of the run: --config config.yaml reproduces it
+BEST_FILE = "model_best.safetensors"        # the weights of the epoch with the best test_acc so far
+CONFIG_FILE = "config.yaml"                 # the run's flags: --config config.yaml reproduces it
 METRICS_FILE = "metrics.jsonl"              # one row per epoch
 STEPS_FILE = "steps.jsonl"                  # one row per logged step
 CURVES_FILE = "training_curves.png"
 CKPT_DIR = "checkpoints"                    # step_<global step>/ each
-SET_ASIDE = ".overwritten-"                 # --overwrite: an earlier run's checkpoint until this run has one
-ORIGIN_FILE = "resumed_from.json"            # in CKPT_DIR: the checkpoint a --resume PATH started the run from
-# in a checkpoint, beside Accelerate's own files (model.safetensors, optimizer.bin, random_states_<rank>.pkl)
+# --overwrite: an earlier run's checkpoint until this run has one
+SET_ASIDE = ".overwritten-"
+# in CKPT_DIR: the checkpoint a --resume PATH started the run from
+ORIGIN_FILE = "resumed_from.json"
+# in a checkpoint, beside Accelerate's own files (model.safetensors, optimizer.bin,
+# random_states_<rank>.pkl)
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
 RNG_PREFIX = "random_states_"
@@ -44,9 +48,10 @@ def checkpoint_dirs(output_dir, run_id: str | None = None) -> list[Path]:
 
 
 def resumed_from(output_dir, launch: str | None = None) -> Path | None:
-    """The checkpoint an explicit --resume PATH started this output dir's run from, while it is complete: a relaunch's
-    --resume auto continues from it until the run has saved its own. `launch`: only if recorded by
-    that launch (launch.sh's ACCEL_TRAIN_RUN_ID: an --overwrite relaunch takes its own start, never an older one)."""
+    """The checkpoint an explicit --resume PATH started this output dir's run from, while it is
+    complete: a relaunch's --resume auto continues from it until the run has saved its own.
+    `launch`: only if recorded by that launch (launch.sh's ACCEL_TRAIN_RUN_ID: an --overwrite
+    relaunch takes its own start, never an older one)."""
     try:
         record = json.loads((Path(output_dir) / CKPT_DIR / ORIGIN_FILE).read_text())
         path = Path(record["path"])
@@ -58,15 +63,16 @@ def resumed_from(output_dir, launch: str | None = None) -> Path | None:
 
 
 def seal(folder: Path, meta: dict) -> None:
-    """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes recorded in its
-    trainer_state.json, which is written and flushed last: after a crash of the machine a "complete" step
-    never holds data the disk did not get."""
+    """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes recorded
+    in its trainer_state.json, which is written and flushed last: after a crash of the machine a
+    "complete" step never holds data the disk did not get."""
     sizes = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != STATE_FILE:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-            if not p.name.startswith(RNG_PREFIX):  # (optional: a resume does without them, docs/outputs_and_resume.md)
+            # (optional: a resume does without them, docs/outputs_and_resume.md)
+            if not p.name.startswith(RNG_PREFIX):
                 sizes[p.name] = p.stat().st_size
     with open(folder / STATE_FILE, "w") as f:
         json.dump({**meta, "files": sizes}, f, indent=1)
@@ -75,7 +81,8 @@ def seal(folder: Path, meta: dict) -> None:
 
 
 def sync_dir(folder: Path) -> None:
-    """A rename into `folder` made durable (the directory's entry flushed); where a file system cannot, nothing."""
+    """A rename into `folder` made durable (the directory's entry flushed); where a file system
+    cannot, nothing."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -89,8 +96,8 @@ def sync_dir(folder: Path) -> None:
 
 
 def complete(path: Path) -> bool:
-    """A checkpoint is complete when its trainer_state.json reads and every file it lists has the size it recorded
-    (one of an older accel_train lists none: the file alone)."""
+    """A checkpoint is complete when its trainer_state.json reads and every file it lists has the
+    size it recorded (one of an older accel_train lists none: the file alone)."""
     try:
         meta = json.loads((Path(path) / STATE_FILE).read_text())
         files = meta.get("files", {})
@@ -126,9 +133,10 @@ def _run_of(path: Path) -> str | None:
 
 
 def dumps(row: dict) -> str:
-    """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not JSON)."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
-                      allow_nan=False)
+    """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not
+    JSON)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in row.items()}, allow_nan=False)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -138,8 +146,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def nothing_to_resume(output_dir) -> str:
-    """The start-up line of a --resume auto that found no complete checkpoint, with the steps an earlier run logged
-    (a run killed before its first checkpoint): they are lost, and trained again."""
+    """The start-up line of a --resume auto that found no complete checkpoint, with the steps an
+    earlier run logged (a run killed before its first checkpoint): they are lost, and trained
+    again."""
     out, steps = Path(output_dir), []
     try:
         for line in (out / STEPS_FILE).read_text().splitlines():
@@ -149,15 +158,17 @@ def nothing_to_resume(output_dir) -> str:
                 continue  # (a line cut short by the kill)
     except OSError:
         pass
-    lost = (f"; the steps up to step {max(steps)} that an earlier run logged in {STEPS_FILE} are lost: it stopped "
-            "before its first checkpoint (--checkpoint_every N saves one every N steps)") if steps else ""
-    return (f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): training starts at "
-            f"step 1{lost}")
+    lost = (f"; the steps up to step {max(steps)} that an earlier run logged in {STEPS_FILE} are "
+            "lost: it stopped before its first checkpoint (--checkpoint_every N saves one every "
+            "N steps)") if steps else ""
+    return (f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): "
+            f"training starts at step 1{lost}")
 
 
 def cache_dir(name: str) -> Path | None:
-    """~/.cache/accel_train/<name> ($XDG_CACHE_HOME): what a start remembers for the next (accel_config: configs that
-    loaded; precision/: its verdicts). None where there is no home: nothing is remembered."""
+    """~/.cache/accel_train/<name> ($XDG_CACHE_HOME): what a start remembers for the next
+    (accel_config: configs that loaded; precision/: its verdicts). None where there is no home:
+    nothing is remembered."""
     try:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     except (RuntimeError, KeyError):
@@ -166,7 +177,8 @@ def cache_dir(name: str) -> Path | None:
 
 
 def missing_dirs(path) -> list[Path]:
-    """The directories of `path` that do not exist yet, deepest first: what this run would create."""
+    """The directories of `path` that do not exist yet, deepest first: what this run would
+    create."""
     out, missing = Path(path).absolute(), []
     while not out.exists() and out != out.parent:
         missing.append(out)
@@ -175,8 +187,8 @@ def missing_dirs(path) -> list[Path]:
 
 
 def remove_if_empty(dirs: list[Path]) -> None:
-    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest first, as
-    long as they are empty (rmdir never removes content, whoever wrote it)."""
+    """A refused run leaves no empty --output_dir behind: remove the directories it created, deepest
+    first, as long as they are empty (rmdir never removes content, whoever wrote it)."""
     for d in dirs:
         try:
             d.rmdir()
@@ -185,10 +197,10 @@ def remove_if_empty(dirs: list[Path]) -> None:
 
 
 def publish(tmp: Path, final: Path) -> bool:
-    """`tmp` renamed to `final` (then made durable); False where another survivor on the same storage renamed its
-    complete copy first. An incomplete directory under the name (never a complete step: a crash's leftover) is
-    replaced, not taken for another survivor's copy (os.replace onto a non-empty directory fails: the complete
-    save would be discarded)."""
+    """`tmp` renamed to `final` (then made durable); False where another survivor on the same
+    storage renamed its complete copy first. An incomplete directory under the name (never a
+    complete step: a crash's leftover) is replaced, not taken for another survivor's copy
+    (os.replace onto a non-empty directory fails: the complete save would be discarded)."""
     for _ in range(2):
         try:
             os.replace(tmp, final)

@@ -1,18 +1,19 @@
-"""What a run raised -> one line and the exit status (docs/failures.md: Exit statuses): one place for the command line
-(cli.main) and for a script that calls train() (api.main)."""
+"""What a run raised -> one line and the exit status (docs/failures.md: Exit statuses): one place
+for the command line (cli.main) and for a script that calls train() (api.main)."""
 
 from __future__ import annotations
 
 import sys
 import traceback
 
-from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED, ConfigError, Diverged,
-                     Preempted, end_progress_line, report_status)
+from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
+                     ConfigError, Diverged, Preempted, end_progress_line, report_status)
 from .exits import process_group, says_shared_errors
 
 
 def status_of(call) -> int:
-    """call() -> its status (0 if it returns none); what it raised -> the line it says and its status."""
+    """call() -> its status (0 if it returns none); what it raised -> the line it says and its
+    status."""
     try:
         try:
             code = call() or 0
@@ -24,8 +25,10 @@ def status_of(call) -> int:
         code = EXIT_BAD_INPUT
     except Preempted as e:  # every rank stopped at the same step: the main process says it
         group = process_group()
-        code = getattr(e, "status", EXIT_PREEMPTED)  # (3: a launcher is gone, preempt.watch_launcher)
-        if group is None or group.is_main_process or getattr(e, "every_rank", False):  # (--log_all_ranks)
+        # (3: a launcher is gone, preempt.watch_launcher)
+        code = getattr(e, "status", EXIT_PREEMPTED)
+        # (--log_all_ranks)
+        if group is None or group.is_main_process or getattr(e, "every_rank", False):
             from .resilience.preempt import launcher_status
             said = launcher_status(getattr(e, "signal", None), code)  # (130 from accelerate launch)
             print(f"accel-train: {'preempted' if code == EXIT_PREEMPTED else 'error'}: {e}{said}",
@@ -35,11 +38,13 @@ def status_of(call) -> int:
         if group is None or group.is_main_process:
             print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
         if group is not None:
-            group.wait_for_everyone()  # the line is out before any rank exits (torchrun then stops the rest)
+            # the line is out before any rank exits (torchrun then stops the rest)
+            group.wait_for_everyone()
         code = EXIT_DIVERGED
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handler (imports, the final export)
-        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest complete checkpoint "
-              "with --resume auto", file=sys.stderr, flush=True)
+    # Ctrl-C outside the training loop's handler (imports, the final export)
+    except KeyboardInterrupt:
+        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest "
+              "complete checkpoint with --resume auto", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()

@@ -1,11 +1,13 @@
 """What a resume may change. Every TrainConfig field is one of three kinds:
 
-- the run's math (output_dir.RUN_MATH, --grad_accum, the global batch, the training data's size): refused, naming the
-  flag (resume.reconcile, resume.check_data);
-- APPLIED, the optimisation settings: they take effect from the resumed step and the change is logged in one
-  line. The checkpoint carries the optimizer's state (momentum buffers), not its settings: those are the flags'
-  (`settings_from_flags` around load_state), and the lr schedule is rebuilt from the flags (setup.schedule);
-- free: paths, logging, checkpointing, performance and evaluation-only flags, which leave the weights alone.
+- the run's math (output_dir.RUN_MATH, --grad_accum, the global batch, the training data's size):
+  refused, naming the flag (resume.reconcile, resume.check_data);
+- APPLIED, the optimisation settings: they take effect from the resumed step and the change is
+  logged in one line. The checkpoint carries the optimizer's state (momentum buffers), not its
+  settings: those are the flags' (`settings_from_flags` around load_state), and the lr schedule is
+  rebuilt from the flags (setup.schedule);
+- free: paths, logging, checkpointing, performance and evaluation-only flags, which leave the
+  weights alone.
 """
 
 from __future__ import annotations
@@ -15,72 +17,78 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-APPLIED = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "momentum", "weight_decay", "label_smoothing",
-           "clip_grad", "ema", "ema_decay", "mixed_precision", "optimizer", "layer_decay", "sched", "sched_kwargs",
-           "drop_path", "drop_rate", "mixup", "cutmix")
+APPLIED = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "momentum", "weight_decay",
+           "label_smoothing", "clip_grad", "ema", "ema_decay", "mixed_precision", "optimizer",
+           "layer_decay", "sched", "sched_kwargs", "drop_path", "drop_rate", "mixup", "cutmix")
 
 
 def settings(cfg, precision: str) -> dict:
-    """The applied settings a checkpoint records (mixed_precision: the one the run used, `auto` resolved; lr_base and
-    weight_decay: --opt's defaults where not given)."""
+    """The applied settings a checkpoint records (mixed_precision: the one the run used, `auto`
+    resolved; lr_base and weight_decay: --opt's defaults where not given)."""
     lr_base, decay = cfg.optimizer_defaults()
-    return {**{key: getattr(cfg, key) for key in APPLIED}, "mixed_precision": precision, "lr_base": lr_base,
-            "weight_decay": decay}
+    return {**{key: getattr(cfg, key) for key in APPLIED}, "mixed_precision": precision,
+            "lr_base": lr_base, "weight_decay": decay}
 
 
 def check_changes(old: dict, cfg) -> None:
-    """Refuse what cannot be applied: another --opt (the checkpoint's optimizer state is its optimizer's), weight decay
-    or --layer_decay switched on or off (the optimizer's parameter groups change: norm and bias parameters are not
-    decayed; layer decay groups by layer)."""
+    """Refuse what cannot be applied: another --opt (the checkpoint's optimizer state is its
+    optimizer's), weight decay or --layer_decay switched on or off (the optimizer's parameter groups
+    change: norm and bias parameters are not decayed; layer decay groups by layer)."""
     now = settings(cfg, "")
     if old.get("optimizer", "sgd") != cfg.optimizer:
-        raise ConfigError(f"--opt {cfg.optimizer} cannot follow the checkpoint's {old.get('optimizer', 'sgd')} (its "
-                          f"optimizer state is {old.get('optimizer', 'sgd')}'s); resume with --opt "
+        raise ConfigError(f"--opt {cfg.optimizer} cannot follow the checkpoint's "
+                          f"{old.get('optimizer', 'sgd')} (its optimizer state is "
+                          f"{old.get('optimizer', 'sgd')}'s); resume with --opt "
                           f"{old.get('optimizer', 'sgd')} or start a fresh run")
     for key, off in (("weight_decay", 0), ("layer_decay", None)):
         if key in old and (old[key] == off) != (now[key] == off):
-            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's {_said(old[key])} ({key} "
-                              "on or off changes the optimizer's parameter groups); resume with "
-                              f"{'no' if old[key] == off else 'a'} --{key} or start a fresh run")
+            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's "
+                              f"{_said(old[key])} ({key} on or off changes the optimizer's "
+                              f"parameter groups); resume with {'no' if old[key] == off else 'a'} "
+                              f"--{key} or start a fresh run")
 
 
 def log_changes(meta: dict, cfg, precision: str, log) -> None:
-    """One line naming each applied setting that differs from the checkpoint's run (--epochs: resume.reconcile)."""
+    """One line naming each applied setting that differs from the checkpoint's run (--epochs:
+    resume.reconcile)."""
     old = (meta.get("run") or {}).get("settings")
-    if not old:  # a checkpoint of an older accel_train: its settings are not recorded, and its schedule was older
-        log(f"resume: a checkpoint of an earlier accel_train, whose cosine ran from step 1 under the warmup: from step "
-            f"{meta['step'] + 1} on the lr follows this version's schedule (the cosine starts at the peak, after the "
-            "warmup), a little higher than before")
+    if not old:  # a checkpoint of an older accel_train: no settings recorded, an older schedule
+        log("resume: a checkpoint of an earlier accel_train, whose cosine ran from step 1 under "
+            f"the warmup: from step {meta['step'] + 1} on the lr follows this version's schedule "
+            "(the cosine starts at the peak, after the warmup), a little higher than before")
         return
     now = settings(cfg, precision)
-    changed = [f"--{k} {_said(old[k])} -> {_said(now[k])}" for k in APPLIED if k != "epochs" and k in old
-               and old[k] != now[k]]
+    changed = [f"--{k} {_said(old[k])} -> {_said(now[k])}" for k in APPLIED
+               if k != "epochs" and k in old and old[k] != now[k]]
     if changed:
-        log(f"resume: {', '.join(changed)}: applied from step {meta['step'] + 1} on (the checkpoint's run used the "
-            "values on the left)")
+        log(f"resume: {', '.join(changed)}: applied from step {meta['step'] + 1} on (the "
+            "checkpoint's run used the values on the left)")
 
 
-SCHEDULE = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "sched", "sched_kwargs")  # a step's lr follows these
+# a step's lr follows these
+SCHEDULE = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "sched", "sched_kwargs")
 
 
 def schedule_changed(meta: dict, cfg) -> bool:
-    """Whether the lr schedule from the checkpoint's step on differs from its run's, compared as the checkpoint
-    records them (settings: --opt's lr_base where not given). An older checkpoint, whose settings are not recorded
-    (or not all of them): taken as changed."""
+    """Whether the lr schedule from the checkpoint's step on differs from its run's, compared as the
+    checkpoint records them (settings: --opt's lr_base where not given). An older checkpoint, whose
+    settings are not recorded (or not all of them): taken as changed."""
     old, now = (meta.get("run") or {}).get("settings"), settings(cfg, "")
     return not old or any(k not in old or old[k] != now[k] for k in SCHEDULE)
 
 
 def _said(value) -> str:
-    return "unset" if value is None else f"{value:g}" if isinstance(value, float) else str(value).lower() \
-        if isinstance(value, bool) else str(value)
+    return ("unset" if value is None else f"{value:g}" if isinstance(value, float)
+            else str(value).lower() if isinstance(value, bool) else str(value))
 
 
 @contextmanager
 def settings_from_flags(optimizers):
-    """Around accelerator.load_state: the optimizers keep the settings they were built with from the flags
-    (momentum, weight decay, ...) and take only the checkpoint's state; load_state would restore its param groups'."""
-    built = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+    """Around accelerator.load_state: the optimizers keep the settings they were built with from the
+    flags (momentum, weight decay, ...) and take only the checkpoint's state; load_state would
+    restore its param groups'."""
+    built = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+             for opt in optimizers]
     yield
     for opt, groups in zip(optimizers, built):
         for group, values in zip(opt.param_groups, groups):

@@ -1,4 +1,5 @@
-"""Checkpoints (accelerator.save_state, atomic, newest K of this run kept) and the safetensors export.
+"""Checkpoints (accelerator.save_state, atomic, newest K of this run kept) and the safetensors
+export.
 
 A checkpoint is `<output_dir>/checkpoints/step_<global step>/`: Accelerate's model.safetensors,
 optimizer.bin, scaler.pt (fp16 only), random_states_<rank>.pkl of EVERY rank, plus our
@@ -53,9 +54,12 @@ class TrainState:
     epoch: int = 0           # 0-based epoch in progress (== epochs done when batch_in_epoch == 0)
     step: int = 0            # optimizer steps done
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
-    run_id: str = ""         # the run this state belongs to (checkpoints of other runs are never touched)
-    epoch_train: dict | None = None  # the epoch's training numbers once reduced over ranks, until its row is recorded
-    schedule_since: int = 0  # the lr has followed this run's schedule since this step (before: steps.jsonl's lr)
+    # the run this state belongs to (checkpoints of other runs are never touched)
+    run_id: str = ""
+    # the epoch's training numbers once reduced over ranks, until its row is recorded
+    epoch_train: dict | None = None
+    # the lr has followed this run's schedule since this step (before: steps.jsonl's lr)
+    schedule_since: int = 0
     epoch_sums: dict | None = None  # mid-epoch: its training sums so far (EpochMeter.sums)
 
 
@@ -64,8 +68,9 @@ def _state_dict_cpu(module: torch.nn.Module) -> dict:
 
 
 def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """safetensors' own save_file creates its file 0600 whatever the umask (its writer's temporary file); write
-    the same bytes the way every other output is written (mode from the umask), atomically."""
+    """safetensors' own save_file creates its file 0600 whatever the umask (its writer's temporary
+    file); write the same bytes the way every other output is written (mode from the umask),
+    atomically."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     try:
@@ -78,7 +83,8 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
 
 
 def _file_mode() -> int:
-    """The mode open() gives a new file under this process's umask (read from /proc: os.umask would set it)."""
+    """The mode open() gives a new file under this process's umask (read from /proc: os.umask would
+    set it)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -90,18 +96,22 @@ def _file_mode() -> int:
 
 class Checkpointer:
     """Where (--output_dir), who (the resume decision's writers: one process per storage), how many
-    (--keep_checkpoints) and what (model, optimizer, EMA, every rank's RNG state, the run math, the model's facts
-    and the metrics rows so far). Every rank calls `save(state)` at the same step.
+    (--keep_checkpoints) and what (model, optimizer, EMA, every rank's RNG state, the run math, the
+    model's facts and the metrics rows so far). Every rank calls `save(state)` at the same step.
 
-    Never a checkpoint of non-finite weights: `watch` (divergence.NonFiniteWatch) checks them first and stops every
-    rank if any is, so the newest checkpoint is the last finite one."""
+    Never a checkpoint of non-finite weights: `watch` (divergence.NonFiniteWatch) checks them first
+    and stops every rank if any is, so the newest checkpoint is the last finite one."""
 
-    def __init__(self, accelerator, output_dir, run_math: dict, decision, model, ema, keep: int, facts: dict, watch,
-                 history):
-        self.accelerator, self.output_dir, self.run_math, self.decision = accelerator, output_dir, run_math, decision
-        self.model, self.ema, self.keep, self.facts, self.watch, self.history = model, ema, keep, facts, watch, history
-        self.saved_at, self.write_s = time.perf_counter(), None  # (a checkpoint by time: preempt.AgreedChecks)
-        self.writing = False  # a save in progress: the survivor's signal watch does not save beside it
+    def __init__(self, accelerator, output_dir, run_math: dict, decision, model, ema, keep: int,
+                 facts: dict, watch, history):
+        self.accelerator, self.output_dir, self.run_math, self.decision = (
+            accelerator, output_dir, run_math, decision)
+        self.model, self.ema, self.keep, self.facts, self.watch, self.history = (
+            model, ema, keep, facts, watch, history)
+        # (a checkpoint by time: preempt.AgreedChecks)
+        self.saved_at, self.write_s = time.perf_counter(), None
+        # a save in progress: the survivor's signal watch does not save beside it
+        self.writing = False
         self.buffers_shared = None  # (step): every rank holds rank 0's buffers (survivor.py)
         self.meter = None  # the epoch's metrics.EpochMeter (the loop's)
 
@@ -120,8 +130,9 @@ class Checkpointer:
                 self.buffers_shared(state.step)
             with PROGRESS.exempt("checkpoint write"):  # (a long write is no hang: hang.py)
                 path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math,
-                                       self.decision.writer, self.decision.shared, model=self.model, ema=self.ema,
-                                       history=self.history(), keep=self.keep, facts=self.facts)
+                                       self.decision.writer, self.decision.shared, model=self.model,
+                                       ema=self.ema, history=self.history(), keep=self.keep,
+                                       facts=self.facts)
         finally:
             self.writing = False
         self.saved_at = time.perf_counter()
@@ -145,28 +156,31 @@ def share_buffers(accelerator, model, ema) -> bool:
     return bool(tensors)
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool, shared: bool,
-                    model=None, ema=None, history: dict | None = None, keep: int = 2,
+def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool,
+                    shared: bool, model=None, ema=None, history: dict | None = None, keep: int = 2,
                     facts: dict | None = None) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
-    `writer`: this process writes to its disk (the main process for a shared output dir, else each machine's
-    local main process). Model and optimizer are the same on every rank (DDP; the buffers once
-    share_buffers sent rank 0's), so each writer saves them from its own ranks; the RNG states of
-    every rank are gathered so each copy is whole.
+    `writer`: this process writes to its disk (the main process for a shared output dir, else each
+    machine's local main process). Model and optimizer are the same on every rank (DDP; the buffers
+    once share_buffers sent rank 0's), so each writer saves them from its own ranks; the RNG states
+    of every rank are gathered so each copy is whole.
     """
     root = Path(output_dir) / CKPT_DIR
     final = step_dir(output_dir, state.step)
     tmp = root / f".tmp-{final.name}"
-    # A write that fails (a full disk, a quota) fails on some ranks only: each part is attempted, then every rank
-    # learns whether any rank failed (agree: one gather, also the barrier that was here) and all stop alike.
+    # A write that fails (a full disk, a quota) fails on some ranks only: each part is attempted,
+    # then every rank learns whether any rank failed (agree: one gather, also the barrier that was
+    # here) and all stop alike.
     attempt = _Attempt(Path(output_dir))
     if writer:
         with attempt:
-            for stale in root.glob(".tmp-step_*"):  # left by a run killed while saving: never complete
+            # left by a run killed while saving: never complete
+            for stale in root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
-    agree = partial(_agree, accelerator, attempt, tmp if writer else None, final, output_dir, state.run_id)
+    agree = partial(_agree, accelerator, attempt, tmp if writer else None, final, output_dir,
+                    state.run_id)
     agree()
     accelerator.project_configuration.save_on_each_node = not shared
     with attempt:
@@ -183,14 +197,18 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
                     (tmp / name).write_bytes(data)
     if writer:
         with attempt:
-            for name in tmp.glob("*.safetensors"):  # accelerate's save_state writes them 0600 (safetensors' save_file)
+            # accelerate's save_state writes them 0600 (safetensors' save_file)
+            for name in tmp.glob("*.safetensors"):
                 os.chmod(name, _file_mode())
             if ema is not None:
                 save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
-            if facts is not None:  # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
-                (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
+            # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
+            if facts is not None:
+                (tmp / MODEL_CONFIG_FILE).write_text(
+                    json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
             for name, rows in (history or {}).items():
-                (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))  # as the metrics files are
+                # as the metrics files are
+                (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))
             seal(tmp, {**asdict(state), "run": run_math, "ema": ema is not None,
                        "num_processes": accelerator.num_processes})
     agree()  # every rank's files are in tmp
@@ -199,24 +217,29 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
             shutil.rmtree(final)
         os.replace(tmp, final)
         sync_dir(root)
-        own = checkpoint_dirs(output_dir, state.run_id)  # oldest first; newer ones: a resume from an older step
-        newer = [p for p in own if int(p.name.split("_")[1]) > state.step]  # abandoned their branch
+        # oldest first; newer ones: a resume from an older step abandoned their branch
+        own = checkpoint_dirs(output_dir, state.run_id)
+        newer = [p for p in own if int(p.name.split("_")[1]) > state.step]
         for old in newer + [p for p in own if p not in newer][:-keep]:
             if old in newer:
-                logging.getLogger("accel_train").info(f"deleting {old}: abandoned by the resume from an older step")
+                logging.getLogger("accel_train").info(f"deleting {old}: abandoned by the resume "
+                                                      "from an older step")
             shutil.rmtree(old, ignore_errors=True)
-        delete_set_aside(root)  # --overwrite's earlier run, now that this run has a complete checkpoint
+        # --overwrite's earlier run, now that this run has a complete checkpoint
+        delete_set_aside(root)
     accelerator.wait_for_everyone()
     return final
 
 
 class CheckpointWriteError(ConfigError):
-    """A checkpoint could not be written (full disk, quota, permissions): one line on every rank, exit 2."""
+    """A checkpoint could not be written (full disk, quota, permissions): one line on every rank,
+    exit 2."""
 
 
 class _Attempt:
-    """`with attempt:` keeps the first write failure of this rank (OSError, safetensors' error, torch.save's
-    RuntimeError) instead of raising it, so that the rank still reaches the next collective."""
+    """`with attempt:` keeps the first write failure of this rank (OSError, safetensors' error,
+    torch.save's RuntimeError) instead of raising it, so that the rank still reaches the next
+    collective."""
 
     def __init__(self, where: Path):
         self.where, self.error = where, None
@@ -225,10 +248,11 @@ class _Attempt:
         return self
 
     def __exit__(self, kind, error, tb):
-        # a write that failed: OSError, safetensors' error, or torch.save's RuntimeError about the file (an
-        # out-of-memory or device error keeps its traceback)
+        # a write that failed: OSError, safetensors' error, or torch.save's RuntimeError about the
+        # file (an out-of-memory or device error keeps its traceback)
         written = isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
-            type(error) is RuntimeError and re.search(r"write|unexpected pos|No space|PytorchStreamWriter", str(error)))
+            type(error) is RuntimeError
+            and re.search(r"write|unexpected pos|No space|PytorchStreamWriter", str(error)))
         if error is None or not written:
             return False
         if self.error is not None:
@@ -238,7 +262,8 @@ class _Attempt:
             text = error.strerror
         if "No space left on device" in text or "StorageFull" in text:
             text = "No space left on device"
-        else:  # torch.save says only "unexpected pos ..." or "file write failed" when the disk is full
+        # torch.save says only "unexpected pos ..." or "file write failed" when the disk is full
+        else:
             try:
                 full = shutil.disk_usage(self.where).free < 2**20
             except OSError:
@@ -248,9 +273,10 @@ class _Attempt:
         return True
 
 
-def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output_dir, run_id: str) -> None:
-    """Every rank: gather each rank's write failure; if any, the writers remove the partial checkpoint and every
-    rank raises the same one-line error (printed by the main process)."""
+def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output_dir,
+           run_id: str) -> None:
+    """Every rank: gather each rank's write failure; if any, the writers remove the partial
+    checkpoint and every rank raises the same one-line error (printed by the main process)."""
     failed = [(rank, error) for rank, error in enumerate(gather_object([attempt.error])) if error]
     if not failed:
         return
@@ -259,33 +285,38 @@ def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output
     accelerator.wait_for_everyone()  # the partial checkpoint is gone before anyone reports
     rank, error = failed[0]
     newest = checkpoint_dirs(output_dir, run_id)
-    where = f"the newest complete checkpoint is {newest[-1]}" if newest else "there is no complete checkpoint yet"
-    e = CheckpointWriteError(f"cannot write checkpoint {final.name} in {final.parent} (rank {rank}: {error}); the "
-                             f"partial checkpoint was removed and {where}; free space (or pass another --output_dir) "
-                             "and continue with --resume auto")
+    where = (f"the newest complete checkpoint is {newest[-1]}" if newest
+             else "there is no complete checkpoint yet")
+    e = CheckpointWriteError(f"cannot write checkpoint {final.name} in {final.parent} (rank "
+                             f"{rank}: {error}); the partial checkpoint was removed and {where}; "
+                             "free space (or pass another --output_dir) and continue with "
+                             "--resume auto")
     e.quiet = not accelerator.is_main_process
     raise e
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainState:
-    """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a function of the
-    step and the current flags (see docs/outputs_and_resume.md: resume)."""
+    """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a
+    function of the step and the current flags (see docs/outputs_and_resume.md: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
-    if not rng.is_file():  # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says
+    # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says
+    if not rng.is_file():
         get_logger("accel_train").info(
             f"{path} has no RNG state for rank {accelerator.process_index} (it was written by "
-            f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a function of "
-            "(seed, step, rank)", main_process_only=False)
+            f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a "
+            "function of (seed, step, rank)", main_process_only=False)
     try:
-        with quiet_rng_load(), settings_from_flags(accelerator._optimizers):  # (the optimizers prepare() wrapped)
+        # (the optimizers prepare() wrapped)
+        with quiet_rng_load(), settings_from_flags(accelerator._optimizers):
             accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another one to "
-                          "--resume or delete it") from None
-    # load_state restored each rank's micro-step counter (none where a rank had no RNG file); checkpoints
-    # are taken at optimizer steps, so every rank starts a new accumulation window: count from 0 alike
+        raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another "
+                          "one to --resume or delete it") from None
+    # load_state restored each rank's micro-step counter (none where a rank had no RNG file);
+    # checkpoints are taken at optimizer steps, so every rank starts a new accumulation window:
+    # count from 0 alike
     accelerator.step = 0
     return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
                       run_id=meta.get("run_id", "legacy"), epoch_train=meta.get("epoch_train"),
@@ -300,8 +331,9 @@ class _DropRngLoadNotice(logging.Filter):
 
 @contextmanager
 def quiet_rng_load():
-    """load_state logs "Could not load random states" where a rank's file is missing or does not load (numpy
-    1.x/2.x pickles, another process count). Nothing depends on those files any more (loop.reseed): not said."""
+    """load_state logs "Could not load random states" where a rank's file is missing or does not
+    load (numpy 1.x/2.x pickles, another process count). Nothing depends on those files any more
+    (loop.reseed): not said."""
     log, drop = logging.getLogger("accelerate.checkpointing"), _DropRngLoadNotice()
     log.addFilter(drop)
     try:
@@ -311,20 +343,22 @@ def quiet_rng_load():
 
 
 def read_history(path: Path) -> dict | None:
-    """The metrics rows a checkpoint carries (metrics.jsonl, steps.jsonl), or None for an older checkpoint."""
+    """The metrics rows a checkpoint carries (metrics.jsonl, steps.jsonl), or None for an older
+    checkpoint."""
     if not (path / HISTORY[0]).is_file():
         return None
     return {name: read_jsonl(path / name) for name in HISTORY}
 
 
 def load_ema(ema, path: Path) -> bool:
-    """EMA weights from a checkpoint, if it has them. Read on the host; load_state_dict copies them onto the
-    EMA's own device (a CPU rank's accelerator.device is `cpu:0`, which safetensors does not take as a device)."""
+    """EMA weights from a checkpoint, if it has them. Read on the host; load_state_dict copies them
+    onto the EMA's own device (a CPU rank's accelerator.device is `cpu:0`, which safetensors does
+    not take as a device)."""
     if not (path / EMA_FILE).is_file():
         return False
     try:
         ema.module.load_state_dict(load_file(path / EMA_FILE))
     except Exception as e:
-        raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model ({str(e).splitlines()[0][:160]})") \
-            from None
+        raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model "
+                          f"({str(e).splitlines()[0][:160]})") from None
     return True

@@ -1,7 +1,8 @@
-"""The runs an output directory holds. Every checkpoint records its run's id (trainer_state.json): a fresh run where
-another run's checkpoints are is refused in one line, said with the facts of the machine that holds them;
---overwrite sets the other runs' checkpoints aside, and so does a resume from an older step with the newer steps of
-the branch it abandons (start_branch: one rule for every way a step is written); a resume keeps the run's math."""
+"""The runs an output directory holds. Every checkpoint records its run's id (trainer_state.json): a
+fresh run where another run's checkpoints are is refused in one line, said with the facts of the
+machine that holds them; --overwrite sets the other runs' checkpoints aside, and so does a resume
+from an older step with the newer steps of the branch it abandons (start_branch: one rule for every
+way a step is written); a resume keeps the run's math."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from ..errors import ConfigError
 from ..files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, checkpoint_dirs
 from ..config.recipes import RECIPE_FLAGS
 
-# the run's math: a resume that changes one of these is refused (the global batch has its own rule); the input
-# size, normalisation and augmentation too. An automatic value (--stem auto, no --image_size/--mean/--std) takes
-# the checkpoint's.
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment", "hflip", "freeze",
-            "val_split", *RECIPE_FLAGS)
+# the run's math: a resume that changes one of these is refused (the global batch has its own rule);
+# the input size, normalisation and augmentation too. An automatic value (--stem auto, no
+# --image_size/--mean/--std) takes the checkpoint's.
+RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment",
+            "hflip", "freeze", "val_split", *RECIPE_FLAGS)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
-LOCK_FILE = ".accel_train.lock"  # in --output_dir: locked (lockf) by its writer, until that process ends
-HELD: dict[str, tuple] = {}      # output dir -> (the open lock file of this process, whether this process made it)
+# in --output_dir: locked (lockf) by its writer, until that process ends
+LOCK_FILE = ".accel_train.lock"
+# output dir -> (the open lock file of this process, whether this process made it)
+HELD: dict[str, tuple] = {}
 
 
 def others(out: Path, run_id: str) -> list[Path]:
@@ -37,53 +40,62 @@ def others(out: Path, run_id: str) -> list[Path]:
 
 
 def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
-    """A fresh run where a machine's --output_dir holds checkpoints: one line, said about the first machine that
-    holds them (by that machine's facts: its folder, its checkpoints' run)."""
+    """A fresh run where a machine's --output_dir holds checkpoints: one line, said about the first
+    machine that holds them (by that machine's facts: its folder, its checkpoints' run)."""
     holder = next(r for r in reports if r["listing"])
     where = f"{holder['out']}/{CKPT_DIR}"
     if not shared:
         where = f"on rank {holder['rank']}'s machine, {where}"
-    if holder["alike"] and len(holder["alike"]) > 2:  # the user's own finished run, the same command run again
+    # the user's own finished run, the same command run again
+    if holder["alike"] and len(holder["alike"]) > 2:
         step, reached, _ = holder["alike"]
-        raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} written, last "
-                          f"checkpoint step {step}, {reached}); to train it longer pass --resume auto with a "
-                          "larger --epochs, to train it again from the start --overwrite true (or another "
-                          "--output_dir)")
-    if holder["alike"]:  # most often the user's own interrupted run, started again with the same command
+        raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} "
+                          f"written, last checkpoint step {step}, {reached}); to train it longer "
+                          "pass --resume auto with a larger --epochs, to train it again from the "
+                          "start --overwrite true (or another --output_dir)")
+    # most often the user's own interrupted run, started again with the same command
+    if holder["alike"]:
         step, reached = holder["alike"]
-        raise ConfigError(f"{where} holds an unfinished run with these settings (newest checkpoint: step {step}, "
-                          f"{reached}); continue it with --resume auto (or start over: --overwrite true deletes its "
-                          "checkpoints, or another --output_dir)")
-    raise ConfigError(f"{where} already holds checkpoints of another run; pass --resume auto to continue it, another "
-                      "--output_dir, or --overwrite true to delete them")
+        raise ConfigError(f"{where} holds an unfinished run with these settings (newest "
+                          f"checkpoint: step {step}, {reached}); continue it with --resume auto "
+                          "(or start over: --overwrite true deletes its checkpoints, or another "
+                          "--output_dir)")
+    raise ConfigError(f"{where} already holds checkpoints of another run; pass --resume auto to "
+                      "continue it, another --output_dir, or --overwrite true to delete them")
 
 
 def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
-    """The newest checkpoint's trainer_state.json if its run has the run math of these flags (what a resume would
-    accept; an automatic value takes the checkpoint's), else None; "finished": whether it exported its model."""
+    """The newest checkpoint's trainer_state.json if its run has the run math of these flags (what a
+    resume would accept; an automatic value takes the checkpoint's), else None; "finished": whether
+    it exported its model."""
     found = checkpoint_dirs(out)
     if not found:
         return None
     try:
         meta = json.loads((found[-1] / STATE_FILE).read_text())
         old = meta.get("run") or {}
-        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key) for key in RUN_MATH}
-        alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)  # (auto: whatever it was)
-        return {**meta, "finished": (out / MODEL_FILE).is_file()} if alike and "step" in meta else None
+        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
+               for key in RUN_MATH}
+        # (auto: whatever it was)
+        alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)
+        return ({**meta, "finished": (out / MODEL_FILE).is_file()} if alike and "step" in meta
+                else None)
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
 def start_branch(output_dir, decision, keep_origin: bool) -> None:
-    """At the end of start-up (every input checked), on each writer. The checkpoints no step of this run may
-    follow are renamed out of every listing (`.overwritten-step_N`: neither resumed, nor taken for a step already
-    saved, nor named by an error): --overwrite's earlier runs, and the newer steps of the branch that a resume from
-    an older step abandons. They are deleted once this run has a complete checkpoint of its own (delete_set_aside);
-    a run that fails before that leaves them aside, so a relaunch with --resume auto continues this branch (a
-    survivor's save of the new branch is never skipped over for the abandoned branch's newer step). Where an
-    explicit --resume PATH started the run, that checkpoint is recorded (ORIGIN_FILE, files.resumed_from): --resume
-    auto continues from the newest complete step of the run, which is that checkpoint until the run saves its own
-    (launch.sh's relaunch passes --resume auto). A fresh run drops an earlier record."""
+    """At the end of start-up (every input checked), on each writer. The checkpoints no step of this
+    run may follow are renamed out of every listing (`.overwritten-step_N`: neither resumed, nor
+    taken for a step already saved, nor named by an error): --overwrite's earlier runs, and the
+    newer steps of the branch that a resume from an older step abandons. They are deleted once this
+    run has a complete checkpoint of its own (delete_set_aside); a run that fails before that leaves
+    them aside, so a relaunch with --resume auto continues this branch (a survivor's save of the new
+    branch is never skipped over for the abandoned branch's newer step). Where an explicit --resume
+    PATH started the run, that checkpoint is recorded (ORIGIN_FILE, files.resumed_from): --resume
+    auto continues from the newest complete step of the run, which is that checkpoint until the run
+    saves its own (launch.sh's relaunch passes --resume auto). A fresh run drops an earlier
+    record."""
     if not decision.writer:
         return
     set_aside(decision.overwritten, "--overwrite", "of an earlier run")
@@ -100,25 +112,29 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
 
 def set_aside(paths: list[Path], flag: str, why: str) -> None:
     for path in paths:
-        logging.getLogger("accel_train").info(f"{flag}: setting {path} {why} aside; it is deleted once this run has "
-                                              "saved a checkpoint")
+        logging.getLogger("accel_train").info(f"{flag}: setting {path} {why} aside; it is deleted "
+                                              "once this run has saved a checkpoint")
         aside = path.with_name(SET_ASIDE + path.name)
         try:
-            shutil.rmtree(aside, ignore_errors=True)  # (one set aside before whose deletion did not happen)
+            # (one set aside before whose deletion did not happen)
+            shutil.rmtree(aside, ignore_errors=True)
             os.replace(path, aside)
         except OSError as e:
-            raise ConfigError(f"cannot rename {path} ({e}) to set it aside; delete it by hand, or another --output_dir")
+            raise ConfigError(f"cannot rename {path} ({e}) to set it aside; delete it by hand, or "
+                              "another --output_dir")
 
 
 def delete_set_aside(root: Path) -> None:
     for path in sorted(root.glob(SET_ASIDE + "step_*")):
-        logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of this run")
+        logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of "
+                                              "this run")
         shutil.rmtree(path, ignore_errors=True)
 
 
 def check_output_dir_free(out: Path) -> None:
-    """Before the resume decision (whose refusals would otherwise speak first): a directory another job is writing
-    is one line naming it. Rank 0 looks (another machine's own directory is held after the decision)."""
+    """Before the resume decision (whose refusals would otherwise speak first): a directory another
+    job is writing is one line naming it. Rank 0 looks (another machine's own directory is held
+    after the decision)."""
     hold_output_dir(out)
     release_output_dir(out, refused=True)  # (as it was: a lock file this look made is removed)
 
@@ -150,7 +166,8 @@ def hold_output_dir(out: Path) -> None:
             refuse(out, fd)
         if same_file(fd, path):
             break
-        os.close(fd)  # (deleted by its holder after this open: the lock that counts is on the new one)
+        # (deleted by its holder after this open: the lock that counts is on the new one)
+        os.close(fd)
     os.ftruncate(fd, 0)
     facts = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     os.pwrite(fd, json.dumps(facts).encode(), 0)
@@ -170,8 +187,8 @@ def refuse(out: Path, fd: int) -> None:
     since = "?" if "since" not in holder else \
         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
     raise ConfigError(f"--output_dir {out} is being written by another job (host "
-                      f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}); wait "
-                      "for it to end or stop it, or pass another --output_dir") from None
+                      f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}); "
+                      "wait for it to end or stop it, or pass another --output_dir") from None
 
 
 def open_lock_file(path: Path) -> tuple[int | None, bool]:
@@ -198,9 +215,10 @@ def same_file(fd: int, path: Path) -> bool:
 
 
 def release_output_dir(out, refused: bool = False) -> None:
-    """The end of a run in this process (a script may start another one in the same directory). A refused start
-    leaves the directory as it was: the lock file removed if it made it (while still locked: a job
-    waiting for it then finds the path gone and opens it again), else emptied as it was."""
+    """The end of a run in this process (a script may start another one in the same directory). A
+    refused start leaves the directory as it was: the lock file removed if it made it (while still
+    locked: a job waiting for it then finds the path gone and opens it again), else emptied as it
+    was."""
     fd, made = HELD.pop(str(Path(out).resolve()), (None, False))
     if fd is not None:
         if refused and made:

@@ -8,8 +8,8 @@ every rank all the reports, and each rank computes the same answers from them:
 - who writes checkpoints: one process per storage (the main process for a shared --output_dir, each
   machine's local main process when every machine has its own disk);
 - which checkpoint the job resumes from (`--resume auto`: the newest complete one that any machine
-  holds, of the one run found there; with --overwrite, under launch.sh's relaunch, only of the run that
-  --overwrite started), and that it belongs to the run in --output_dir;
+  holds, of the one run found there; with --overwrite, under launch.sh's relaunch, only of the run
+  that --overwrite started), and that it belongs to the run in --output_dir;
 - a machine whose disk lacks it receives its files from a machine that has it (transfer.py);
 - whether the checkpoint's run math (global batch, model, seed, data) allows this resume, and the
   per-process batch on a different number of processes (elastic resume).
@@ -47,11 +47,13 @@ from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_ru
 from .transfer import send_checkpoint
 
 PROBE = ".accel_train-probe-"
-# the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches, so that a relaunch
-# of an --overwrite run (--overwrite with --resume auto) resumes that run's checkpoints only, never the replaced run's
+# the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches,
+# so that a relaunch of an --overwrite run (--overwrite with --resume auto) resumes that run's
+# checkpoints only, never the replaced run's
 # flags that may differ between machines (paths of each machine's own disk, logging)
-PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank", "world_size",
-               "custom_data", "enable_gpu", "overwrite", "resume", "init_from", "pretrained_path"}
+PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank",
+               "world_size", "custom_data", "enable_gpu", "overwrite", "resume", "init_from",
+               "pretrained_path"}
 
 
 @dataclass
@@ -62,9 +64,12 @@ class Decision:
     resume_from: Path | None     # a complete checkpoint on this process's own disk
     meta: dict | None            # its trainer_state.json
     run_id: str
-    overwritten: list[Path] = field(default_factory=list)  # --overwrite: an earlier run's checkpoints, to delete
-    abandoned: list[Path] = field(default_factory=list)    # newer steps of the branch a resume from an older one leaves
-    origin: Path | None = None   # the checkpoint an explicit --resume PATH starts from (recorded for relaunches)
+    # --overwrite: an earlier run's checkpoints, to delete
+    overwritten: list[Path] = field(default_factory=list)
+    # newer steps of the branch a resume from an older one leaves
+    abandoned: list[Path] = field(default_factory=list)
+    # the checkpoint an explicit --resume PATH starts from (recorded for relaunches)
+    origin: Path | None = None
 
 
 def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
@@ -75,7 +80,8 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
             listing.append((int(meta["step"]), meta.get("run_id", "legacy")))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a checkpoint accel_train wrote
-    explicit, given = None, None  # --resume PATH; for --resume auto, the one that started this run (files.resumed_from)
+    # --resume PATH; for --resume auto, the one that started this run (files.resumed_from)
+    explicit, given = None, None
     if cfg.resume:
         given = Path(cfg.resume) if cfg.resume != "auto" else \
             resumed_from(out, (os.environ.get(RUN_ID_ENV) or "") if cfg.overwrite else None)
@@ -90,27 +96,32 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     probes = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}{job}-*")) \
         if accelerator.is_local_main_process else None
     flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
-    # the resume mode must agree (the path itself may be each machine's own), and so must init_from's presence
+    # the resume mode must agree (the path itself may be each machine's own), and so must
+    # init_from's presence
     flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
     flags["init_from"] = "a weights file" if cfg.init_from else None
     flags["pretrained_path"] = "a weights file" if cfg.pretrained_path else None
-    # what this disk's checkpoints are, said by the machine that holds them (a fresh run is refused with it)
+    # what this disk's checkpoints are, said by the machine that holds them (a fresh run is
+    # refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
-    return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process, "flags": flags,
-            "listing": listing, "damaged": damaged(out), "explicit": explicit, "given": given and str(given), "probes": probes, "out": str(out),
-            "alike": alike and (alike["step"], reached(alike), *([True] if alike["finished"] else [])),
+    return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process,
+            "flags": flags, "listing": listing, "damaged": damaged(out), "explicit": explicit,
+            "given": given and str(given), "probes": probes, "out": str(out),
+            "alike": alike and (alike["step"], reached(alike),
+                                *([True] if alike["finished"] else [])),
             "launch": os.environ.get(RUN_ID_ENV) or None}
 
 
 def reached(meta: dict) -> str:
-    """Where a checkpoint's trainer_state.json stands, in words: its epoch (0-based) is the next one at an
-    epoch's end."""
+    """Where a checkpoint's trainer_state.json stands, in words: its epoch (0-based) is the next one
+    at an epoch's end."""
     epoch, batch = meta.get("epoch", 0), meta.get("batch_in_epoch", 0)
     return f"the end of epoch {epoch}" if batch == 0 and epoch > 0 else f"in epoch {epoch + 1}"
 
 
 def damaged(out: Path) -> list[tuple[int, str]]:
-    """(step, why) of each checkpoint folder in `out` that is not complete (a full disk, a truncated copy)."""
+    """(step, why) of each checkpoint folder in `out` that is not complete (a full disk, a truncated
+    copy)."""
     root, found = out / CKPT_DIR, []
     for path in root.glob("step_*") if root.is_dir() else ():
         if path.name[5:].isdigit() and (why := damage(path)) is not None:
@@ -122,7 +133,8 @@ def say_damaged(reports: list[dict], out: Path, step: int | None, log) -> None:
     """--resume auto takes the newest complete checkpoint: one line for each newer one it skips."""
     skipped = {(s, why) for r in reports for s, why in r["damaged"] if step is None or s > step}
     for s, why in sorted(skipped):
-        then = f"resuming from {step_dir(out, step).name}" if step is not None else "none is complete"
+        then = (f"resuming from {step_dir(out, step).name}" if step is not None
+                else "none is complete")
         log(f"--resume auto: skipping checkpoint {step_dir(out, s)}: damaged ({why}); {then} (a "
             "save of that step replaces the folder)")
 
@@ -132,9 +144,9 @@ def _check_flags(reports: list[dict]) -> None:
     for r in reports[1:]:
         for key, value in r["flags"].items():
             if first.get(key) != value:
-                raise ConfigError(f"the machines were started with different flags: --{key} is {first.get(key)!r} on "
-                                  f"rank 0 but {value!r} on rank {r['rank']}; pass the same training flags on every "
-                                  "machine")
+                raise ConfigError(f"the machines were started with different flags: --{key} is "
+                                  f"{first.get(key)!r} on rank 0 but {value!r} on rank "
+                                  f"{r['rank']}; pass the same training flags on every machine")
 
 
 def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
@@ -146,43 +158,52 @@ def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
     elif all(r["probes"] == [r["rank"]] for r in mains):
         shared = False
     else:
-        raise ConfigError("--output_dir is shared by some machines but not all; give every machine its own "
-                          "directory or one that all of them share")
+        raise ConfigError("--output_dir is shared by some machines but not all; give every machine "
+                          "its own directory or one that all of them share")
     me = reports[rank]
     writer = rank == 0 if shared else me["local_main"]
     return writer, shared or len(mains) == 1, len(mains)
 
 
 def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | None, set[str]]:
-    """The (step, run_id) every rank resumes from, or None; and the runs found in the output dirs."""
+    """The (step, run_id) every rank resumes from, or None; and the runs found in the output
+    dirs."""
     runs = {run for r in reports for _, run in r["listing"]}
     if not cfg.resume:
         return None, runs
-    if cfg.resume == "auto" and cfg.overwrite:  # launch.sh's relaunch of an --overwrite run: that run's only
-        ours = {r["launch"] for r in reports} | {r["explicit"][1] for r in reports if r.get("explicit")}
-        ours -= {None}  # (this launch's run id, or the run of the checkpoint its --resume PATH started from)
+    # launch.sh's relaunch of an --overwrite run: that run's only
+    if cfg.resume == "auto" and cfg.overwrite:
+        ours = ({r["launch"] for r in reports}
+                | {r["explicit"][1] for r in reports if r.get("explicit")})
+        # (this launch's run id, or the run of the checkpoint its --resume PATH started from)
+        ours -= {None}
         if not ours:
-            raise ConfigError("--overwrite true starts a new run (setting the checkpoints in --output_dir aside), "
-                              "--resume auto continues one: pass one of them (launch.sh --max_restarts relaunches an "
-                              "--overwrite run with both and resumes only that run's own checkpoints)")
-        found = [e for r in reports for e in [*r["listing"], r.get("explicit")] if e and e[1] in ours]
+            raise ConfigError("--overwrite true starts a new run (setting the checkpoints in "
+                              "--output_dir aside), --resume auto continues one: pass one of them "
+                              "(launch.sh --max_restarts relaunches an --overwrite run with both "
+                              "and resumes only that run's own checkpoints)")
+        found = [e for r in reports for e in [*r["listing"], r.get("explicit")]
+                 if e and e[1] in ours]
         return (max(found) if found else None), runs
     if cfg.resume == "auto":
         if len(runs) > 1:
             raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
-                              f"({', '.join(sorted(runs))}); keep one run per output directory (move the others away)")
-        found = [entry for r in reports for entry in [*r["listing"], r.get("explicit")] if entry]  # (own, or its start)
+                              f"({', '.join(sorted(runs))}); keep one run per output directory "
+                              "(move the others away)")
+        # (own, or its start)
+        found = [entry for r in reports for entry in [*r["listing"], r.get("explicit")] if entry]
         return (max(found) if found else None), runs
     held = [r["explicit"] for r in reports if r["explicit"]]
     if not held:
-        raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no {STATE_FILE} / "
-                          f"{MODEL_FILE}, or a file shorter than it recorded); pass a {CKPT_DIR}/step_N directory or "
-                          "--resume auto")
+        raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no "
+                          f"{STATE_FILE} / {MODEL_FILE}, or a file shorter than it recorded); pass "
+                          f"a {CKPT_DIR}/step_N directory or --resume auto")
     return held[0], runs
 
 
 def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
-    """Every rank calls this once, right after the Accelerator is built and the output dir checked."""
+    """Every rank calls this once, right after the Accelerator is built and the output dir
+    checked."""
     rank = accelerator.process_index
     job = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)  # this job's probes only
     probe = out / f"{PROBE}{job}-{rank}"
@@ -204,34 +225,40 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         say_damaged(reports, out, target[0] if target else None, log)
 
     if target is None:
-        if cfg.resume == "auto" and not runs:  # (an --overwrite relaunch: the earlier run's are set aside, said then)
+        # (an --overwrite relaunch: the earlier run's are set aside, said then)
+        if cfg.resume == "auto" and not runs:
             log(nothing_to_resume(out))
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)
         run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
-        return Decision(writer, shared, machines, None, None, run_id, others(out, run_id) if runs and writer else [])
+        return Decision(writer, shared, machines, None, None, run_id,
+                        others(out, run_id) if runs and writer else [])
 
     step, run_id = target
-    replacing = cfg.overwrite and cfg.resume == "auto"  # (launch.sh's relaunch: the other runs are set aside)
+    # (launch.sh's relaunch: the other runs are set aside)
+    replacing = cfg.overwrite and cfg.resume == "auto"
     if replacing:
-        log(f"--overwrite with --resume auto (launch.sh's relaunch): resuming the new run {run_id}; the checkpoints "
-            "of other runs are set aside")
+        log("--overwrite with --resume auto (launch.sh's relaunch): resuming the new run "
+            f"{run_id}; the checkpoints of other runs are set aside")
     elif runs - {run_id}:
-        raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but {out}/{CKPT_DIR} holds "
-                          f"checkpoints of run(s) {', '.join(sorted(runs - {run_id}))}; resume into that run's "
+        raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but "
+                          f"{out}/{CKPT_DIR} holds checkpoints of run(s) "
+                          f"{', '.join(sorted(runs - {run_id}))}; resume into that run's "
                           "--output_dir or an empty one")
     explicit = cfg.resume != "auto"
     newer = sorted({s for r in reports for s, run in r["listing"] if run == run_id and s > step})
-    if newer:  # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
-        log(f"--resume {cfg.resume}: this run's newer checkpoint(s) {', '.join(step_dir(out, s).name for s in newer)} "
-            "belong to the branch this resume abandons; they are set aside now and deleted when it saves its first "
-            "checkpoint")
-    # a rank reads the checkpoint from --resume PATH (or the one that started the run) if its machine has it, else
-    # from its output dir
+    # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
+    if newer:
+        log(f"--resume {cfg.resume}: this run's newer checkpoint(s) "
+            f"{', '.join(step_dir(out, s).name for s in newer)} belong to the branch this resume "
+            "abandons; they are set aside now and deleted when it saves its first checkpoint")
+    # a rank reads the checkpoint from --resume PATH (or the one that started the run) if its
+    # machine has it, else from its output dir
     at_path = [r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]
     needs = [not a and not o for a, o in zip(at_path, in_out)]
-    local = Path(reports[rank]["given"]) if at_path[rank] and not in_out[rank] else step_dir(out, step)
+    local = (Path(reports[rank]["given"]) if at_path[rank] and not in_out[rank]
+             else step_dir(out, step))
     if shared:  # one storage: its writer (rank 0) writes the copy if any rank needs it there
         missing = [0] if any(needs) else []
     else:       # each machine's writer (its local main process) for its own ranks
@@ -242,76 +269,89 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
     abandoned = [p for p in map(partial(step_dir, out), newer) if p.is_dir()] if writer else []
-    return Decision(writer, shared, machines, local, meta, run_id, others(out, run_id) if replacing and writer else [],
-                    abandoned, local if explicit else None)
+    return Decision(writer, shared, machines, local, meta, run_id,
+                    others(out, run_id) if replacing and writer else [], abandoned,
+                    local if explicit else None)
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
-    """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process batch when the
-    number of processes changed or --batch_size is left to its default (the checkpoint's global batch is kept, never
-    re-derived from the data). Changes cfg.batch_size in place."""
+    """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process
+    batch when the number of processes changed or --batch_size is left to its default (the
+    checkpoint's global batch is kept, never re-derived from the data). Changes cfg.batch_size in
+    place."""
     old = meta.get("run")
     if not old:  # a checkpoint of an older accel_train: only its process count was recorded
         if meta.get("num_processes", num_processes) != num_processes:
-            raise ConfigError(f"the checkpoint was written by an older accel_train on {meta['num_processes']} "
-                              f"processes and records no global batch; resume it on {meta['num_processes']} processes")
+            raise ConfigError("the checkpoint was written by an older accel_train on "
+                              f"{meta['num_processes']} processes and records no global batch; "
+                              f"resume it on {meta['num_processes']} processes")
         cfg.batch_size = cfg.batch_size or BATCH_SIZE  # (its default then)
         return
     if cfg.grad_accum != old["grad_accum"]:
-        raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's {old['grad_accum']}; resume "
-                          f"with --grad_accum {old['grad_accum']} (the per-process batch follows the process count)")
+        raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's "
+                          f"{old['grad_accum']}; resume with --grad_accum {old['grad_accum']} (the "
+                          "per-process batch follows the process count)")
     keep_run_math(old, cfg)
     check_changes(old.get("settings") or {}, cfg)
     glob = old["global_batch"]
     if num_processes != old["num_processes"] or cfg.batch_size is None:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)
         if rest or per < 1:
-            works = [n for n in range(1, glob // cfg.grad_accum + 1) if (glob // cfg.grad_accum) % n == 0][:12]
-            raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over {num_processes} processes x "
-                              f"--grad_accum {cfg.grad_accum}; resume on one of {works} processes")
+            works = [n for n in range(1, glob // cfg.grad_accum + 1)
+                     if (glob // cfg.grad_accum) % n == 0][:12]
+            raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over "
+                              f"{num_processes} processes x --grad_accum {cfg.grad_accum}; resume "
+                              f"on one of {works} processes")
         if num_processes != old["num_processes"] and per != cfg.batch_size:
-            log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process batch "
-                f"{cfg.batch_size or old['batch_size']} -> {per} keeps the checkpoint's global batch {glob}")
+            log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process "
+                f"batch {cfg.batch_size or old['batch_size']} -> {per} keeps the checkpoint's "
+                f"global batch {glob}")
         cfg.batch_size = per
     elif cfg.batch_size * num_processes * cfg.grad_accum != glob:
-        raise ConfigError(f"--batch_size {cfg.batch_size} x {num_processes} processes x --grad_accum {cfg.grad_accum} "
-                          f"changes the checkpoint's global batch {glob}; resume with --batch_size "
+        raise ConfigError(f"--batch_size {cfg.batch_size} x {num_processes} processes x "
+                          f"--grad_accum {cfg.grad_accum} changes the checkpoint's global batch "
+                          f"{glob}; resume with --batch_size "
                           f"{glob // (num_processes * cfg.grad_accum)} (or start a fresh run)")
     if cfg.epochs != old["epochs"]:
-        log(f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for {cfg.epochs} epochs and "
-            "continues from the current step on it")
+        log(f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for "
+            f"{cfg.epochs} epochs and continues from the current step on it")
 
 
 def _flag_value(key: str, value):
     """A run-math value as a flag spells it (mean/std: 'R,G,B')."""
-    return ",".join(f"{v:g}" for v in value) if key in ("mean", "std") and value is not None else value
+    return (",".join(f"{v:g}" for v in value) if key in ("mean", "std") and value is not None
+            else value)
 
 
 def keep_run_math(old: dict, cfg: TrainConfig) -> None:
-    """Refuse a flag that changes the checkpoint's run math (one line naming it); automatic values take the
-    checkpoint's (so a resume neither re-derives the image size nor recomputes mean/std). Pure: changes cfg."""
+    """Refuse a flag that changes the checkpoint's run math (one line naming it); automatic values
+    take the checkpoint's (so a resume neither re-derives the image size nor recomputes mean/std).
+    Pure: changes cfg."""
     mean_std = dict(zip(("mean", "std"), cfg.normalisation()))
     for key in RUN_MATH:
         if key not in old:  # a checkpoint of an older accel_train
             continue
-        now = cfg.model_kwargs_dict() if key == "model_kwargs" else mean_std[key] if key in mean_std \
-            else getattr(cfg, key)
+        now = (cfg.model_kwargs_dict() if key == "model_kwargs"
+               else mean_std[key] if key in mean_std else getattr(cfg, key))
         then = tuple(old[key]) if key in mean_std and old[key] is not None else old[key]
         if now in AUTOMATIC:
             setattr(cfg, key, _flag_value(key, then))
         elif now != then:
             raise ConfigError(f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
                               f"{_flag_value(key, then)!r}: resuming would change the run; resume "
-                              + (f"with --{key} {_flag_value(key, then)}" if then is not None else f"without --{key}")
+                              + (f"with --{key} {_flag_value(key, then)}" if then is not None
+                                 else f"without --{key}")
                               + " or start a fresh run in another --output_dir")
 
 
 def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
-    """The checkpoint's batches done in the epoch (per rank), in this run's per-rank batches: the same samples."""
+    """The checkpoint's batches done in the epoch (per rank), in this run's per-rank batches: the
+    same samples."""
     old = meta.get("run")
     if not old:
         return meta["batch_in_epoch"]
-    return meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"] // (batch_size * num_processes)
+    return (meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"]
+            // (batch_size * num_processes))
 
 
 def check_data(meta: dict, train_size: int, classes=None, checkpoint: Path | None = None) -> None:
@@ -319,8 +359,9 @@ def check_data(meta: dict, train_size: int, classes=None, checkpoint: Path | Non
     are the run's."""
     old = (meta.get("run") or {}).get("train_size")
     if old is not None and old != train_size:
-        raise ConfigError(f"the checkpoint was trained on {old} training samples, this data has {train_size}; resume "
-                          "with the same data (--train_samples / --data_dir) or start a fresh run")
+        raise ConfigError(f"the checkpoint was trained on {old} training samples, this data has "
+                          f"{train_size}; resume with the same data (--train_samples / --data_dir) "
+                          "or start a fresh run")
     try:
         facts = json.loads((checkpoint / MODEL_CONFIG_FILE).read_text()) if checkpoint else {}
         then = facts["classes"]

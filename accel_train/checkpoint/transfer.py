@@ -1,8 +1,9 @@
-"""A checkpoint sent at start-up to the machines whose disk lacks it (resume.decide): the sender reads its files,
-`broadcast_object_list` carries them, and each receiver writes a whole copy the way a checkpoint is written
-(`.tmp-step_N`, then renamed), so that the machine can be lost again later. A sender that cannot read its files or a
-receiver that cannot store them (a full disk) stops every rank with the same one line, exit status 2, and leaves
-nothing partial behind, as a checkpoint that cannot be written does."""
+"""A checkpoint sent at start-up to the machines whose disk lacks it (resume.decide): the sender
+reads its files, `broadcast_object_list` carries them, and each receiver writes a whole copy the way
+a checkpoint is written (`.tmp-step_N`, then renamed), so that the machine can be lost again later.
+A sender that cannot read its files or a receiver that cannot store them (a full disk) stops every
+rank with the same one line, exit status 2, and leaves nothing partial behind, as a checkpoint that
+cannot be written does."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from ..errors import ConfigError
 
 
 def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], final: Path) -> None:
-    """Every rank calls this: rank `source` sends its checkpoint `here`; each rank in `missing` writes it to `final`
-    (its own disk's path). A failure on either side: every rank raises the same ConfigError."""
+    """Every rank calls this: rank `source` sends its checkpoint `here`; each rank in `missing`
+    writes it to `final` (its own disk's path). A failure on either side: every rank raises the same
+    ConfigError."""
     rank = accelerator.process_index
     sent = None
     if rank == source:
@@ -27,9 +29,10 @@ def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], fi
             sent = (None, _failure(e), str(here))
     files, error, there = broadcast_object_list([sent], from_process=source)[0]
     if error:
-        raise ConfigError(f"rank {source} cannot read checkpoint {there} to send it to rank(s) {missing}, whose disk "
-                          f"lacks it ({error}); nothing was written; repair or remove that checkpoint (--resume auto "
-                          "then takes the newest one left) or pass --resume with another one")
+        raise ConfigError(f"rank {source} cannot read checkpoint {there} to send it to rank(s) "
+                          f"{missing}, whose disk lacks it ({error}); nothing was written; repair "
+                          "or remove that checkpoint (--resume auto then takes the newest one "
+                          "left) or pass --resume with another one")
     tmp, error = final.parent / f".tmp-{final.name}", None
     if rank in missing:
         try:
@@ -38,17 +41,20 @@ def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], fi
             error = _failure(e)
             shutil.rmtree(tmp, ignore_errors=True)
     del files
-    failed = [(r, where, e) for r, (where, e) in enumerate(gather_object([(str(final.parent), error)])) if e]
+    failed = [(r, where, e)
+              for r, (where, e) in enumerate(gather_object([(str(final.parent), error)])) if e]
     accelerator.wait_for_everyone()  # (every partial copy is gone before anyone reports)
     if failed:
         r, where, error = failed[0]
-        raise ConfigError(f"rank {r} cannot store the copy of checkpoint {final.name} it was sent in {where} ({error}); "
-                          "the partial copy was removed; free space on that machine (or give it another --output_dir) "
-                          "and relaunch with --resume auto")
+        raise ConfigError(f"rank {r} cannot store the copy of checkpoint {final.name} it was sent "
+                          f"in {where} ({error}); the partial copy was removed; free space on that "
+                          "machine (or give it another --output_dir) and relaunch with "
+                          "--resume auto")
 
 
 def _failure(e: OSError) -> str:
-    """An OSError in a few words: the file's name and the system's reason (ENOSPC: No space left on device)."""
+    """An OSError in a few words: the file's name and the system's reason (ENOSPC: No space left on
+    device)."""
     text = e.strerror or " ".join(str(e).split())[:160] or type(e).__name__
     return f"{Path(e.filename).name}: {text}" if e.filename else text
 

@@ -1,10 +1,11 @@
-"""The training recipe's flags (docs/training.md: Recipes): which crop each kind of data gets, RandomResizedCrop's ranges, the
-evaluation crop, timm's per-sample augmentations; their checks and automatic values. The math is data/crops.py and
-data/train_augment.py.
+"""The training recipe's flags (docs/training.md: Recipes): which crop each kind of data gets,
+RandomResizedCrop's ranges, the evaluation crop, timm's per-sample augmentations; their checks and
+automatic values. The math is data/crops.py and data/train_augment.py.
 
-An image folder (photos) trains with RandomResizedCrop from the whole image (timm's train.py, torchvision's reference
-scripts, FFCV, DALI) and is evaluated at --crop_pct; CIFAR-10 and random data keep the pad crop of 32-px CIFAR (He et
-al. 2016): a RandomResizedCrop of down to 8% of a 32-px image is a few pixels wide.
+An image folder (photos) trains with RandomResizedCrop from the whole image (timm's train.py,
+torchvision's reference scripts, FFCV, DALI) and is evaluated at --crop_pct; CIFAR-10 and random
+data keep the pad crop of 32-px CIFAR (He et al. 2016): a RandomResizedCrop of down to 8% of a 32-px
+image is a few pixels wide.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from fractions import Fraction
 
 from ..errors import ConfigError
 
-RECIPE_FLAGS = ("train_crop", "scale", "ratio", "train_interpolation", "color_jitter", "aa", "reprob")  # run math
-PER_SAMPLE = ("color_jitter", "aa", "reprob")  # timm's PIL transforms: DataLoader workers only (cpu, cache)
-TRIVIAL = "trivial"  # --aa trivial: torchvision's TrivialAugmentWide (timm parses no TrivialAugment string)
+RECIPE_FLAGS = ("train_crop", "scale", "ratio", "train_interpolation", "color_jitter", "aa",
+                "reprob")  # run math
+# timm's PIL transforms: DataLoader workers only (cpu, cache)
+PER_SAMPLE = ("color_jitter", "aa", "reprob")
+# --aa trivial: torchvision's TrivialAugmentWide (timm parses no TrivialAugment string)
+TRIVIAL = "trivial"
 CROP_PCT = 0.875  # timm's default evaluation crop (timm.data.constants.DEFAULT_CROP_PCT)
 
 
 def parse_pair(name: str, text, low: float, high: float | None = None) -> tuple[float, float]:
-    """'A,B' (or 'A B', fractions like 3/4 allowed; a list from a --config YAML) -> (A, B), low < A <= B (<= high)."""
+    """'A,B' (or 'A B', fractions like 3/4 allowed; a list from a --config YAML) -> (A, B),
+    low < A <= B (<= high)."""
     try:
         parts = text if isinstance(text, (list, tuple)) else str(text).replace(",", " ").split()
         a, b = (float(Fraction(str(v))) for v in parts)
@@ -41,9 +46,9 @@ def train_crop(cfg) -> str:
 
 
 def default_crop_pct(cfg) -> float:
-    """--crop_pct, else the pretrained weights' own (timm's pretrained_cfg crop_pct, where the run starts from timm's
-    pretrained weights; the model_config.json beside --init_from weights trained on an image folder), else timm's
-    0.875."""
+    """--crop_pct, else the pretrained weights' own (timm's pretrained_cfg crop_pct, where the run
+    starts from timm's pretrained weights; the model_config.json beside --init_from weights trained
+    on an image folder), else timm's 0.875."""
     if cfg.crop_pct is not None:
         return cfg.crop_pct
     if getattr(cfg, "init_from", None):
@@ -68,15 +73,16 @@ def per_sample(cfg) -> list[str]:
 
 
 def check(cfg) -> None:
-    """One line naming the fix for a recipe flag that cannot be: ranges, timm's --aa string, a pipeline that cannot
-    apply the transforms asked for, --crop_pct on data that is not resized for evaluation."""
+    """One line naming the fix for a recipe flag that cannot be: ranges, timm's --aa string, a
+    pipeline that cannot apply the transforms asked for, --crop_pct on data that is not resized for
+    evaluation."""
     parse_pair("scale", cfg.scale, 0, 1)
     parse_pair("ratio", cfg.ratio, 0)
     if cfg.crop_pct is not None and not 0 < cfg.crop_pct <= 1:
         raise ConfigError(f"--crop_pct must be in (0, 1], got {cfg.crop_pct}")
     if cfg.crop_pct is not None and cfg.data != "imagefolder":
-        raise ConfigError(f"--crop_pct resizes image folders for evaluation; {cfg.data} is evaluated as it is: drop "
-                          "--crop_pct")
+        raise ConfigError(f"--crop_pct resizes image folders for evaluation; {cfg.data} is "
+                          "evaluated as it is: drop --crop_pct")
     if not cfg.color_jitter >= 0:
         raise ConfigError(f"--color_jitter must be >= 0, got {cfg.color_jitter}")
     if not 0 <= cfg.reprob <= 1:
@@ -85,13 +91,15 @@ def check(cfg) -> None:
         try:
             from timm.data.transforms_factory import transforms_imagenet_train
             transforms_imagenet_train(32, auto_augment=cfg.aa)
-        except Exception as e:  # timm asserts, or fails in its parsing (KeyError, ValueError, IndexError, ...)
-            raise ConfigError(f"--aa {cfg.aa!r} is not an augmentation string timm parses ({type(e).__name__}"
-                              f"{': ' + str(e) if str(e) else ''}); e.g. rand-m9-mstd0.5-inc1 (RandAugment), "
-                              "v0 or original (AutoAugment), augmix-m5-w4-d2, trivial (torchvision's "
+        # timm asserts, or fails in its parsing (KeyError, ValueError, IndexError, ...)
+        except Exception as e:
+            raise ConfigError(f"--aa {cfg.aa!r} is not an augmentation string timm parses "
+                              f"({type(e).__name__}{': ' + str(e) if str(e) else ''}); e.g. "
+                              "rand-m9-mstd0.5-inc1 (RandAugment), v0 or original (AutoAugment), "
+                              "augmix-m5-w4-d2, trivial (torchvision's "
                               "TrivialAugmentWide)") from None
     asked = per_sample(cfg)
     if asked and cfg.pipeline == "device":
-        raise ConfigError(f"--pipeline device cannot apply {', '.join(asked)} (timm's per-sample transforms on PIL "
-                          "images, which DataLoader workers run): use --pipeline cpu (or cache for an image folder), "
-                          "or auto, which picks one")
+        raise ConfigError(f"--pipeline device cannot apply {', '.join(asked)} (timm's per-sample "
+                          "transforms on PIL images, which DataLoader workers run): use --pipeline "
+                          "cpu (or cache for an image folder), or auto, which picks one")

@@ -1,29 +1,32 @@
-"""A heartbeat between the ranks, beside the training thread: a frozen or unreachable peer is found in
---heartbeat_timeout_s (default 15 s), not when a collective times out (--timeout_s, default 300 s).
+"""A heartbeat between the ranks, beside the training thread: a frozen or unreachable peer is found
+in --heartbeat_timeout_s (default 15 s), not when a collective times out (--timeout_s, default
+300 s).
 
-Each rank of a process group sends a small UDP datagram to every other rank every --heartbeat_s from a thread of its
-own, and notes when each peer's last one came. A stopped process (SIGSTOP, a stuck driver, a paused VM, a swapping
-host) and a cut network stop a peer's datagrams; a long step, the first compile, an evaluation, a checkpoint write or
-a slow first decode do not (the thread needs the GIL for a moment every --heartbeat_s, and torch's operators release
-it). A peer silent for --heartbeat_timeout_s is lost: the survivor saves the last completed step and the rank exits
-3, as for a lost peer (survivor.py). A live process whose training thread hangs keeps beating: the hang report
-(hang.py) says where it waits, --timeout_s (or --stop_on_hang) ends it.
+Each rank of a process group sends a small UDP datagram to every other rank every --heartbeat_s from
+a thread of its own, and notes when each peer's last one came. A stopped process (SIGSTOP, a stuck
+driver, a paused VM, a swapping host) and a cut network stop a peer's datagrams; a long step, the
+first compile, an evaluation, a checkpoint write or a slow first decode do not (the thread needs the
+GIL for a moment every --heartbeat_s, and torch's operators release it). A peer silent for
+--heartbeat_timeout_s is lost: the survivor saves the last completed step and the rank exits 3, as
+for a lost peer (survivor.py). A live process whose training thread hangs keeps beating: the hang
+report (hang.py) says where it waits, --timeout_s (or --stop_on_hang) ends it.
 
-The side channel is the job's own network, not the process group's store (the c10d TCPStore lives in rank 0's
-launcher, one machine: a frozen machine 0 would silence every heartbeat at once) and not a collective (one that
-waits on the frozen peer is the thing that hangs). The addresses are exchanged in the survivor's one gather at start.
-A rank that ends its training (a finished run, a stop, an error) says goodbye, so its silence after that is no alarm;
-a process that was itself stopped gives its peers a fresh window once it runs again (datagrams sent meanwhile wait in
-its socket's buffer).
+The side channel is the job's own network, not the process group's store (the c10d TCPStore lives in
+rank 0's launcher, one machine: a frozen machine 0 would silence every heartbeat at once) and not a
+collective (one that waits on the frozen peer is the thing that hangs). The addresses are exchanged
+in the survivor's one gather at start. A rank that ends its training (a finished run, a stop, an
+error) says goodbye, so its silence after that is no alarm; a process that was itself stopped gives
+its peers a fresh window once it runs again (datagrams sent meanwhile wait in its socket's buffer).
 
-Every datagram is signed (HMAC-SHA256) with its sender's key, a random one each rank draws at start and hands its
-peers in that same gather (the process group's connection: no other user of the machine reads it); it must come from
-the peer's gathered address and port, name the peer's pid, and carry a sequence number above the last one accepted.
-A forged or replayed datagram (a rank's pid and port are readable by any local user) is dropped. The socket is bound
-to the address of the interface the job's route leaves from, not every interface.
+Every datagram is signed (HMAC-SHA256) with its sender's key, a random one each rank draws at start
+and hands its peers in that same gather (the process group's connection: no other user of the
+machine reads it); it must come from the peer's gathered address and port, name the peer's pid, and
+carry a sequence number above the last one accepted. A forged or replayed datagram (a rank's pid and
+port are readable by any local user) is dropped. The socket is bound to the address of the interface
+the job's route leaves from, not every interface.
 
-The same channel carries the hang report's request and its parts (hang.py): `send(kind, payload, to)` and
-`handlers[kind](rank, payload)`, run in the heartbeat's thread.
+The same channel carries the hang report's request and its parts (hang.py):
+`send(kind, payload, to)` and `handlers[kind](rank, payload)`, run in the heartbeat's thread.
 """
 
 from __future__ import annotations
@@ -41,32 +44,37 @@ from pathlib import Path
 
 TAG = b"accel_train-heartbeat"
 MAC_BYTES = 32  # HMAC-SHA256
-PF_EXITING = 0x4  # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
-BYE_COPIES = 3  # the goodbye is sent this many times (a datagram can be lost; a lost goodbye is a false alarm)
+# the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
+PF_EXITING = 0x4
+# the goodbye is sent this many times (a datagram can be lost; a lost goodbye is a false alarm)
+BYE_COPIES = 3
 MAX_DATAGRAM = 65507  # UDP's largest payload over IPv4
 
 
 def local_address(env=os.environ) -> str:
-    """The address this machine's peers reach it at: the one its route to the rank-0 host (MASTER_ADDR, set by the
-    launcher for every rank) leaves from. No packet is sent (a UDP connect only picks the route)."""
+    """The address this machine's peers reach it at: the one its route to the rank-0 host
+    (MASTER_ADDR, set by the launcher for every rank) leaves from. No packet is sent (a UDP connect
+    only picks the route)."""
     master = env.get("MASTER_ADDR") or "127.0.0.1"
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(master), int(env.get("MASTER_PORT") or 29500)))
             return probe.getsockname()[0]
-    except OSError:  # (no route, an IPv6-only name: a loopback address, which peers on other machines leave out)
+    # (no route, an IPv6-only name: a loopback address, which peers on other machines leave out)
+    except OSError:
         return "127.0.0.1"
 
 
 def silent(seen: dict[int, float], since: float, now: float, timeout_s: float) -> list[int]:
-    """The peers whose last heartbeat (or the start of this window, `since`, whichever is later) is more than
-    `timeout_s` ago."""
+    """The peers whose last heartbeat (or the start of this window, `since`, whichever is later) is
+    more than `timeout_s` ago."""
     return [rank for rank, last in seen.items() if now - max(last, since) > timeout_s]
 
 
 def reachable(my_host: str, my_ip: str, host: str, ip: str) -> bool:
-    """Whether two ranks hear each other's heartbeats: on one machine always; across machines only where neither
-    address is a loopback one (a name that resolves to 127.0.1.1 on its own machine): the watch is mutual or none."""
+    """Whether two ranks hear each other's heartbeats: on one machine always; across machines only
+    where neither address is a loopback one (a name that resolves to 127.0.1.1 on its own machine):
+    the watch is mutual or none."""
     return host == my_host or not (ip.startswith("127.") or my_ip.startswith("127."))
 
 
@@ -75,9 +83,9 @@ def sign(key: bytes, body: bytes) -> bytes:
 
 
 class Heartbeat:
-    """One rank's heartbeat: `address` and `key` go to the peers (the survivor's gather), `start(peers, on_lost)`
-    begins the thread, `close()` says goodbye. `on_lost(rank, seconds)` runs in the thread when a peer is silent too
-    long. `peers`: rank -> (ip, port, pid, key)."""
+    """One rank's heartbeat: `address` and `key` go to the peers (the survivor's gather),
+    `start(peers, on_lost)` begins the thread, `close()` says goodbye. `on_lost(rank, seconds)` runs
+    in the thread when a peer is silent too long. `peers`: rank -> (ip, port, pid, key)."""
 
     def __init__(self, rank: int, period_s: float, timeout_s: float):
         self.rank, self.period_s, self.timeout_s = rank, period_s, timeout_s
@@ -87,10 +95,13 @@ class Heartbeat:
         self.sock.setblocking(False)
         self.address = self.sock.getsockname()[:2]
         self.peers: dict[int, tuple[str, int, int, bytes]] = {}
-        self.seen: dict[int, float] = {}  # rank -> when its last heartbeat came (monotonic); ended ranks leave it
-        self.last_seq: dict[int, int] = {}  # rank -> the sequence number of its last accepted datagram
+        # rank -> when its last heartbeat came (monotonic); ended ranks leave it
+        self.seen: dict[int, float] = {}
+        # rank -> the sequence number of its last accepted datagram
+        self.last_seq: dict[int, int] = {}
         self.seq = itertools.count(1)  # (next() is atomic: the hang report's thread sends too)
-        self.handlers: dict[bytes, object] = {}  # kind -> fn(rank, payload): the hang report's request and parts
+        # kind -> fn(rank, payload): the hang report's request and parts
+        self.handlers: dict[bytes, object] = {}
         self.closed = threading.Event()
         self.thread = None
 
@@ -124,7 +135,8 @@ class Heartbeat:
             return None
         rank, pid, seq = int(parts[2]), int(parts[3]), int(parts[4])
         peer = self.peers.get(rank)
-        if peer is None or rank not in self.last_seq or tuple(sender[:2]) != (peer[0], peer[1]) or pid != peer[2]:
+        if (peer is None or rank not in self.last_seq or tuple(sender[:2]) != (peer[0], peer[1])
+                or pid != peer[2]):
             return None  # (not this job's peer, or an earlier attempt's rank under its rank)
         if not hmac.compare_digest(data[:MAC_BYTES], sign(peer[3], data[MAC_BYTES:])[:MAC_BYTES]):
             return None
@@ -170,7 +182,8 @@ class Heartbeat:
             now = time.monotonic()
             self._receive(now)
             if now - last > max(self.timeout_s / 2, 3 * self.period_s):
-                since = now  # this process did not run (stopped itself, its machine paused): a fresh window
+                # this process did not run (stopped itself, its machine paused): a fresh window
+                since = now
             last = now
             lost = silent(self.seen, since, now, self.timeout_s)
             if lost and not self.closed.is_set():
@@ -178,7 +191,8 @@ class Heartbeat:
                 return
 
     def close(self) -> None:
-        """Goodbye to the peers (the training is over here: no alarm at this rank's silence), the thread ends."""
+        """Goodbye to the peers (the training is over here: no alarm at this rank's silence), the
+        thread ends."""
         if self.closed.is_set():
             return
         self.closed.set()
@@ -188,9 +202,10 @@ class Heartbeat:
 
 
 def alive(pid: int) -> bool:
-    """A local peer that can still answer: its process exists and is neither exiting, a zombie nor stopped (SIGSTOP).
-    A killed process closes its sockets in its exit (do_exit: exit_files) before it is a zombie, so a peer sees the
-    connection reset while the killed one's state still reads running: its PF_EXITING flag is set by then."""
+    """A local peer that can still answer: its process exists and is neither exiting, a zombie nor
+    stopped (SIGSTOP). A killed process closes its sockets in its exit (do_exit: exit_files) before
+    it is a zombie, so a peer sees the connection reset while the killed one's state still reads
+    running: its PF_EXITING flag is set by then."""
     try:
         return answers(Path(f"/proc/{pid}/stat").read_text())
     except (OSError, IndexError, ValueError):
@@ -203,5 +218,6 @@ def alive(pid: int) -> bool:
 
 def answers(stat: str) -> bool:
     """From a /proc/PID/stat line: the process is neither exiting, a zombie nor stopped."""
-    fields = stat.rsplit(")", 1)[1].split()  # (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...)
+    # (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...)
+    fields = stat.rsplit(")", 1)[1].split()
     return fields[0] not in ("Z", "X", "x", "T", "t") and not int(fields[6]) & PF_EXITING

@@ -1,23 +1,26 @@
 """The survivor save: a lost peer costs at most the step in flight.
 
-When a collective fails or times out (a peer's process killed, its machine gone, the network cut, a hung peer), every
-surviving rank still holds the weights, optimizer state, EMA and metrics rows of the last optimizer step it completed,
-and the data position is a function of (epoch, batch). The lowest surviving rank of each machine writes that step as
-an ordinary checkpoint on its own storage, without any collective, then exits with the lost-peer status (3) and one
-line saying which step was saved where, in how many seconds (errors.lost_peer). `--resume auto` takes the newest
-complete checkpoint on any machine (resume.py), so the relaunch loses no completed step.
+When a collective fails or times out (a peer's process killed, its machine gone, the network cut, a
+hung peer), every surviving rank still holds the weights, optimizer state, EMA and metrics rows of
+the last optimizer step it completed, and the data position is a function of (epoch, batch). The
+lowest surviving rank of each machine writes that step as an ordinary checkpoint on its own storage,
+without any collective, then exits with the lost-peer status (3) and one line saying which step was
+saved where, in how many seconds (errors.lost_peer). `--resume auto` takes the newest complete
+checkpoint on any machine (resume.py), so the relaunch loses no completed step.
 
-One step, exactly: the loop changes the weights, the step counter, the lr and the EMA only inside `survivor.lock`
-(Survivor.updating, around loop.apply_step), a region without any collective; the data position saved is the
-start of the accumulation window; the step's metrics row, when its reduce did not complete, is this rank's own loss.
-A failure inside that region (which holds no collective: only a bug) saves nothing.
+One step, exactly: the loop changes the weights, the step counter, the lr and the EMA only inside
+`survivor.lock` (Survivor.updating, around loop.apply_step), a region without any collective; the
+data position saved is the start of the accumulation window; the step's metrics row, when its reduce
+did not complete, is this rank's own loss. A failure inside that region (which holds no collective:
+only a bug) saves nothing.
 
-A SIGTERM (torchrun's agent stops the other workers of a machine 30 s after one dies; a platform stopping the
-remaining machines) cannot wait for an agreed check whose peer is gone, and a main thread blocked in a collective
-never runs Python's signal handler: the C-level handler writes the signal to a wakeup fd read by a thread here,
-which saves at once if a local peer is dead or stopped, else once GRACE_S / 2 (or two measured steps, if longer) pass
-without a step completing (each step's all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal,
-unless the ranks have agreed on the stop by then (preempt.AgreedChecks sets `stop.agreed` and `stop.step_s`).
+A SIGTERM (torchrun's agent stops the other workers of a machine 30 s after one dies; a platform
+stopping the remaining machines) cannot wait for an agreed check whose peer is gone, and a main
+thread blocked in a collective never runs Python's signal handler: the C-level handler writes the
+signal to a wakeup fd read by a thread here, which saves at once if a local peer is dead or stopped,
+else once GRACE_S / 2 (or two measured steps, if longer) pass without a step completing (each step's
+all-reduce proves every peer answers) or GRACE_S - LATE_S after the signal, unless the ranks have
+agreed on the stop by then (preempt.AgreedChecks sets `stop.agreed` and `stop.step_s`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
-from accelerate.utils.constants import OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME
+from accelerate.utils.constants import (
+    OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME,
+    SAFE_WEIGHTS_NAME,
+    SCALER_NAME,
+)
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from ..checkpoint.checkpointer import TrainState, save_safetensors
@@ -56,32 +63,37 @@ from ..files import (
 from .heartbeat import Heartbeat, alive, reachable
 from .preempt import SIGNALS
 
-GRACE_S = 30.0  # torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (pytorch#119856, the agent's _shutdown)
-LATE_S = 5.0    # a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
-STALL_STEPS = 2.0  # no step for this many of the slowest rank's measured steps (and GRACE_S / 2) after a signal: stalled
-# accelerate's file names in a checkpoint, as save_state (accelerate/checkpointing.py save_accelerator_state) names
-# the first model (SAFE_WEIGHTS_NAME), optimizer and scaler (SCALER_NAME)
+# torchrun's agent SIGKILLs its workers 30 s after its SIGTERM (its _shutdown; pytorch#119856)
+GRACE_S = 30.0
+# a signal not agreed on by then is answered by a survivor save anyway, before that SIGKILL
+LATE_S = 5.0
+# after a signal, no step for this many of the slowest rank's measured steps (and GRACE_S / 2):
+# stalled
+STALL_STEPS = 2.0
+# accelerate's file names in a checkpoint, as save_state names the first model (SAFE_WEIGHTS_NAME),
+# optimizer and scaler (SCALER_NAME): accelerate/checkpointing.py save_accelerator_state
 OPTIMIZER_NAME = f"{ACCELERATE_OPTIMIZER_NAME}.bin"
 
 
 def readable_step(device: torch.device) -> str | None:
-    """Why the device's memory holds no step that can be named (None: it holds the host's last completed step).
-    On CUDA and NPU the host runs ahead of the device (DDP's all-reduce does not block it), and the backend's abort of
-    the failed collective lets the updates queued behind it run on a partly reduced gradient: the state then belongs
-    to no step (docs/failures.md, device_copy.py). On a CPU (gloo) the collective runs in the calling thread."""
+    """Why the device's memory holds no step that can be named (None: it holds the host's last
+    completed step). On CUDA and NPU the host runs ahead of the device (DDP's all-reduce does not
+    block it), and the backend's abort of the failed collective lets the updates queued behind it
+    run on a partly reduced gradient: the state then belongs to no step (docs/failures.md,
+    device_copy.py). On a CPU (gloo) the collective runs in the calling thread."""
     if device.type == "cpu":
         return None
-    return (f"nothing saved: on {device.type} the state after the failed collective belongs to no step (the device "
-            "runs behind the host; docs/failures.md)")
+    return (f"nothing saved: on {device.type} the state after the failed collective belongs to no "
+            "step (the device runs behind the host; docs/failures.md)")
 
 
 WATCHED: list[int] = []  # this process's signal watch pipe (read, write) while a watch runs
 
 
 def _forget_in_child() -> None:
-    """A forked child (a DataLoader worker) neither writes its signals into the parent's watch pipe (Python's C handler
-    writes every handled signal to the wakeup fd, which fork copies: a SIGTERM to a worker alone made its trainer
-    save and exit 3 25 s later) nor holds the pipe open."""
+    """A forked child (a DataLoader worker) neither writes its signals into the parent's watch pipe
+    (Python's C handler writes every handled signal to the wakeup fd, which fork copies: a SIGTERM
+    to a worker alone made its trainer save and exit 3 25 s later) nor holds the pipe open."""
     if WATCHED:
         try:
             previous = signal.set_wakeup_fd(-1)
@@ -98,42 +110,58 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class Survivor:
-    """Knows the last completed step of this rank and writes it when a peer is lost. Every rank makes one (one
-    gather at start: the pids of each machine's ranks); `guard()` wraps the training."""
+    """Knows the last completed step of this rank and writes it when a peer is lost. Every rank
+    makes one (one gather at start: the pids of each machine's ranks); `guard()` wraps the
+    training."""
 
     def __init__(self, run, cfg, checkpointer, metrics, stop, hang=None):
-        self.run, self.cfg, self.checkpointer, self.metrics, self.stop = run, cfg, checkpointer, metrics, stop
-        self.lock = threading.Lock()     # held while the weights, step, lr and EMA change (no collective inside)
+        self.run, self.cfg, self.checkpointer, self.metrics, self.stop = (
+            run, cfg, checkpointer, metrics, stop)
+        # held while the weights, step, lr and EMA change (no collective inside)
+        self.lock = threading.Lock()
         self.saving = threading.Lock()   # one survivor save per process
         self.first_step = run.state.step  # nothing new to save before a step beyond it
-        self.row = None                  # (step, loss on the device, lr) of a row whose reduce may not complete
-        self.result, self.owner = None, None  # what the save said; who saved ("main" or "watch"), and so speaks
+        # (step, loss on the device, lr) of a row whose reduce may not complete
+        self.row = None
+        # what the save said; who saved ("main" or "watch"), and so speaks
+        self.result, self.owner = None, None
         acc = run.accelerator
-        beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0  # (heartbeat.py; hang.py's channel)
-        self.heartbeat = Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s) if beats else None
-        me = (socket.gethostname(), os.getpid(), acc.local_process_index, *(self.heartbeat.card() if beats else ()))
+        # (heartbeat.py; hang.py's channel)
+        beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0
+        self.heartbeat = (Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s)
+                          if beats else None)
+        me = (socket.gethostname(), os.getpid(), acc.local_process_index,
+              *(self.heartbeat.card() if beats else ()))
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
         self.ranks = ranks
         self.lower = [pid for host, pid, local, *_ in ranks if host == me[0] and local < me[2]]
         self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
         if beats:
-            self.heartbeat.start({r: (ip, port, pid, key) for r, (host, pid, _, ip, port, key) in enumerate(ranks)
+            self.heartbeat.start({r: (ip, port, pid, key)
+                                  for r, (host, pid, _, ip, port, key) in enumerate(ranks)
                                   if reachable(me[0], me[3], host, ip)}, self._silent)
-        hang.attach(acc.process_index, self.heartbeat, self._hung) if hang is not None else None  # (the stacks)
-        # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward of each
-        # accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers when the previous forward
-        # was a syncing one, require_forward_param_sync, set in _post_forward), before the module runs. A pre-hook on
-        # the module keeps them there (one fused copy per step, a few KB; none where no step is saved: readable_step):
-        # rank 0's at the end of the step before, exactly what rank 0 would save. Compiled: their own, as `updating` ends a step.
-        module = acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None else None
+        # (the stacks)
+        hang.attach(acc.process_index, self.heartbeat, self._hung) if hang is not None else None
+        # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward
+        # of each accumulation window (torch/nn/parallel/distributed.py: _pre_forward syncs buffers
+        # when the previous forward was a syncing one, require_forward_param_sync, set in
+        # _post_forward), before the module runs. A pre-hook on the module keeps them there (one
+        # fused copy per step, a few KB; none where no step is saved: readable_step): rank 0's at
+        # the end of the step before, exactly what rank 0 would save. Compiled: their own, as
+        # `updating` ends a step.
+        module = (acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None
+                  else None)
         kept = set(module.state_dict()) if module is not None else set()
-        named = [(n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept]
+        named = [(n, b) for n, b in (module.named_buffers() if module is not None else ())
+                 if n in kept]
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
         self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
         self.kept_own = False  # `kept` holds this rank's own statistics (else rank 0's)
-        self.hooked = bool(self.buffers) and not hasattr(run.model, "_orig_mod") and not hasattr(module, "_orig_mod")
-        self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None  # (close removes)
+        self.hooked = (bool(self.buffers) and not hasattr(run.model, "_orig_mod")
+                       and not hasattr(module, "_orig_mod"))
+        # (close removes)
+        self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None
         if self.buffers and checkpointer is not None:  # (a checkpoint's write sends rank 0's: kept)
             checkpointer.buffers_shared = self._keep
 
@@ -144,7 +172,8 @@ class Survivor:
 
     def _window_start(self, module, args) -> None:
         state = self.run.state
-        if module.training and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0:
+        if (module.training
+                and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0):
             self._keep(state.step)
 
     @contextmanager
@@ -168,50 +197,60 @@ class Survivor:
         try:
             yield self
         except Exception as error:
-            note_bad_input(self.cfg.output_dir, error)  # (a bad file one rank's worker met: its peers say it too)
+            # (a bad file one rank's worker met: its peers say it too)
+            note_bad_input(self.cfg.output_dir, error)
             if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
                 error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
-                if self.owner == "watch":  # the signal watch saved first: it says so and exits (one status file)
+                # the signal watch saved first: it says so and exits (one status file)
+                if self.owner == "watch":
                     threading.Event().wait()
             raise
         finally:
             self.close()
 
     def note_row(self, step: int, loss: torch.Tensor, lr: float) -> None:
-        """The step's row is due; its loss (this rank's) stands in if the reduce over ranks does not complete."""
+        """The step's row is due; its loss (this rank's) stands in if the reduce over ranks does not
+        complete."""
         self.row = (step, loss, lr)
 
     def close(self) -> None:
         self.closed = True  # the training is over (or stopped): an armed watch stands down
         if getattr(self, "heartbeat", None) is not None:
             self.heartbeat.close()  # (a goodbye: no alarm at this rank's silence from here on)
-        if getattr(self, "hook", None) is not None:  # a module given to train() is handed back without it (its lock
-            self.hook.remove()  # would make copy.deepcopy and torch.save of the module fail)
+        # a module given to train() is handed back without it (its lock would make copy.deepcopy
+        # and torch.save of the module fail)
+        if getattr(self, "hook", None) is not None:
+            self.hook.remove()
             self.hook = None
         if self.watcher is not None:
             signal.set_wakeup_fd(self.watcher[1])
             WATCHED.clear()
-            for fd in self.watcher[:1:-1]:  # the write end first: the thread reads its end of file and returns
+            # the write end first: the thread reads its end of file and returns
+            for fd in self.watcher[:1:-1]:
                 os.close(fd)
             self.watcher = None
 
     # ---- the save
     def save(self, failure: str, in_main: bool = False) -> str:
-        """Write the last completed step (if this process is its machine's lowest surviving rank); the words that
-        say what was saved where, in how many seconds, or why nothing was."""
+        """Write the last completed step (if this process is its machine's lowest surviving rank);
+        the words that say what was saved where, in how many seconds, or why nothing was."""
         with self.saving:
             if self.result is not None:
                 return self.result
             self.owner = "main" if in_main else "watch"
-            if in_main and self.lock.locked():  # the failure came inside the step's update: no consistent state
+            # the failure came inside the step's update: no consistent state
+            if in_main and self.lock.locked():
                 self.result = "nothing saved: the failure came while this rank applied a step"
                 return self.result
             if not in_main:
-                self.lock.acquire()  # never released: the main thread stops at its next step's update
+                # never released: the main thread stops at its next step's update
+                self.lock.acquire()
             try:
                 self.result = self._save(failure)
-            except Exception as e:  # (a full disk, a device that cannot be read): said, never raised over the cause
-                self.result = f"the survivor save failed ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+            # (a full disk, a device that cannot be read): said, never raised over the cause
+            except Exception as e:
+                self.result = (f"the survivor save failed ({type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:120]})")
             return self.result
 
     def _save(self, failure: str) -> str:
@@ -220,7 +259,8 @@ class Survivor:
         # row says it is partial)
         state = replace(run.state, epoch_sums=None)
         k = run.accelerator.gradient_accumulation_steps
-        state.batch_in_epoch -= state.batch_in_epoch % k  # the start of the accumulation window in flight
+        # the start of the accumulation window in flight
+        state.batch_in_epoch -= state.batch_in_epoch % k
         if readable_step(run.accelerator.device) is not None:
             return readable_step(run.accelerator.device)
         if state.step <= self.first_step:
@@ -231,28 +271,33 @@ class Survivor:
         if complete(final):
             return f"step {state.step} was already saved in {final}"
         tmp = final.parent / f".tmp-{final.name}-survivor-{run.accelerator.process_index}"
-        # the buffers of the completed step: rank 0's (or, compiled, this rank's own) as kept, else the live ones (no
-        # forward has run since the step: this rank's own, or rank 0's where an evaluation's forward broadcast them)
+        # the buffers of the completed step: rank 0's (or, compiled, this rank's own) as kept, else
+        # the live ones (no forward has run since the step: this rank's own, or rank 0's where an
+        # evaluation's forward broadcast them)
         kept = self.kept_step == state.step
         buffers = dict(zip(self.buffer_names, self.kept if kept else self.buffers))
         own = not kept or self.kept_own
         source = f"rank {run.accelerator.process_index} (its own)" if own else "rank 0"
         try:
-            write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source)
+            write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure,
+                        source)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
             raise
-        if self.checkpointer.decision.writer:  # the checkpoint of this step that the lost peer interrupted, if any
+        # the checkpoint of this step that the lost peer interrupted, if any
+        if self.checkpointer.decision.writer:
             shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
         if not publish(tmp, final):
             return f"step {state.step} was saved in {final} by another survivor"
-        return f"step {state.step} saved by the survivor in {final} in {time.perf_counter() - start:.1f} s"
+        return (f"step {state.step} saved by the survivor in {final} in "
+                f"{time.perf_counter() - start:.1f} s")
 
     def _history(self, state: TrainState) -> dict:
         history = self.metrics.history()
         rows = [r for r in history[METRICS_FILE] if r["epoch"] <= state.epoch]
         steps = [r for r in history[STEPS_FILE] if r["step"] <= state.step]
-        if self.row is not None and self.row[0] == state.step and (not steps or steps[-1]["step"] != state.step):
+        if (self.row is not None and self.row[0] == state.step
+                and (not steps or steps[-1]["step"] != state.step)):
             step, loss, lr = self.row  # the reduce did not complete: this rank's own loss, said so
             steps.append({"step": step, "loss": float(state_to_host(loss)), "lr": lr,
                           "loss_of": f"rank {self.run.accelerator.process_index} only"})
@@ -266,7 +311,8 @@ class Survivor:
         os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         WATCHED[:] = [read, write]
-        threading.Thread(target=self._on_signal, args=(read,), daemon=True, name="accel_train-survivor").start()
+        threading.Thread(target=self._on_signal, args=(read,), daemon=True,
+                         name="accel_train-survivor").start()
         return (None, previous, read, write)
 
     def _on_signal(self, fd: int) -> None:
@@ -281,27 +327,34 @@ class Survivor:
             now, gone = time.monotonic(), [pid for pid in self.local if not alive(pid)]
             if self.run.state.step != step:  # a step completed: every peer answered its all-reduce
                 step, moved = self.run.state.step, now
-            # a step that takes longer than its measured time (STALL_STEPS of them, at least GRACE_S / 2) is a peer
-            # that does not answer; before a step is measured (the first may compile), only `late` says so
+            # a step that takes longer than its measured time (STALL_STEPS of them, at least
+            # GRACE_S / 2) is a peer that does not answer; before a step is measured (the first may
+            # compile), only `late` says so
             step_s = getattr(self.stop, "step_s", None)
             wait = max(GRACE_S / 2, STALL_STEPS * step_s) if step_s is not None else None
-            # a checkpoint being written is this step being saved (a peer lost in its collectives raises there): no
-            # save beside it, which would remove the writer's .tmp-step_N and exit 3 instead of the agreed stop's 4
+            # a checkpoint being written is this step being saved (a peer lost in its collectives
+            # raises there): no save beside it, which would remove the writer's .tmp-step_N and
+            # exit 3 instead of the agreed stop's 4
             writing = getattr(getattr(self, "checkpointer", None), "writing", False)
             moved = now if writing else moved
-            stalled, late = wait is not None and now - moved > wait, not writing and now - armed > GRACE_S - LATE_S
+            stalled, late = (wait is not None and now - moved > wait,
+                             not writing and now - armed > GRACE_S - LATE_S)
             if gone or stalled or late:
                 why = (f"local rank process {gone[0]} is gone" if gone else
-                       f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does not answer"
-                       if stalled else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
-                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}",
+                       f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does "
+                       "not answer" if stalled else
+                       f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
+                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} "
+                                  f"while {why}",
                                   f"lost contact with a peer ({why})", gone[:1])
             time.sleep(0.1)
 
     def _silent(self, rank: int, seconds: float) -> None:
-        """The heartbeat's thread: rank `rank` has been silent for `seconds` (frozen, its machine paused, cut off)."""
+        """The heartbeat's thread: rank `rank` has been silent for `seconds` (frozen, its machine
+        paused, cut off)."""
         host, pid, _, ip = self.ranks[rank][:4]
-        why = f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or cut off"
+        why = (f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or "
+               "cut off")
         self._gone(f"heartbeat: {why}", f"lost contact with peer {ip} ({why})", [pid])
 
     def _hung(self, why: str) -> None:
@@ -309,22 +362,23 @@ class Survivor:
         self._gone(f"hang: {why}", f"{why}; --stop_on_hang ends the run", [os.getpid()])
 
     def _gone(self, failure: str, what: str, pids: list) -> None:
-        """A watch thread found a peer gone: the survivor save, one line, exit 3 (unless the main thread saved first:
-        it says so and exits)."""
+        """A watch thread found a peer gone: the survivor save, one line, exit 3 (unless the main
+        thread saved first: it says so and exits)."""
         said = self.save(failure)
         if self.owner == "watch":
-            peer_gone(f"{what}; {said}; relaunch with --resume auto (launch.sh "
-                      "--max_restarts N does it) once every node is back", said, self.cfg.output_dir, pids)
+            peer_gone(f"{what}; {said}; relaunch with --resume auto (launch.sh --max_restarts N "
+                      "does it) once every node is back", said, self.cfg.output_dir, pids)
 
 
-def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path, failure: str,
-                source: str) -> None:
-    """A whole checkpoint of `state` in `tmp`, in save_checkpoint's format, from this rank alone (no collective);
-    `buffers`: the model's buffers at the end of that step, of rank `source`."""
+def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path,
+                failure: str, source: str) -> None:
+    """A whole checkpoint of `state` in `tmp`, in save_checkpoint's format, from this rank alone (no
+    collective); `buffers`: the model's buffers at the end of that step, of rank `source`."""
     acc = run.accelerator
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # what save_state writes: the models prepare() registered (the module itself, not its DDP wrapper), its own call
+    # what save_state writes: the models prepare() registered (the module itself, not its DDP
+    # wrapper), its own call
     weights = acc.get_state_dict(acc._models[0], unwrap=False)
     weights = clean_state_dict_for_safetensors(state_to_host({**weights, **buffers}))
     save_safetensors(weights, tmp / SAFE_WEIGHTS_NAME, metadata={"format": "pt"})
@@ -334,13 +388,14 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     if run.ema is not None:
         save_safetensors(state_to_host(run.ema.module.state_dict()), tmp / EMA_FILE)
     if checkpointer.facts is not None:
-        (tmp / MODEL_CONFIG_FILE).write_text(json.dumps({**checkpointer.facts, "metrics": {"step": state.step}},
-                                                        indent=1))
+        (tmp / MODEL_CONFIG_FILE).write_text(
+            json.dumps({**checkpointer.facts, "metrics": {"step": state.step}}, indent=1))
     for name in HISTORY:
         (tmp / name).write_text("".join(dumps(r) + "\n" for r in history[name]))
     rank = acc.process_index
     meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
             "num_processes": acc.num_processes,
             "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
-                         "buffers_of": source}}  # BatchNorm's statistics (docs/failures.md: What a failure costs)
+                         # BatchNorm's statistics (docs/failures.md: What a failure costs)
+                         "buffers_of": source}}
     seal(tmp, meta)

@@ -69,9 +69,10 @@ def ours(args, pipeline: str, workers: int | None, full_decode: bool = False):
     from PIL import JpegImagePlugin
     # full: every pixel decoded, as without Image.draft (the loader's workers, forked later, inherit the patch)
     JpegImagePlugin.JpegImageFile.draft = (lambda self, mode, size: None) if full_decode else DRAFT
+    # channels_last: the batches' memory format the trainer picks on a CPU (measured faster: its start line)
     cfg = TrainConfig(data="imagefolder", data_dir=args.data_dir, image_size=args.image_size,
                       batch_size=args.batch_size, pipeline=pipeline, num_workers=workers, mean="0.5,0.5,0.5",
-                      std="0.25,0.25,0.25")
+                      std="0.25,0.25,0.25", channels_last=args.channels_last)
     start = time.perf_counter()
     data = build_data(cfg, args.device)
     setup = time.perf_counter() - start
@@ -100,6 +101,70 @@ def timm_loader(args, workers: int):
     return batches(), workers, f"timm {__import__('timm').__version__} create_loader, {workers} workers"
 
 
+def kernels(args) -> None:
+    """--kernels: the crop's resampling alone, one thread, per image, for each kernel tried: a batch of
+    the folder's photos, each stored whole at store_size as the cache stores it (H x W x 3), RandomResizedCrop boxes
+    from (seed 0, epoch 0, index), resized bilinear to --image_size. Pillow crops and resizes the decoded
+    photo itself, as timm's transform does; OpenCV where it is installed."""
+    import torch
+    from PIL import Image
+    from accel_train.data.crops import (pixel_boxes, resized_crop, resized_crop_each, rrc_boxes,
+                                        store_size)
+    torch.set_num_threads(1)
+    files = sorted((Path(args.data_dir) / "train").rglob("*.jpg"))[:args.batch_size]
+    size, side = args.image_size, store_size(args.image_size)
+    photos = [Image.open(f).convert("RGB") for f in files]
+    # as the decoded cache holds them: H x W x 3 rows, seen as N x 3 x L x L channels-last
+    stores = torch.stack([torch.from_numpy(np.array(p.resize((side, side), Image.BILINEAR)))
+                          for p in photos]).permute(0, 3, 1, 2)
+    nchw = stores.contiguous()
+    n = len(photos)
+    boxes = rrc_boxes(torch.arange(n), 0, 0, torch.tensor([p.width / p.height for p in photos]))
+    flips = torch.zeros(n, dtype=torch.long)
+    out = torch.empty((n, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
+    px = pixel_boxes(boxes, side, side).long().tolist()
+
+    def v2_nchw():
+        from torchvision.transforms.v2.functional import resize
+        for k, (x0, y0, x1, y1) in enumerate(px):
+            out[k].copy_(resize(nchw[k, :, y0:y1, x0:x1], [size, size], antialias=True))
+
+    def pillow():  # timm: RandomResizedCropAndInterpolation -> torchvision's resized_crop on a PIL image
+        for p, (x0, y0, x1, y1) in zip(photos, boxes.tolist()):
+            box = (round(x0 * p.width), round(y0 * p.height), round(x1 * p.width), round(y1 * p.height))
+            p.crop(box).resize((size, size), Image.BILINEAR)
+
+    cases = {"roi_align on floats (the device pipeline's kernel, here on the CPU)":
+             lambda: resized_crop(stores, boxes, flips, size),
+             "torch's uint8 resize, channels-last rows (the cpu and cache pipelines' workers)":
+             lambda: resized_crop_each(stores, boxes, flips, out),
+             "torchvision v2 resize on uint8 N x 3 x L x L rows": v2_nchw,
+             "Pillow crop + resize of the decoded photo (timm's transform)": pillow}
+    try:
+        import cv2
+
+        def opencv():
+            hwc = stores.permute(0, 2, 3, 1).numpy()  # (no copy: the rows as stored)
+            for k, (x0, y0, x1, y1) in enumerate(px):
+                cv2.resize(hwc[k, y0:y1, x0:x1], (size, size), interpolation=cv2.INTER_AREA)
+        cases["OpenCV resize (INTER_AREA) on uint8"] = opencv
+    except ImportError:
+        cases["OpenCV: not installed (not a dependency)"] = None
+    print(f"# resample alone: {n} photos of {args.data_dir}, stored at {side} px, bilinear to {size} px, "
+          f"one thread, median of {args.rounds} rounds")
+    for name, fn in cases.items():
+        if fn is None:
+            print(f"{'-':>8s}  {name}")
+            continue
+        fn()  # (warm)
+        times = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) / n * 1e3)
+        print(f"{statistics.median(times):6.2f} ms/img  {name}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--make", nargs=2, metavar=("DIR", "N"), help="write a folder of N training JPEGs and exit")
@@ -111,9 +176,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--cases", default="cpu0,cpu,cache,timm")
+    p.add_argument("--channels_last", type=lambda v: v == "true", default=True,
+                   help="true/false: our batches' memory format (timm's loader gives NCHW)")
+    p.add_argument("--kernels", action="store_true", help="time the crop's resampling alone per kernel and exit")
     args = p.parse_args(argv)
     if args.make:
         make_folder(Path(args.make[0]), int(args.make[1]), tuple(int(v) for v in args.photo.split("x")))
+        return 0
+    if args.kernels:
+        kernels(args)
         return 0
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

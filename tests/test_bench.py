@@ -50,6 +50,14 @@ def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path
     per_core = {case: float(row[3]) for case, row in rows.items()}
     assert ratio["cache/timm"] == pytest.approx(per_core["cache"] / per_core["timm"], rel=0.02, abs=0.02)
     assert set(ratio) == {"cache/timm", "reduced/full"}
+    kernels = subprocess.run([sys.executable, "bench/data_bench.py", "--kernels", "--data_dir", str(photos),
+                              "--image_size", "32", "--batch_size", "4", "--rounds", "1"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert kernels.returncode == 0, kernels.stderr[-3000:]
+    timed = {line.split("ms/img")[1].strip(): float(line.split()[0]) for line in kernels.stdout.splitlines()
+             if "ms/img" in line}
+    assert [name.split()[0] for name in timed][:4] == ["roi_align", "torch's", "torchvision", "Pillow"]
+    assert all(ms > 0 for ms in timed.values()) and "OpenCV" in kernels.stdout, kernels.stdout
 
 
 @pytest.mark.launches

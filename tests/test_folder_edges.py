@@ -292,7 +292,7 @@ def test_a_live_writers_locked_file_is_kept_and_a_cache_published_meanwhile_is_t
     def another_writer_publishes(chunk, size, **kw):
         calls.append(len(chunk))
         if len(calls) == 2:
-            np.save(path, decode(files, size)[0].numpy())
+            np.save(path, decode(files, size)[0].permute(0, 2, 3, 1).numpy())
         return decode(chunk, size)
     monkeypatch.setattr(cache, "decode_all", another_writer_publishes)
     monkeypatch.setattr(cache, "CHUNK", 16)
@@ -351,7 +351,7 @@ def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_co
     assert "continued from image 17" in proc.stderr and sum(calls) == 60 - 16 + 6, calls  # (the rest, then val)
     train = load.scan_split(root / "train")[1]
     cached = np.load(cache.cache_path(train, 16), mmap_mode="r")
-    assert np.array_equal(cached, decode(train, 16)[0].numpy()) and not kept[0].exists()
+    assert np.array_equal(cached, decode(train, 16)[0].permute(0, 2, 3, 1).numpy()) and not kept[0].exists()
 
 
 def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp_path, monkeypatch):

@@ -254,7 +254,7 @@ def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_p
     def other_machine_finishes_first(chunk, size, **kw):
         images, rate = decode(chunk, size)
         if not path.exists():
-            np.save(path, images.numpy())
+            np.save(path, images.permute(0, 2, 3, 1).numpy())  # (a cache's rows: H x W x 3)
             others.append(path.stat().st_ino)
         return images, rate
     monkeypatch.setattr(cache, "decode_all", other_machine_finishes_first)
@@ -267,6 +267,13 @@ def test_a_cache_written_meanwhile_by_another_machine_is_kept_not_replaced(tmp_p
     monkeypatch.setattr(cache, "decode_all", decode)
     cache.write_cache(files, 16, path)
     assert cache.open_cache(path, len(files), 16) is not None
+    # a cache of N x 3 x H x W rows (written before the rows were H x W x 3) is written again, as decoded
+    images = decode(files, 16)[0]
+    np.save(path, images.numpy())
+    assert cache.open_cache(path, len(files), 16) is None
+    assert "written once" in cache.write_cache(files, 16, path)
+    assert np.array_equal(cache.open_cache(path, len(files), 16), images.permute(0, 2, 3, 1).numpy())
+    assert torch.equal(cache.as_images(cache.open_cache(path, len(files), 16)[:]), images)
     # a file system without hard links (link(2): EPERM on FAT/exFAT, ENOTSUP/EOPNOTSUPP on some FUSE mounts): renamed
     path.unlink()
 
@@ -473,7 +480,7 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     r = rows(out)
     assert r[-1]["test_samples"] == 15 and r[-1]["step"] == 9 and r[-1]["test_acc"] >= 0.8, r
     caches = sorted((home / "accel_train" / "decoded").glob("*.npy"))  # (and the training cache's .stats.json)
-    assert sorted(np.load(c, mmap_mode="r").shape for c in caches) == [(15, 3, 16, 16), (24, 3, 16, 16)], caches
+    assert sorted(np.load(c, mmap_mode="r").shape for c in caches) == [(15, 16, 16, 3), (24, 16, 16, 3)], caches
     for split in ("train", "val"):
         assert len(re.findall(rf"{split if split == 'train' else 'test'}: decoded cache \S+ \(0 MiB\) written once "
                               "for this machine", proc.stderr)) == 1, proc.stderr[-3000:]

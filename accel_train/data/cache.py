@@ -24,6 +24,7 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..errors import Preempted
 from ..files import cache_dir
@@ -108,13 +109,20 @@ def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
 
 
 def open_cache(path: Path, n: int, size: int | Decode) -> np.ndarray | None:
-    """The cache at `path`, memory-mapped read-only, if it is complete and of this shape; else None."""
+    """The cache at `path`, memory-mapped read-only, if it is complete and of this shape; else None. Its rows are
+    images as decoded, H x W x 3 (N, side, side, 3: a cache of N x 3 x side x side rows is written again): a crop of
+    a row is channels-last, the layout torch's uint8 resize is fastest on (crops.resized_crop_each)."""
     try:
         images = np.load(path, mmap_mode="r")
     except (OSError, ValueError):
         return None
     side = as_decode(size).size
-    return images if images.shape == (n, 3, side, side) and images.dtype == np.uint8 else None
+    return images if images.shape == (n, side, side, 3) and images.dtype == np.uint8 else None
+
+
+def as_images(rows: np.ndarray) -> torch.Tensor:
+    """Rows read from a cache (N, side, side, 3) -> uint8 N x 3 x side x side (channels-last), no copy."""
+    return torch.from_numpy(rows).permute(0, 3, 1, 2)
 
 
 def _same_folder_and_size(path: Path) -> str:
@@ -182,9 +190,9 @@ def _this_boot(tmp: Path) -> bool:
         return False
 
 
-def _header(n: int, size: int) -> bytes:  # (size: the side in px)
+def _header(n: int, size: int) -> bytes:  # (size: the side in px; the rows are H x W x 3: open_cache)
     out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (n, 3, size, size)})
+    np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False, "shape": (n, size, size, 3)})
     return out.getvalue()
 
 
@@ -242,7 +250,7 @@ def write_cache(files: list[Path], size: int | Decode, path: Path, should_stop=n
                     return (f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another process: read, "
                             f"{done} of {n} images decoded here")
                 images, rate = decode_all(files[done:done + piece], size, should_stop=should_stop)
-                f.write(images.numpy().tobytes())
+                f.write(images.permute(0, 2, 3, 1).numpy().tobytes())  # (H x W x 3 rows: open_cache)
                 done += len(images)
                 PROGRESS.mark("start-up: the decoded cache", detail=f"{done} of {n} images")
                 rates.append(rate)
@@ -278,7 +286,7 @@ def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tupl
         return tuple(mean), tuple(std)
     except (OSError, ValueError, TypeError):
         pass
-    stats = channel_stats(images)
+    stats = channel_stats(images.transpose(0, 3, 1, 2))
     tmp = side.with_name(f".{side.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(stats))

@@ -106,11 +106,13 @@ def as_decode(size) -> Decode:
     return size if isinstance(size, Decode) else Decode(int(size))
 
 
-def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: list | None = None) -> torch.Tensor:
+def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: list | None = None,
+                 channels_last: bool = False) -> torch.Tensor:
     """An image file (any mode Pillow reads) -> 3 x size x size uint8: turned upright as its EXIF orientation says
     (phone photos), RGB, shorter side resized to floor(size / crop_pct) (bilinear, antialiased), centre crop; or
     (`whole`) the whole image resized to size x size. Training, evaluate and predict all see images through this.
-    `size` may be a Decode (its crop_pct and whole then)."""
+    `size` may be a Decode (its crop_pct and whole then). `channels_last`: a view of the decoded H x W x 3 pixels
+    (no copy), for a crop that is resized next (crops.resized_crop_each)."""
     from PIL import Image, ImageOps
     if isinstance(size, Decode):
         size, crop_pct, whole = size.size, size.crop_pct, size.whole
@@ -141,6 +143,8 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
         raise UnreadableImage(path, why_unreadable(path, e)) from None
     # (numpy's transposing copy: torch's permute().contiguous() of a small uint8 image took 0.2 ms on one thread and
     # 5-8 ms with two on a loaded machine, as long as the reduced-scale decode itself)
+    if channels_last:  # (Pillow's array is read-only: a copy, in its own layout)
+        return torch.from_numpy(array.copy()).permute(2, 0, 1)
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 

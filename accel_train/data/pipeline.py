@@ -30,7 +30,7 @@ from ..config.defaults import BATCH_SIZE, auto_batch
 from ..errors import counted
 from ..config.recipes import per_sample
 from .augment import Normalize, crop_flip, crop_flip_params
-from .cache import open_cache
+from .cache import as_images, open_cache
 from .images import decode_image, never
 from .info import CIFAR10, DataInfo
 from .load import Split, load_data
@@ -113,8 +113,10 @@ class TransformDataset(Dataset):
             if s.cache and self._mapped is False:  # (its writer said why on its own rank)
                 logger.warning(f"the decoded cache {s.cache} cannot be read here: decoding per sample")
         if self._mapped is not False:
-            return torch.from_numpy(self._mapped[np.asarray(indices)])
-        return torch.stack([decode_image(s.files[i], s.decode or self.size) for i in indices])
+            return as_images(self._mapped[np.asarray(indices)])
+        # (as decoded, H x W x 3: channels-last, as the cache's rows, for the crop's uint8 resize)
+        decoded = [decode_image(s.files[i], s.decode or self.size, channels_last=True) for i in indices]
+        return torch.stack([image.permute(1, 2, 0) for image in decoded]).permute(0, 3, 1, 2)
 
     def __getitems__(self, indices):
         images = self.images(indices)

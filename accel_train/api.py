@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from .config.train_config import TrainConfig
-from .errors import ConfigError, Diverged, Preempted, is_lost_peer, lost_peer, note_aborts
-from .exits import exit_rank
+from .errors import ConfigError, Diverged, Preempted, is_lost_peer
+from .exits import exit_rank, lost_peer, note_aborts
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
 from .resilience.preempt import SIGNALS, watch_launcher
 from .status import status_of

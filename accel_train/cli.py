@@ -23,7 +23,8 @@ from .checkpoint.changes import run_data
 from .config.train_config import TrainConfig, fields
 from .config.flag_types import base_type
 from .status import status_of
-from .errors import EXIT_OK, ConfigError, Parser
+from .errors import EXIT_OK, ConfigError
+from .parser import Parser
 from .exits import exit_rank
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")

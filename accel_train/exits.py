@@ -1,14 +1,24 @@
 """How a rank's process ends (docs/failures.md): its output flushed and its status out with
 `os._exit`, its DataLoader workers ended first, no interpreter teardown that can hang or abort
-(gloo's threads, multiprocessing's exit join); and which process of a group speaks for it."""
+(gloo's threads, multiprocessing's exit join); and which process of a group speaks for it. Its exit
+paths when a peer is lost (`lost_peer`, `peer_gone`: one line and exit 3, or exit 2 with the bad
+input a peer noted, `note_bad_input`) and the abort note launch.sh reads of a rank that SIGABRT
+ended, headed by its process group's backend (`note_aborts`, `note_backend`)."""
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
+import re
 import signal
+import socket
 import sys
 import time
+from pathlib import Path
+
+from .errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, ConfigError, report_status
+from .lines import end_progress_line
 
 
 def process_group():
@@ -117,3 +127,134 @@ def says_shared_errors() -> bool:
         return True
     time.sleep(QUIET_EXIT_DELAY_S)
     return False
+
+
+def note_aborts() -> None:
+    """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no
+    Python exception) leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which
+    launch.sh reads as a lost peer."""
+    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
+    if not folder:
+        return
+    try:
+        Path(folder, "faults").mkdir(exist_ok=True)
+        note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
+    except OSError:
+        return
+    faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
+    if not _fault_notes:
+        atexit.register(_note_exit)
+    _fault_notes.append(note)
+
+
+def _note_exit() -> None:
+    """Python runs its exit (any status; os._exit paths report theirs first): the note says so, and
+    launch.sh tells this rank from one killed outright (SIGKILL: no fault, no exit, no status;
+    EXIT_KILLED)."""
+    for note in _fault_notes:
+        try:
+            note.write("exit: python\n")
+            note.flush()
+        except (OSError, ValueError):
+            pass
+
+
+_fault_notes: list = []
+
+
+def note_backend(backend) -> None:
+    """Once the process group exists, its backend heads this rank's abort note (`backend: gloo`).
+    launch.sh counts a SIGABRT as a lost peer only where the backend aborts for one (NCCL's
+    watchdog, at the collective timeout). gloo never does: a closed or reset connection and its
+    timeouts are raised in the calling thread (tcp/pair.cc signalException: "Connection closed by
+    peer", "Read error ...: Connection reset by peer", "Read timeout"); it aborts only when a check
+    of its own fails in its I/O thread, e.g. a collective mismatch ("op.preamble.length <=
+    op.nbytes ... Received data size doesn't match expected size. Is there a distributed collective
+    mismatch in your code?"): a bug, exit status 1, never relaunched."""
+    for note in _fault_notes:
+        try:
+            note.write(f"backend: {backend}\n")
+            note.flush()  # (before anything faulthandler writes at the file's offset)
+        except (OSError, ValueError):
+            pass
+
+
+# (a peer's bad-input note from before this process started is an earlier run's)
+STARTED = time.time()
+
+
+def note_bad_input(output_dir, error: Exception) -> None:
+    """Bad input met mid-run by this rank alone (a file a DataLoader worker could not decode): a
+    note in the output dir, so that its peers, which only see it gone, say the same line and exit 2
+    as well (peer_gone, lost_peer)."""
+    if isinstance(error, ConfigError) and output_dir:
+        try:
+            Path(output_dir,
+                 f".bad_input.{socket.gethostname()}.{os.getpid()}").write_text(str(error))
+        except OSError:
+            pass
+
+
+def clear_notes(output_dir) -> None:
+    """The notes of earlier runs (note_bad_input), removed by a writer of the directory once it
+    holds it, at start-up: they are read only by the peers of the run that wrote them, at its end,
+    and this run's ranks write theirs only once training has started."""
+    for note in Path(output_dir).glob(".bad_input.*"):
+        note.unlink(missing_ok=True)
+
+
+def bad_input_of_peer(output_dir, pids=()) -> str | None:
+    """A peer's note of this run (note_bad_input): of one of `pids` on this machine, or (none given)
+    any."""
+    names = [f".bad_input.{socket.gethostname()}.{pid}" for pid in pids] if pids else None
+    if not output_dir:
+        return None
+    try:
+        notes = [p for p in Path(output_dir).glob(".bad_input.*")
+                 if names is None or p.name in names]
+        return next((p.read_text() for p in notes if p.stat().st_mtime >= STARTED - 1), None)
+    except OSError:
+        return None
+
+
+def peer_gone(text: str, said: str, output_dir, pids) -> None:
+    """The survivor's signal watch found a local peer gone: `text`, exit 3; or the bad input the
+    peer met, exit 2 (written without print: the main thread may be in the middle of a write to
+    sys.stderr)."""
+    bad = bad_input_of_peer(output_dir, pids)
+    line = f"{bad} (met by rank process {pids[0]}); {said}" if bad else text
+    try:
+        os.write(sys.__stderr__.fileno(), f"\naccel-train: error: {line}\n".encode())
+    except Exception:  # (no stderr, a full pipe)
+        pass
+    report_status(EXIT_BAD_INPUT if bad else EXIT_LOST_PEER)
+    os._exit(EXIT_BAD_INPUT if bad else EXIT_LOST_PEER)
+
+
+def lost_peer(error: Exception, cfg) -> None:
+    """A collective failed: a peer died or stopped answering. One line, then exit without teardown
+    (destroying a process group whose peer is gone can hang); the bad input a peer met, if it left a
+    note, exit 2."""
+    from .files import checkpoint_dirs, resumed_from
+    text = " ".join(str(error).split())
+    peer = (re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
+            or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text))
+    detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
+    found = (checkpoint_dirs(cfg.output_dir)
+             or [p for p in [resumed_from(cfg.output_dir)] if p])  # (or its start)
+    where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
+    # the last completed step, written by this machine's survivor (survivor.py)
+    if getattr(error, "survivor", None):
+        where = (error.survivor if found and str(found[-1]) in error.survivor
+                 else f"{error.survivor}; {where}")
+    end_progress_line()
+    if (bad := bad_input_of_peer(cfg.output_dir)) is not None:
+        print(f"accel-train: error: {bad} (met by a peer); {where}", file=sys.stderr, flush=True)
+        report_status(EXIT_BAD_INPUT)
+        os._exit(EXIT_BAD_INPUT)
+    print(f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} "
+          f"during a collective ({detail}); the job stops here, {where}; relaunch with --resume "
+          "auto (launch.sh --max_restarts N does it) once every node is back",
+          file=sys.stderr, flush=True)
+    report_status(EXIT_LOST_PEER)
+    os._exit(EXIT_LOST_PEER)

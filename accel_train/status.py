@@ -7,8 +7,9 @@ import sys
 import traceback
 
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
-                     ConfigError, Diverged, Preempted, end_progress_line, report_status)
+                     ConfigError, Diverged, Preempted, report_status)
 from .exits import process_group, says_shared_errors
+from .lines import end_progress_line
 
 
 def status_of(call) -> int:

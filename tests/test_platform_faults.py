@@ -175,7 +175,7 @@ ABORT_HOOK = textwrap.dedent("""\
                 time.sleep(0.05)
             if not _once.exists():
                 _once.touch()
-                for _note in sys.modules["accel_train.errors"]._fault_notes:
+                for _note in sys.modules["accel_train.exits"]._fault_notes:
                     _note.seek(0)
                     _note.truncate()
                     _note.write("backend: nccl\\n")

@@ -403,7 +403,7 @@ def test_the_signal_watch_saves_when_no_agreed_stop_comes_and_stands_down_when_o
     monkeypatch.setattr(survivor, "GRACE_S", 1.0)
     monkeypatch.setattr(survivor, "LATE_S", 0.2)  # (stalled at 0.5 s, late at 0.8 s)
     monkeypatch.setattr(survivor.os, "_exit", exit_)
-    monkeypatch.setattr("accel_train.errors.report_status", lambda code: None)  # (errors.peer_gone says and exits)
+    monkeypatch.setattr("accel_train.exits.report_status", lambda code: None)  # (exits.peer_gone says and exits)
     read, write = os.pipe()
     os.write(write, bytes([signal.SIGCHLD, signal.SIGTERM]))  # (other signals' bytes are passed over)
     start = time.monotonic()

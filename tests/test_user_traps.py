@@ -168,7 +168,7 @@ def test_an_export_that_cannot_be_written_is_one_line_and_resume_auto_writes_it(
     (out / "model.safetensors" / "in_the_way").rmdir()
     (out / "model.safetensors").rmdir()
     assert not list(out.glob(".tmp-*")), list(out.iterdir())  # (no half-written export left)
-    note = out / ".bad_input.elsewhere.1"  # an earlier run's note to its peers (errors.note_bad_input)
+    note = out / ".bad_input.elsewhere.1"  # an earlier run's note to its peers (exits.note_bad_input)
     note.write_text("bad input of an earlier run")
     os.utime(note, (time.time() - 60, time.time() - 60))
     proc = run_cli([*run, "--resume", "auto"])

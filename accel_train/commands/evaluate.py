@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ..config.train_config import TrainConfig
-from ..errors import ConfigError, Parser
+from ..errors import ConfigError
+from ..parser import Parser
 from ..training.evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from ..model.own_model import allow_import

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EXIT_BAD_INPUT, ConfigError, Parser
+from ..errors import EXIT_BAD_INPUT, ConfigError
+from ..parser import Parser
 from .evaluate import given_normalisation, load_exported, model_code_flags, normalisation_flags
 
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from ..errors import Parser
+from ..parser import Parser
 
 
 def resolve(host: str, timeout: float) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import counted
+from ..lines import counted
 from .info import DataError
 
 EVAL_DIRS = ("val", "validation", "valid", "test")  # an image folder's evaluation split, first found wins (valid/:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..config.train_config import SIZE_SAMPLE
-from ..errors import Preempted, counted
+from ..errors import Preempted
+from ..lines import counted
 from .info import DataError
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..config.train_config import TrainConfig
-from ..errors import ConfigError, counted
+from ..errors import ConfigError
+from ..lines import counted
 from ..config.recipes import default_crop_pct, per_sample, train_crop
 from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
 from .crops import store_size

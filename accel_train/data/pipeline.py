@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ..config.train_config import TrainConfig
 from ..platform.cores import worker_count
 from ..config.defaults import BATCH_SIZE, auto_batch
-from ..errors import counted
+from ..lines import counted
 from ..config.recipes import per_sample
 from .augment import Normalize, crop_flip, crop_flip_params
 from .cache import as_images, open_cache

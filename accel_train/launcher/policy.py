@@ -9,7 +9,7 @@ notes the abort in ACCEL_TRAIN_STATUS_DIR/faults/; such a rank counts as a lost 
 SIGTERM that torchrun then sends the other ranks does not make their exit a preemption. Not in a
 gloo group (the note's "backend: gloo" line): gloo raises a lost peer in the rank's own thread and
 aborts only when a collective breaks its rules (a collective mismatch), a bug: an error (1),
-whatever the "lost contact" of the other ranks (errors.note_backend). A rank killed outright
+whatever the "lost contact" of the other ranks (exits.note_backend). A rank killed outright
 (SIGKILL: kill -9, the OOM killer) writes nothing: its note says neither a fault nor Python's exit
 ("exit: python") and no status file bears its name. It is 137 (128 + SIGKILL), relaunched, unless
 another rank says more (a survivor's lost peer, 3). Pure: a Report (the folder's contents) in, a

@@ -24,7 +24,8 @@ from .cores import intra_op_threads
 from .backend_env import (FAILURE_ENV, HCCL_EXEC_TIMEOUT_MAX, HCCL_TIMEOUTS,  # noqa: F401
                           MONITOR_ENV, TORCHRUN_DEFAULT, derived_hccl_timeouts, failure_env,
                           hccl_timeouts, monitor_env)
-from ..errors import ConfigError, note_backend
+from ..errors import ConfigError
+from ..exits import note_backend
 from .hardware import (DeviceFacts, choose_precision, compile_problem, device_facts, device_kind,
                        has_accelerator)
 from .ranks import said_once

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..config.train_config import MAX_WORKERS, TrainConfig
-from ..errors import counted
+from ..lines import counted
 
 
 def usable_cores() -> tuple[int, str, int]:

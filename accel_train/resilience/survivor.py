@@ -5,7 +5,7 @@ hung peer), every surviving rank still holds the weights, optimizer state, EMA a
 the last optimizer step it completed, and the data position is a function of (epoch, batch). The
 lowest surviving rank of each machine writes that step as an ordinary checkpoint on its own storage,
 without any collective, then exits with the lost-peer status (3) and one line saying which step was
-saved where, in how many seconds (errors.lost_peer). `--resume auto` takes the newest complete
+saved where, in how many seconds (exits.lost_peer). `--resume auto` takes the newest complete
 checkpoint on any machine (resume.py), so the relaunch loses no completed step.
 
 One step, exactly: the loop changes the weights, the step counter, the lr and the EMA only inside
@@ -47,7 +47,8 @@ from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from ..checkpoint.checkpointer import TrainState, save_safetensors
 from .device_copy import state_to_host  # the one place where training state is read off the device
-from ..errors import is_lost_peer, note_bad_input, peer_gone
+from ..errors import is_lost_peer
+from ..exits import note_bad_input, peer_gone
 from ..files import (
     EMA_FILE,
     HISTORY,
@@ -199,7 +200,7 @@ class Survivor:
         except Exception as error:
             # (a bad file one rank's worker met: its peers say it too)
             note_bad_input(self.cfg.output_dir, error)
-            if is_lost_peer(error):  # (errors.lost_peer then says it and exits 3)
+            if is_lost_peer(error):  # (exits.lost_peer then says it and exits 3)
                 error.survivor = self.save(" ".join(str(error).split())[:160], in_main=True)
                 # the signal watch saved first: it says so and exits (one status file)
                 if self.owner == "watch":

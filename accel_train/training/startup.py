@@ -28,7 +28,9 @@ from ..config.train_config import TrainConfig
 from ..data import Data, build_data, device_budget, given_data
 from ..data.info import listed
 from ..config.defaults import dropped_note
-from ..errors import ConfigError, clear_notes, counted
+from ..errors import ConfigError
+from ..exits import clear_notes
+from ..lines import counted
 from ..files import CONFIG_FILE
 from ..model.freeze import freeze
 from ..precision.check import check_run_precision, first_batch

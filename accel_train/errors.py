@@ -32,6 +32,10 @@ class Diverged(Exception):
     """The loss became non-finite: every rank stopped, nothing non-finite exported (exit 5)."""
 
 
+class WorkerDidNotStart(RuntimeError):
+    """A DataLoader worker did not reach Python in forks.FORK_ATTEMPTS forks: one line, exit 1."""
+
+
 class LostPeer(RuntimeError):
     """A collective's result shows a peer is gone though the backend raised nothing (yet): on NCCL
     an all-gather that the watchdog aborted returns whatever its output held (docs/failures.md). A

@@ -9,27 +9,29 @@ DataLoader's liveness check passes (the child is alive), its batches never come,
 waits in its next collective until --timeout_s. tests/test_forks.py reproduces it with native
 threads that enter Python (docs/failures.md).
 
-So each worker writes one byte once it runs Python; a child that has not within FORK_START_S is
-killed (it holds nothing yet: it never ran) and forked again. Nothing else changes: the same fork,
-the same worker, no pickling of the Dataset (forkserver's cost and its rules for a script's own
-Datasets), on every Python.
+So each worker writes one byte once it runs Python; a child that has not within FORK_START_S (then
+twice that, ...) is killed (it holds nothing yet: it never ran) and forked again. Nothing else
+changes: the same fork, the same worker, no pickling of the Dataset (forkserver's cost and its rules
+for a script's own Datasets). On every Python: any child stuck before its first line is caught.
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.popen_fork
 import os
-import select
 import signal
 import sys
 
-FORK_START_S = 5.0  # a child past fork runs Python in milliseconds, even on a loaded machine
-FORK_ATTEMPTS = 4   # the lock is held for microseconds: a second fork all but always gets through
+from .errors import WorkerDidNotStart
 
-
-class WorkerDidNotStart(RuntimeError):
-    pass
+# A child past fork runs Python in milliseconds, even on a loaded machine; each further attempt
+# waits twice as long (a child slow for a reason it inherits is slow again: it gets the time).
+FORK_START_S = 5.0
+FORK_ATTEMPTS = 4  # the lock is held for microseconds: a second fork all but always gets through
+AFFECTED = sys.version_info[:2] == (3, 11) and sys.version_info < (3, 11, 10) or \
+    sys.version_info[:2] == (3, 10) and sys.version_info < (3, 10, 15)
 
 
 def worker_context():
@@ -43,28 +45,53 @@ def worker_context():
 class _SeenToStart(multiprocessing.popen_fork.Popen):
     def _launch(self, process_obj):
         for attempt in range(1, FORK_ATTEMPTS + 1):
-            process_obj._started = os.pipe()
-            try:
-                super()._launch(process_obj)
-            finally:
-                os.close(process_obj._started[1])
-            ready = process_obj._started[0]
-            try:  # (a child that ended by itself closes the pipe: the DataLoader reports it)
-                if select.select([ready], [], [], FORK_START_S)[0]:
-                    return
-            finally:
+            wait_s = FORK_START_S * 2 ** (attempt - 1)
+            if self._started_in(process_obj, wait_s):
+                return
+            if attempt < FORK_ATTEMPTS:
+                why = ("Python before 3.11.10 and 3.10.15 can leave a child forked beside other "
+                       "threads stuck for ever (CPython gh-112275)" if AFFECTED else
+                       "stuck or slow")
+                sys.stderr.write(f"accel-train: warning: DataLoader worker {self.pid} did not "
+                                 f"reach Python in {wait_s:g} s ({why}); forked it again "
+                                 f"(attempt {attempt + 1} of {FORK_ATTEMPTS})\n")
+        fixed = "; Python 3.11.10+ or 3.12 has the fix (CPython gh-112275)" if AFFECTED else ""
+        raise WorkerDidNotStart(f"a DataLoader worker did not reach Python in {FORK_ATTEMPTS} "
+                                f"forks (the last waited {wait_s:g} s); --num_workers 0 loads in "
+                                f"the trainer{fixed}")
+
+    def _started_in(self, process_obj, wait_s: float) -> bool:
+        """Fork once (multiprocessing's own launch): True once the child runs Python; False (the
+        child killed, reaped and its pipes closed) if it has not in `wait_s`, nor ended by itself
+        (then the DataLoader reports it)."""
+        ready, started = process_obj._started = os.pipe()
+        try:
+            super()._launch(process_obj)
+        except BaseException:
+            os.close(ready)
+            raise
+        finally:
+            os.close(started)
+        try:
+            if multiprocessing.connection.wait([ready], wait_s):  # (poll: any fd number)
                 os.close(ready)
-            os.kill(self.pid, signal.SIGKILL)  # it never ran: it holds nothing
+                return True
+        except BaseException:  # (Ctrl-C, a SIGCHLD handler's error): no child left behind
+            self._end()
+            os.close(ready)
+            raise
+        self._end()  # (before its pipe closes: a late child's write then cannot fail)
+        os.close(ready)
+        return False
+
+    def _end(self) -> None:
+        """The child that never ran: it holds nothing."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
-            self.finalizer()  # (its sentinel pipes)
-            if attempt == FORK_ATTEMPTS:
-                break
-            sys.stderr.write(f"accel-train: warning: a DataLoader worker forked while another "
-                             f"thread held Python's thread-state lock did not start in "
-                             f"{FORK_START_S:g} s (CPython gh-112275, fixed in Python 3.11.10 and "
-                             f"3.12); forked it again (attempt {attempt + 1} of {FORK_ATTEMPTS})\n")
-        raise WorkerDidNotStart(f"a DataLoader worker did not start in {FORK_ATTEMPTS} forks of "
-                                f"{FORK_START_S:g} s each; --num_workers 0 loads in the trainer")
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.finalizer()  # (its sentinel pipes)
 
 
 if hasattr(os, "fork"):

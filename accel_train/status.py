@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
-                     ConfigError, Diverged, Preempted, report_status)
+                     ConfigError, Diverged, Preempted, WorkerDidNotStart, report_status)
 from .exits import process_group, says_shared_errors
 from .lines import end_progress_line
 
@@ -47,6 +47,9 @@ def status_of(call) -> int:
         print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest "
               "complete checkpoint with --resume auto", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
+    except WorkerDidNotStart as e:  # (not a bug of ours: no traceback)
+        print(f"accel-train: error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
     except Exception:
         traceback.print_exc()
         code = EXIT_ERROR

@@ -58,39 +58,100 @@ def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(tm
     assert got == [[0, 1, 2], [3, 4, 5]]
     assert not token.exists()  # the first child did stall
     err = capfd.readouterr().err
-    assert err.count("did not start in 0.5 s") == 1, err
-    assert "CPython gh-112275" in err and "attempt 2 of 4" in err
+    assert err.count("did not reach Python in 0.5 s") == 1, err
+    assert "attempt 2 of 4" in err and ("CPython gh-112275" in err) == forks.AFFECTED
     del loader
 
 
-def test_a_worker_that_ends_by_itself_is_left_to_the_dataloader(monkeypatch):
-    # A child that died before running (not stuck) closes the pipe: no second fork, the DataLoader's
-    # own error says which worker died.
+def _forks(monkeypatch) -> list[int]:
+    """The pids os.fork returns from now on (the test's children)."""
+    pids, fork = [], os.fork
+
+    def recorded():
+        pid = fork()
+        if pid:
+            pids.append(pid)
+        return pid
+    monkeypatch.setattr(os, "fork", recorded)
+    return pids
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_a_worker_that_ends_before_python_is_left_to_the_dataloader(monkeypatch, capfd):
+    # It closes the pipe without a byte: no second fork, the DataLoader's own check names it.
     monkeypatch.setattr(forks, "FORK_START_S", 30.0)
-    process = forks.FORK.Process(target=os._exit, args=(3,))
+    monkeypatch.setattr(forks._SeenToStartProcess, "run", lambda self: os._exit(3))
+    process = forks.FORK.Process(target=os.getpid)
     started = time.monotonic()
     process.start()
     process.join(10)
     assert process.exitcode == 3 and time.monotonic() - started < 10
+    assert "did not reach Python" not in capfd.readouterr().err
 
 
-def test_four_stuck_forks_end_in_one_line_naming_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setattr(forks, "FORK_START_S", 0.2)
-    monkeypatch.setattr(forks, "FORK_ATTEMPTS", 2)
+def test_stuck_forks_are_killed_reaped_and_end_in_one_line_naming_the_fix(monkeypatch, capfd):
+    monkeypatch.setattr(forks, "FORK_START_S", 0.1)
+    monkeypatch.setattr(forks, "FORK_ATTEMPTS", 3)
     monkeypatch.setattr(forks._SeenToStartProcess, "run", lambda self: time.sleep(3600))
-    with pytest.raises(forks.WorkerDidNotStart, match="2 forks of 0.2 s each; --num_workers 0"):
+    fds = len(os.listdir("/proc/self/fd"))
+    pids = _forks(monkeypatch)
+    with pytest.raises(forks.WorkerDidNotStart, match=r"in 3 forks \(the last waited 0.4 s\); "
+                                                       r"--num_workers 0 loads in the trainer"):
         forks.FORK.Process(target=os.getpid).start()
+    assert len(pids) == 3 and all(_reaped(pid) for pid in pids)
+    assert len(os.listdir("/proc/self/fd")) == fds  # (every pipe of every attempt closed)
+    err = capfd.readouterr().err
+    assert [f"did not reach Python in {s} s" in err for s in ("0.1", "0.2")] == [True, True]
+    assert err.count("forked it again") == 2 and f"DataLoader worker {pids[0]} " in err
+    from accel_train.status import status_of
+    assert status_of(lambda: forks.FORK.Process(target=os.getpid).start()) == 1
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("accel-train: error: a DataLoader worker did not reach Python"), line
+
+
+def test_an_interrupt_while_a_child_is_awaited_leaves_no_child(monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(forks.multiprocessing.connection, "wait", interrupted)
+    monkeypatch.setattr(forks._SeenToStartProcess, "run", lambda self: time.sleep(3600))
+    pids = _forks(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        forks.FORK.Process(target=os.getpid).start()
+    assert len(pids) == 1 and _reaped(pids[0])
+
+
+def test_a_trainer_with_more_than_1024_files_open_starts_its_workers():
+    import resource
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("an open-file limit under 1200")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        process = forks.FORK.Process(target=os.getpid)
+        process.start()
+        process.join(30)
+        assert process.exitcode == 0
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_workers_are_forked_by_it_only_where_they_would_be_forked(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: None)
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
     assert forks.worker_context() is forks.FORK
+    assert loader_kwargs(TrainConfig(num_workers=0), "cpu")["multiprocessing_context"] is None
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["forkserver", "fork"])
     assert forks.worker_context() is None  # (Python 3.14's Linux default: nothing is forked)
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "spawn")
     assert forks.worker_context() is None  # (a script's own choice)
-    assert loader_kwargs(TrainConfig(num_workers=0), "cpu")["multiprocessing_context"] is None
 
 
 # The race itself: native threads that enter Python (as c10d's gloo run loop does) create a thread
@@ -131,5 +192,7 @@ def test_forks_beside_threads_that_enter_python_all_start():
     assert out.returncode == 0, out.stderr[-2000:]
     started = int(out.stdout.split()[-1])
     assert started > 500, out.stdout
-    retried = out.stderr.count("did not start in 0.5 s")
+    retried = out.stderr.count("forked it again")
     print(f"{started} forks, {retried} forked again ({sys.version.split()[0]})")
+    if forks.AFFECTED:  # (~1 stuck child in 500 forks here: none in 20 s would be a lucky run)
+        assert retried >= 1, out.stderr[-2000:]

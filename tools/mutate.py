@@ -37,8 +37,8 @@ class Mutant:
 MUTANTS = [
     Mutant("resume_newest", "--resume auto continues from the newest complete step any machine holds",
            "accel_train/checkpoint/resume.py",
-           'if entry]  # (own, or its start)\n        return (max(found) if found else None)',
-           'if entry]  # (own, or its start)\n        return (found[-1] if found else None)',
+           'r.get("explicit")] if entry]\n        return (max(found) if found else None)',
+           'r.get("explicit")] if entry]\n        return (found[-1] if found else None)',
            ("tests/test_resume.py::test_resume_auto_takes_the_newest_step_whichever_machine_holds_it",)),
     Mutant("reseed_rank", "every random draw is a function of (seed, step, micro-batch, rank): ranks differ",
            "accel_train/training/loop.py",

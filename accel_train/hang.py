@@ -1,18 +1,22 @@
-"""A hang is never silent: a rank whose training thread makes no progress prints where every rank is.
+"""A hang is never silent: a rank whose training thread makes no progress prints where
+every rank is.
 
-The training thread marks its progress at the loop's named moments (a micro-batch done, an evaluation batch, a
-start-up phase, an epoch's end) with `PROGRESS.mark`: two attribute writes, no host sync. A thread of its own
-(HangReport) looks once a second. A rank without progress for longer than the bound, max(--hang_report_s,
-HANG_STEPS x the slowest rank's step time as the ranks last agreed it), prints once, in one block: each rank's phase,
-the step it reached, the seconds since, the function and collective its training thread waits in, and every thread's
-Python stack. The peers' parts come over the heartbeat's signed datagrams (heartbeat.py): a rank whose training thread
-waits in a collective, a file read or a lock still runs its other threads (the blocking call releases the GIL). Every
-rank watches itself, so a rank that waits for a silent peer asks for the same report; the lower rank asks first.
+The training thread marks its progress at the loop's named moments (a micro-batch done, an
+evaluation batch, a start-up phase, an epoch's end) with `PROGRESS.mark`: two attribute writes, no
+host sync. A thread of its own (HangReport) looks once a second. A rank without progress for longer
+than the bound, max(--hang_report_s, HANG_STEPS x the slowest rank's step time as the ranks last
+agreed it), prints once, in one block: each rank's phase, the step it reached, the seconds since,
+the function and collective its training thread waits in, and every thread's Python stack. The
+peers' parts come over the heartbeat's signed datagrams (heartbeat.py): a rank whose training thread
+waits in a collective, a file read or a lock still runs its other threads (the blocking call
+releases the GIL). Every rank watches itself, so a rank that waits for a silent peer asks for the
+same report; the lower rank asks first.
 
-A checkpoint write and a torch.compile are no progress and no hang (`PROGRESS.exempt`). A training thread that holds
-the GIL and never returns stops this thread too: faulthandler's C watchdog, re-armed every second from here, then
-dumps the stacks itself. Nothing is stopped by the report: a slow step goes on; --timeout_s ends a hung run (the
-survivors save the last completed step), or --stop_on_hang ends it at the report in the same way.
+A checkpoint write and a torch.compile are no progress and no hang (`PROGRESS.exempt`). A training
+thread that holds the GIL and never returns stops this thread too: faulthandler's C watchdog,
+re-armed every second from here, then dumps the stacks itself. Nothing is stopped by the report: a
+slow step goes on; --timeout_s ends a hung run (the survivors save the last completed step), or
+--stop_on_hang ends it at the report in the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from contextlib import contextmanager
 
 HANG_STEPS = 10   # a step this many times the slowest agreed one is no hang yet
 ANSWER_S = 3.0    # how long a report waits for its peers' parts
-PART_BYTES = 8000  # a part's text per datagram (well under UDP's 64 KiB, a few IP fragments across machines)
+PART_BYTES = 8000  # a part's text per datagram (well under UDP's 64 KiB, a few IP fragments across
+                   # machines)
 FRAMES = 30        # innermost frames shown per thread
 STAGGER_S = 1.0    # rank r reports r x this later: the lower rank's request reaches it first
 
@@ -38,7 +43,8 @@ class Progress:
     """What the training thread last completed, and when (monotonic seconds)."""
 
     def __init__(self):
-        self.phase, self.step, self.detail, self.at, self.exempt_depth = "start-up", 0, "", time.monotonic(), 0
+        self.phase, self.step, self.detail, self.at, self.exempt_depth = (
+            "start-up", 0, "", time.monotonic(), 0)
 
     def mark(self, phase: str, step: int | None = None, detail: str = "") -> None:
         self.phase, self.detail, self.at = phase, detail, time.monotonic()
@@ -47,7 +53,8 @@ class Progress:
 
     @contextmanager
     def exempt(self, phase: str):
-        """Work that may take long and is no hang (a checkpoint write, a compile): the bound starts after it."""
+        """Work that may take long and is no hang (a checkpoint write, a compile): the bound starts
+        after it."""
         self.exempt_depth += 1
         self.mark(phase)
         try:
@@ -61,7 +68,8 @@ PROGRESS = Progress()
 
 
 def where(frame) -> str:
-    """The function a thread is in, the collective it waits in, and the trainer's frame that called it."""
+    """The function a thread is in, the collective it waits in, and the trainer's frame that called
+    it."""
     frames = traceback.extract_stack(frame)
     if not frames:
         return "no Python frame"
@@ -96,7 +104,8 @@ def stacks() -> tuple[str, str]:
     for ident, frame in sorted(frames.items(), key=lambda item: item[0] != main):
         if ident == threading.get_ident():
             continue  # (this report's own thread)
-        name = names.get(ident, f"thread {ident}") + (" (the training thread)" if ident == main else "")
+        name = (names.get(ident, f"thread {ident}")
+                + (" (the training thread)" if ident == main else ""))
         if ident == main:
             here = where(frame)
         lines.append(f"  thread {name}:")
@@ -106,15 +115,17 @@ def stacks() -> tuple[str, str]:
 
 
 class HangReport:
-    """One rank's watch on its own training thread. `start()` at the beginning of train(), `attach(...)` once the
-    heartbeat exists (the peers' parts), `close()` at the end."""
+    """One rank's watch on its own training thread. `start()` at the beginning of train(),
+    `attach(...)` once the heartbeat exists (the peers' parts), `close()` at the end."""
 
     def __init__(self, cfg, stop, progress: Progress = PROGRESS):
         self.cfg, self.stop, self.progress = cfg, stop, progress
         self.rank, self.heartbeat, self.on_hang = None, None, None
-        self.reported_at = None  # progress.at of the stall whose report was printed (here or by a peer)
+        # progress.at of the stall whose report was printed (here or by a peer)
+        self.reported_at = None
         self.handled_at = None   # progress.at of the stall this rank's own watch has answered
-        self.parts: dict[tuple[int, int], dict[int, bytes]] = {}  # (report, rank) -> part index -> bytes
+        # (report, rank) -> part index -> bytes
+        self.parts: dict[tuple[int, int], dict[int, bytes]] = {}
         self.counts: dict[tuple[int, int], int] = {}
         self.report_id = 0
         self.closed = threading.Event()
@@ -124,14 +135,16 @@ class HangReport:
     def start(self) -> HangReport:
         self.progress.mark("start-up", 0)
         if self.cfg.hang_report_s > 0:
-            self.thread = threading.Thread(target=self._run, daemon=True, name="accel_train-hang-report")
+            self.thread = threading.Thread(target=self._run, daemon=True,
+                                           name="accel_train-hang-report")
             self.thread.start()
         if getattr(self.cfg, "compile", False):
             self._exempt_compiles()
         return self
 
     def attach(self, rank: int, heartbeat=None, on_hang=None) -> None:
-        """`heartbeat`: the channel to the peers (None: one process); `on_hang(text)`: --stop_on_hang's end."""
+        """`heartbeat`: the channel to the peers (None: one process); `on_hang(text)`:
+        --stop_on_hang's end."""
         self.rank, self.heartbeat, self.on_hang = rank, heartbeat, on_hang
         if heartbeat is not None:
             heartbeat.handlers[b"ask"] = self._answer
@@ -149,7 +162,8 @@ class HangReport:
         while not self.closed.wait(1.0):
             now = time.monotonic()
             idle, bound = self.idle(now), self.bound()
-            # a training thread that holds the GIL for good stops this thread: the C watchdog speaks instead
+            # a training thread that holds the GIL for good stops this thread: the C watchdog speaks
+            # instead
             faulthandler.dump_traceback_later(bound + 30.0, exit=False, file=sys.__stderr__)
             stagger = STAGGER_S * min(self.rank or 0, 8)
             if idle is None or idle <= bound + stagger or self.handled_at == self.progress.at:
@@ -165,13 +179,14 @@ class HangReport:
         here, text = stacks()
         p = self.progress
         idle = time.monotonic() - p.at if idle is None else idle
-        return {"rank": self.rank or 0, "host": socket.gethostname(), "pid": os.getpid(), "phase": p.phase,
-                "step": p.step, "detail": p.detail, "idle_s": round(idle, 1),
+        return {"rank": self.rank or 0, "host": socket.gethostname(), "pid": os.getpid(),
+                "phase": p.phase, "step": p.step, "detail": p.detail, "idle_s": round(idle, 1),
                 "exempt": bool(p.exempt_depth), "where": here, "stacks": text}
 
     def report(self, idle: float, bound: float) -> bool:
-        """Ask the peers for their parts (ANSWER_S at most) and print one block; False (nothing printed) where every
-        peer makes progress: this rank only waits for a busy one (a long decode at start, a slow evaluation)."""
+        """Ask the peers for their parts (ANSWER_S at most) and print one block; False (nothing
+        printed) where every peer makes progress: this rank only waits for a busy one (a long decode
+        at start, a slow evaluation)."""
         self.reported_at = self.progress.at
         mine = self.section(idle)
         sections = {self.rank if self.rank is not None else 0: mine}
@@ -189,7 +204,8 @@ class HangReport:
         step_s = getattr(self.stop, "step_s", None)
         learned = f", {HANG_STEPS} x the slowest step {step_s:.2g} s" if step_s else ""
         head = (f"accel-train: warning: rank {mine['rank']} has made no progress for {idle:.0f} s "
-                f"(bound: max(--hang_report_s {self.cfg.hang_report_s:g}{learned})); where every rank is:")
+                f"(bound: max(--hang_report_s {self.cfg.hang_report_s:g}{learned})); "
+                "where every rank is:")
         lines = [head] + [summary(sections[r]) for r in sorted(sections)]
         for r in sorted(sections):
             if not sections[r].get("missing"):
@@ -207,11 +223,13 @@ class HangReport:
         data = json.dumps(section).encode()
         chunks = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
         for i, chunk in enumerate(chunks):
-            self.heartbeat.send(b"part", b"%s %d %d " % (payload.strip(), i, len(chunks)) + chunk, to=[rank])
-        if stalled(section, self.bound()):  # this stall is reported by `rank`: no second block from here
+            self.heartbeat.send(b"part", b"%s %d %d " % (payload.strip(), i, len(chunks)) + chunk,
+                                to=[rank])
+        # this stall is reported by `rank`: no second block from here
+        if stalled(section, self.bound()):
             self.reported_at = self.progress.at
-            write(f"\naccel-train: warning: rank {rank} reports no progress; this rank's stacks are in its "
-                  f"report (rank {rank}'s log)\n")
+            write(f"\naccel-train: warning: rank {rank} reports no progress; "
+                  f"this rank's stacks are in its report (rank {rank}'s log)\n")
 
     def _part(self, rank: int, payload: bytes) -> None:
         report, index, count, chunk = payload.split(b" ", 3)
@@ -264,21 +282,24 @@ class HangReport:
 
 
 def stalled(section: dict, bound: float) -> bool:
-    """A peer's part shows it stalled too (or it did not answer), not busy with progress of its own."""
+    """A peer's part shows it stalled too (or it did not answer), not busy with progress of its
+    own."""
     return section.get("missing") or not section["exempt"] and section["idle_s"] >= bound / 2
 
 
 def summary(section: dict) -> str:
     if section.get("missing"):
-        return (f"  rank {section['rank']}: no answer within {ANSWER_S:.0f} s (its process is stopped, its "
-                "machine cut off, or its training thread holds the GIL)")
+        return (f"  rank {section['rank']}: no answer within {ANSWER_S:.0f} s (its process is "
+                "stopped, its machine cut off, or its training thread holds the GIL)")
     detail = f", {section['detail']}" if section["detail"] else ""
-    return (f"  rank {section['rank']} ({section['host']}, pid {section['pid']}): {section['phase']}{detail}, "
-            f"step {section['step']}, {section['idle_s']:.0f} s since; training thread {section['where']}")
+    return (f"  rank {section['rank']} ({section['host']}, pid {section['pid']}): "
+            f"{section['phase']}{detail}, step {section['step']}, {section['idle_s']:.0f} s since; "
+            f"training thread {section['where']}")
 
 
 def write(text: str) -> None:
-    """Straight to stderr's descriptor, whole (the training thread may be inside a write to sys.stderr)."""
+    """Straight to stderr's descriptor, whole (the training thread may be inside a write to
+    sys.stderr)."""
     if sys.__stderr__ is None:
         return
     data = text.encode(errors="replace")

@@ -1,10 +1,11 @@
-"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and normalisation. (Image
-folders' RandomResizedCrop: crops.py; the run's whole plan, timm's per-sample transforms too: train_augment.py.)
+"""Augmentation on uint8 tensors (crop and flip, batched on the device or per sample) and
+normalisation. (Image folders' RandomResizedCrop: crops.py; the run's whole plan, timm's per-sample
+transforms too: train_augment.py.)
 
 Augmentation is random crop with zero padding of image_size/8 pixels (4 at 32), then horizontal flip
-(`--hflip false` turns it off), then normalisation. In both pipelines its randomness is a hash of (seed,
-epoch, sample index): the same sample in the same epoch gets the same crop and flip whatever the world
-size, the batch size or a resume.
+(`--hflip false` turns it off), then normalisation. In both pipelines its randomness is a hash of
+(seed, epoch, sample index): the same sample in the same epoch gets the same crop and flip whatever
+the world size, the batch size or a resume.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from .info import CIFAR10
 
 
 def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
-    """A 32-bit hash per (seed, epoch, sample index), computed on idx's device (int64, no overflow)."""
-    return mix32((idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31) & 0xFFFFFFFF)
+    """A 32-bit hash per (seed, epoch, sample index), computed on idx's device (int64, no
+    overflow)."""
+    return mix32((idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31)
+                 & 0xFFFFFFFF)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (int64 holding 32-bit values, no overflow): sample_hash's, and crops.uniforms'."""
+    """A 32-bit integer mixer (int64 holding 32-bit values, no overflow): sample_hash's, and
+    crops.uniforms'."""
     for _ in range(2):
         x = x ^ (x >> 16)
         x = (x * 0x45D9F3B) & 0xFFFFFFFF
@@ -40,7 +44,8 @@ def crop_flip_params(idx: torch.Tensor, epoch: int, seed: int, pad: int = 4,
 
 def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
               pad: int = 4) -> torch.Tensor:
-    """Batched RandomCrop(size, padding=pad) then RandomHorizontalFlip, as one gather on the device."""
+    """Batched RandomCrop(size, padding=pad) then RandomHorizontalFlip, as one gather on the
+    device."""
     n, c, h, w = images.shape
     padded = F.pad(images, (pad, pad, pad, pad))
     ar_h = torch.arange(h, device=images.device)
@@ -54,12 +59,13 @@ def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip:
 
 def crop_flip_each(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
                    pad: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
-    """crop_flip's result, made sample by sample with slice copies: on a CPU several times faster than its gather
-    (what the cpu pipeline's workers run). `out`: zeros of images' shape to write it into, in any memory format
-    (channels_last: the same copies transpose), else a new tensor."""
+    """crop_flip's result, made sample by sample with slice copies: on a CPU several times faster
+    than its gather (what the cpu pipeline's workers run). `out`: zeros of images' shape to write it
+    into, in any memory format (channels_last: the same copies transpose), else a new tensor."""
     n, c, h, w = images.shape
     out = torch.zeros_like(images) if out is None else out
-    for k, (dy, dx, f) in enumerate(zip((top - pad).tolist(), (left - pad).tolist(), flip.tolist())):
+    for k, (dy, dx, f) in enumerate(zip((top - pad).tolist(), (left - pad).tolist(),
+                                        flip.tolist())):
         crop = out[k, :, max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)]
         crop.copy_(images[k, :, max(0, dy):h + min(0, dy), max(0, dx):w + min(0, dx)])
         if f:

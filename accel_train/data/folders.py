@@ -1,5 +1,6 @@
-"""Image folders: <root>/train/<class>/*, <root>/val|validation|valid|test/<class>/*. Which files make each
-split: the class folders scanned, --val_split's hold-out of train/, --train_samples/--test_samples' subsets."""
+"""Image folders: <root>/train/<class>/*, <root>/val|validation|valid|test/<class>/*. Which files
+make each split: the class folders scanned, --val_split's hold-out of train/,
+--train_samples/--test_samples' subsets."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import numpy as np
 from ..lines import counted
 from .info import DataError
 
-EVAL_DIRS = ("val", "validation", "valid", "test")  # an image folder's evaluation split, first found wins (valid/:
-# Roboflow's and many Kaggle sets' name)
+# an image folder's evaluation split, first found wins (valid/: Roboflow's and many Kaggle sets'
+# name)
+EVAL_DIRS = ("val", "validation", "valid", "test")
 
 
 def _image_extensions() -> set[str]:
@@ -21,30 +23,35 @@ def _image_extensions() -> set[str]:
     return {ext.lower() for ext in Image.registered_extensions()}
 
 
-def scan_split(root: Path, classes: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], list[Path], list[int]]:
-    """<root>/<class>/<files> -> (class names, files, labels). Class names are the sorted folder names; with
-    `classes` given (the training split's), the folders must be among them and labels index into them.
-    Hidden files, files in hidden folders (.AppleDouble/, .thumbnails/) and files whose extension no Pillow plugin
-    claims are skipped."""
+def scan_split(root: Path, classes: tuple[str, ...] | None = None
+               ) -> tuple[tuple[str, ...], list[Path], list[int]]:
+    """<root>/<class>/<files> -> (class names, files, labels). Class names are the sorted folder
+    names; with `classes` given (the training split's), the folders must be among them and labels
+    index into them. Hidden files, files in hidden folders (.AppleDouble/, .thumbnails/) and files
+    whose extension no Pillow plugin claims are skipped."""
     extensions = _image_extensions()
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not found:
-        raise DataError(f"{root} has no class folders; put each class's images in {root}/<class name>/")
+        raise DataError(f"{root} has no class folders; "
+                        f"put each class's images in {root}/<class name>/")
     if classes is None and len(found) == 1:  # it would train to 100% without learning anything
-        raise DataError(f"{root} has one class folder ({found[0]}); a classifier needs two or more classes: add a "
-                        f"folder per class in {root}/")
+        raise DataError(f"{root} has one class folder ({found[0]}); a classifier needs two or more "
+                        f"classes: add a folder per class in {root}/")
     if classes is None:
         classes = tuple(found)
     unknown = [c for c in found if c not in classes]
     if unknown:
-        raise DataError(f"{root}: class folder(s) {', '.join(unknown)} are not in the training split "
-                        f"({', '.join(classes)}); rename or remove them")
+        raise DataError(f"{root}: class folder(s) {', '.join(unknown)} are not in the training "
+                        f"split ({', '.join(classes)}); rename or remove them")
     files, labels = [], []
     for name in found:
-        images = sorted(f for f in (root / name).rglob("*") if f.is_file() and f.suffix.lower() in extensions
-                        and not any(part.startswith(".") for part in f.relative_to(root / name).parts))
+        images = sorted(f for f in (root / name).rglob("*")
+                        if f.is_file() and f.suffix.lower() in extensions
+                        and not any(part.startswith(".")
+                                    for part in f.relative_to(root / name).parts))
         if not images:
-            raise DataError(f"class folder {root / name} has no images; add some or remove the folder")
+            raise DataError(f"class folder {root / name} has no images; "
+                            "add some or remove the folder")
         files += images
         labels += [classes.index(name)] * len(images)
     return classes, files, labels
@@ -56,12 +63,12 @@ def image_folder_splits(data_dir, need_train: bool = True, val_split: float | No
     evaluation folder."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) pointing at the "
-                        "folder that holds train/ and val/")
+        raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) "
+                        "pointing at the folder that holds train/ and val/")
     train = root / "train"
     if (need_train or val_split) and not train.is_dir():
-        raise DataError(f"{root} has no train/ folder; an image folder is {root}/train/<class>/... and "
-                        f"{root}/val/<class>/...")
+        raise DataError(f"{root} has no train/ folder; an image folder is "
+                        f"{root}/train/<class>/... and {root}/val/<class>/...")
     evaluation = next((root / d for d in EVAL_DIRS if (root / d).is_dir()), None)
     if val_split and evaluation is not None:  # two evaluation splits: which one is meant is unsaid
         raise DataError(f"--val_split {val_split:g} holds out part of {train}, but {evaluation} "
@@ -100,16 +107,19 @@ def held_out(root: Path, classes, files: list[Path], labels: list[int], fraction
 
 
 def subset(files: list, labels: list, n: int | None) -> tuple[list, list]:
-    """--train_samples/--test_samples on an image folder: N files, evenly spaced within each class (files are sorted
-    by class, so the first N would be the first classes only), each class's share as its share of the folder but at
-    least one file while N allows (a small class would fall between evenly spaced picks of the whole folder)."""
+    """--train_samples/--test_samples on an image folder: N files, evenly spaced within each class
+    (files are sorted by class, so the first N would be the first classes only), each class's share
+    as its share of the folder but at least one file while N allows (a small class would fall
+    between evenly spaced picks of the whole folder)."""
     if n is None or n >= len(files):
         return files, labels
     counts = np.bincount(labels)
     present = counts > 0
     ideal = n * counts / len(files)
-    share = np.where(present, np.maximum(np.floor(ideal), 1 if n >= present.sum() else 0), 0).astype(int)
-    while share.sum() > n:  # (the classes raised to one: taken from the classes furthest above their ideal share)
+    share = np.where(present, np.maximum(np.floor(ideal), 1 if n >= present.sum() else 0),
+                     0).astype(int)
+    # (the classes raised to one: taken from the classes furthest above their ideal share)
+    while share.sum() > n:
         share[np.argmax(np.where(share > 1, share - ideal, -np.inf))] -= 1
     while share.sum() < n:  # the largest remainders
         share[np.argmax(np.where(share < counts, ideal - share, -np.inf))] += 1

@@ -150,16 +150,14 @@ def test_the_public_names_survive_every_module_being_imported():
 
 # Lines at most 100 characters: the modules brought there so far (the rest still reach 120; each
 # joins this list as it is formatted, and the list then gives way to the linter's check)
-AT_100 = ["accel_train/__main__.py", "accel_train/forks.py", "accel_train/*/__init__.py", "accel_train/launcher/[!o]*.py",
-          "accel_train/precision/*.py", "accel_train/platform/*.py", "accel_train/model/*.py",
-          "accel_train/training/*.py", "accel_train/commands/*.py", "accel_train/errors.py",
-          "accel_train/parser.py", "accel_train/lines.py", "accel_train/exits.py",
-          "accel_train/data/*.py", "accel_train/hang.py"]
+# Every module at 100 columns, but launch.sh's help text: printed as it is written (launcher/options.py)
+AT_100 = ["accel_train/*.py", "accel_train/*/*.py"]
+WIDER = {"accel_train/launcher/options.py"}
 
 
 def test_the_modules_at_100_columns_stay_there():
-    files = sorted({p for pattern in AT_100 for p in ROOT.glob(pattern)})
-    assert len(files) >= 20, files
+    files = sorted({p for pattern in AT_100 for p in ROOT.glob(pattern)} - {ROOT / w for w in WIDER})
+    assert len(files) >= 60, files
     long = [f"{p.relative_to(ROOT)}:{n}" for p in files
             for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
     assert not long, long

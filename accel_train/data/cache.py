@@ -1,5 +1,5 @@
 """The decoded cache (`--pipeline cache`, or `auto` where the local disk has room): an image
-folder's split decoded once per machine into one .npy file (N x 3 x S x S uint8) that every rank of
+folder's split decoded once per machine into one .npy file (N x S x S x 3 uint8) that every rank of
 the machine and its DataLoader workers memory-map, as its images.Decode says: the evaluation split
 at the training size (its --crop_pct crop), a training split for RandomResizedCrop as whole images
 at 1.5x the training size (crops.py; their aspect ratios beside it). An epoch is then a read of the
@@ -33,8 +33,8 @@ from ..files import cache_dir
 from ..hang import PROGRESS
 from .images import Decode, as_decode, channel_stats, check_images, decode_all, never
 
-VERSION = 2             # of the decode (decode_image) and the file's layout: a new one re-caches
-                        # (2: the Decode's crop_pct or whole image, in the key and the name)
+VERSION = 3             # of the decode (decode_image) and the file's layout (H x W x 3 rows): a
+                        # new one re-caches under a new name, never over a file a rank may map
 CHUNK = 512             # most images decoded (a thread pool) per write
 PIECE_S = 0.5           # seconds of decoding per write: a stop is answered within about a second
 ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB

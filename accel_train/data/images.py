@@ -144,16 +144,16 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
             img = to_rgb(img)
             w, h = img.size
             if whole:
-                target = (size, size)
+                squashed = squash(np.array(img, dtype=np.uint8), size)
             else:
                 scale = short / min(w, h)
                 target = (max(short, round(w * scale)), max(short, round(h * scale)))
-            if (w, h) != target:
-                img = img.resize(target, Image.BILINEAR)
-            w, h = img.size
-            left, top = (w - size) // 2, (h - size) // 2
-            img = img.crop((left, top, left + size, top + size))
-            array = np.asarray(img, dtype=np.uint8)
+                if (w, h) != target:
+                    img = img.resize(target, Image.BILINEAR)
+                w, h = img.size
+                left, top = (w - size) // 2, (h - size) // 2
+                img = img.crop((left, top, left + size, top + size))
+                array = np.asarray(img, dtype=np.uint8)
     except UnreadableImage:
         raise
     # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) for a broken file
@@ -162,9 +162,23 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
     # (numpy's transposing copy: torch's permute().contiguous() of a small uint8 image took 0.2 ms
     # on one thread and 5-8 ms with two on a loaded machine, as long as the reduced-scale decode
     # itself)
+    if whole:
+        return squashed if channels_last else squashed.contiguous()
     if channels_last:  # (Pillow's array is read-only: a copy, in its own layout)
         return torch.from_numpy(array.copy()).permute(2, 0, 1)
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+
+def squash(pixels: np.ndarray, size: int) -> torch.Tensor:
+    """H x W x 3 uint8 -> the whole image resized to size x size (3 x size x size, channels-last):
+    torch's antialiased uint8 bilinear resize, Pillow's bilinear within 1 level (mean 0.007) at a
+    sixth of its time (0.22 ms for a 460 x 330 photo to 336 px, one thread; the batch dimension
+    first, so that torch sees a channels-last batch and keeps it)."""
+    image = torch.from_numpy(pixels)[None].permute(0, 3, 1, 2)
+    if image.shape[-2:] != (size, size):
+        image = torch.nn.functional.interpolate(image, size=(size, size), mode="bilinear",
+                                                antialias=True, align_corners=False)
+    return image[0]
 
 
 def never() -> str | None:

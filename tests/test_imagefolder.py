@@ -631,3 +631,52 @@ def test_classes_far_apart_in_size_are_said_at_start():
     assert said == ("unbalanced classes: '狗' has 1 training image, 'cat' 200; the loss weighs every image alike, so "
                     "the accuracy is mostly the large classes' (evaluate's per-class table shows each)")
     assert imbalance(["a", "b"], [0] * 10 + [1] * 99) is None and imbalance(["a", "b"], [0] * 10 + [1] * 100)
+
+
+def _photo(path, w, h, seed=0):
+    """A photo-like image: smooth shading plus grain (what a resize's kernel shows on)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    shading = 128 + 90 * np.sin(x / 17 + 1) * np.cos(y / 23) + 30 * np.sin(x / 3.1) * np.sin(y / 2.7)
+    pixels = shading[..., None] * rng.uniform(0.4, 1.0, 3) + rng.normal(0, 8, (h, w, 3))
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
+    return path
+
+
+def test_the_whole_image_store_is_pillows_bilinear_resize_within_a_level(tmp_path, monkeypatch):
+    from accel_train.data import images
+    from accel_train.data.images import Decode
+    path = _photo(tmp_path / "p.png", 230, 170)
+    pillow = np.asarray(Image.open(path).convert("RGB").resize((96, 96), Image.BILINEAR)).astype(int)
+    for kernel in ("torch", "pillow"):
+        monkeypatch.setattr(images, "squash_kernel", lambda: kernel)
+        got = decode_image(path, Decode(96, whole=True))
+        assert got.shape == (3, 96, 96) and got.is_contiguous()
+        diff = np.abs(got.permute(1, 2, 0).numpy().astype(int) - pillow)
+        assert diff.max() <= 1 and diff.mean() < 0.05, (kernel, diff.max(), diff.mean())
+        if kernel == "pillow":
+            assert diff.max() == 0
+        view = decode_image(path, Decode(96, whole=True), channels_last=True)
+        assert torch.equal(view, got) and view.permute(1, 2, 0).is_contiguous()
+    square = _photo(tmp_path / "s.png", 96, 96)  # (already the store's size: as decoded)
+    assert np.array_equal(decode_image(square, Decode(96, whole=True)).permute(1, 2, 0).numpy(),
+                          np.asarray(Image.open(square).convert("RGB")))
+    monkeypatch.setattr(images, "squash_kernel", lambda: "torch")
+    monkeypatch.setattr(images, "SQUASH_PIXELS", 1)  # (a large image: Pillow's, from its buffer)
+    assert np.array_equal(decode_image(path, Decode(96, whole=True)).permute(1, 2, 0).numpy(),
+                          pillow.astype(np.uint8))
+
+
+def test_the_squash_kernel_follows_the_cpus_vector_units_and_keys_the_cache(tmp_path, monkeypatch):
+    from accel_train.data import cache, images
+    for capability, kernel in (("AVX512", "torch"), ("AVX2", "torch"), ("DEFAULT", "pillow"),
+                               ("SVE256", "pillow")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert images.squash_kernel() == kernel
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    files = [_photo(tmp_path / "a.png", 40, 30)]
+    keys = set()
+    for kernel in ("torch", "pillow"):
+        monkeypatch.setattr(cache, "squash_kernel", lambda k=kernel: k)
+        keys.add(cache.cache_path(files, 16).name)
+    assert len(keys) == 2  # (a store made by another kernel is another cache)

@@ -31,9 +31,10 @@ import torch
 from ..errors import Preempted
 from ..files import cache_dir
 from ..hang import PROGRESS
-from .images import Decode, as_decode, channel_stats, check_images, decode_all, never
+from .images import (Decode, as_decode, channel_stats, check_images, decode_all, never,
+                     squash_kernel)
 
-VERSION = 3             # of the decode (decode_image) and the file's layout (H x W x 3 rows): a
+VERSION = 4             # of the decode (decode_image) and the file's layout (H x W x 3 rows): a
                         # new one re-caches under a new name, never over a file a rank may map
 CHUNK = 512             # most images decoded (a thread pool) per write
 PIECE_S = 0.5           # seconds of decoding per write: a stop is answered within about a second
@@ -58,7 +59,9 @@ def cache_path(files: list[Path], size: int | Decode, samples: int | None = None
         return None
     from PIL import __version__ as pillow
     spec = as_decode(size)
-    key = hashlib.sha256(f"{VERSION} {pillow} {spec.name()} {len(files)}\n".encode())
+    # (Pillow's and torch's kernels decode and resize the stored images: images.squash)
+    key = hashlib.sha256(f"{VERSION} {pillow} {squash_kernel()} {spec.name()} {len(files)}\n"
+                         .encode())
     for f in files:
         st = os.stat(f)
         stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"

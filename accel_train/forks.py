@@ -30,8 +30,8 @@ from .errors import WorkerDidNotStart
 # waits twice as long (a child slow for a reason it inherits is slow again: it gets the time).
 FORK_START_S = 5.0
 FORK_ATTEMPTS = 4  # the lock is held for microseconds: a second fork all but always gets through
-AFFECTED = sys.version_info[:2] == (3, 11) and sys.version_info < (3, 11, 10) or \
-    sys.version_info[:2] == (3, 10) and sys.version_info < (3, 10, 15)
+AFFECTED = ((3, 11) <= sys.version_info < (3, 11, 10)
+            or (3, 10) <= sys.version_info < (3, 10, 15))
 
 
 def worker_context():
@@ -72,17 +72,16 @@ class _SeenToStart(multiprocessing.popen_fork.Popen):
             raise
         finally:
             os.close(started)
-        try:
+        try:  # (the child ended before its pipe closes: a late child's write cannot fail)
             if multiprocessing.connection.wait([ready], wait_s):  # (poll: any fd number)
-                os.close(ready)
                 return True
+            self._end()
+            return False
         except BaseException:  # (Ctrl-C, a SIGCHLD handler's error): no child left behind
             self._end()
-            os.close(ready)
             raise
-        self._end()  # (before its pipe closes: a late child's write then cannot fail)
-        os.close(ready)
-        return False
+        finally:
+            os.close(ready)
 
     def _end(self) -> None:
         """The child that never ran: it holds nothing."""

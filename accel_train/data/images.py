@@ -143,12 +143,8 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
             ImageOps.exif_transpose(img, in_place=True)
             img = to_rgb(img)
             w, h = img.size
-            if whole and squash_kernel() == "torch" and w * h <= SQUASH_PIXELS * size * size:
-                squashed = squash(np.array(img, dtype=np.uint8), size)
-            elif whole:  # (Pillow's resize, from its own buffer: no copies of a large image)
-                squashed = torch.from_numpy(np.array(img.resize((size, size), Image.BILINEAR)
-                                                      if (w, h) != (size, size) else img,
-                                                      dtype=np.uint8))[None].permute(0, 3, 1, 2)[0]
+            if whole:
+                squashed = squash(img, size)
             else:
                 scale = short / min(w, h)
                 target = (max(short, round(w * scale)), max(short, round(h * scale)))
@@ -183,12 +179,18 @@ def squash_kernel() -> str:
     return "torch" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "pillow"
 
 
-def squash(pixels: np.ndarray, size: int) -> torch.Tensor:
-    """H x W x 3 uint8 -> the whole image resized to size x size (3 x size x size, channels-last):
-    torch's antialiased uint8 bilinear resize, Pillow's bilinear within 1 level (mean 0.007) at a
-    sixth of its time (0.22 ms for a 460 x 330 photo to 336 px, one thread; the batch dimension
-    first, so that torch sees a channels-last batch and keeps it)."""
-    image = torch.from_numpy(pixels)[None].permute(0, 3, 1, 2)
+def squash(img, size: int) -> torch.Tensor:
+    """A decoded RGB image (PIL) -> the whole image resized to size x size (3 x size x size,
+    channels-last): torch's antialiased uint8 bilinear resize, Pillow's bilinear within 1 level
+    (mean 0.007) at a sixth of its time (0.22 ms for a 460 x 330 photo to 336 px, one thread; the
+    batch dimension first, so that torch sees a channels-last batch and keeps it). Pillow's own
+    resize, from its own buffer, where squash_kernel says so or the image is large (no copies of
+    its full-size pixels)."""
+    from PIL import Image
+    w, h = img.size
+    if (w, h) != (size, size) and (squash_kernel() != "torch" or w * h > SQUASH_PIXELS * size**2):
+        img = img.resize((size, size), Image.BILINEAR)
+    image = torch.from_numpy(np.array(img, dtype=np.uint8))[None].permute(0, 3, 1, 2)
     if image.shape[-2:] != (size, size):
         image = torch.nn.functional.interpolate(image, size=(size, size), mode="bilinear",
                                                 antialias=True, align_corners=False)

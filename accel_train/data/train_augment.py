@@ -141,21 +141,14 @@ class TrainAugment:
         if self.resized:
             boxes, flips, bicubic = boxes if boxes is not None else self.boxes(idx, epoch, aspects)
             if per_image or images.device.type == "cpu":
-                if out is None:
-                    out = _uint8_like(images, self.size)
+                if out is None:  # (channels-last: the uint8 resize's own; the caller normalises)
+                    out = torch.empty((len(images), self.size, self.size, 3),
+                                      dtype=torch.uint8).permute(0, 3, 1, 2)
                 return resized_crop_each(images, boxes, flips, out, self.interpolation, bicubic)
             crops = resized_crop(images, boxes, flips, self.size, self.interpolation, bicubic)
             return crops if out is None else out.copy_(crops)
         params = crop_flip_params(idx, epoch, self.seed, self.pad, self.hflip)
         return crop_flip_each(images, *params, pad=self.pad, out=out)
-
-
-def _uint8_like(images: torch.Tensor, size: int) -> torch.Tensor:
-    """uint8 N x 3 x size x size in images' memory format (channels-last: the resize's own)."""
-    n = len(images)
-    if images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
-        return torch.empty((n, size, size, 3), dtype=torch.uint8).permute(0, 3, 1, 2)
-    return torch.empty((n, 3, size, size), dtype=torch.uint8)
 
 
 def plan(cfg, info, pad: int | None = None) -> TrainAugment | None:

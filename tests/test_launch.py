@@ -146,6 +146,7 @@ def multinode(opts, machines, rank, host, port, procs, config):
     assert opts["--main_process_ip"] == host and opts["--main_process_port"] == str(port)
     assert opts["--num_processes"] == str(procs)
     assert opts["--rdzv_backend"] == "static" and opts["--same_network"] is True
+    assert opts["--rdzv_conf"] == "timeout=600"  # --rdzv_wait's default: the first rendezvous's bound
 
 
 def test_one_cpu_machine_by_default():
@@ -424,14 +425,15 @@ def test_help_is_only_the_help_text():
     assert proc.returncode == 0 and proc.stderr == ""
     from accel_train.launcher.options import HELP
     assert proc.stdout == HELP + "\n"
-    for option in ("--dry-run", "--smoke-test", "--preflight", "--rdzv_wait", "--accel_config", "--max_restarts",
+    for option in ("--dry-run", "--smoke-test", "--preflight", "--rdzv_wait", "--rejoin_wait", "--accel_config",
+                   "--max_restarts",
                    "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MA_NUM_GPUS=0"):
         assert option in proc.stdout, option
     # every own option the text lists is taken by the launcher (none reaches the trainer), and every
     # option the launcher takes is in the text
     from accel_train.launcher import options
     listed = re.findall(r"^  (--[a-z_-]+)", HELP.split("Own options")[1], re.M)
-    assert len(listed) == 7, listed
+    assert len(listed) == 8, listed
     for option in listed:
         opts = options.parse([option, "7", "--epochs", "1"] if option in options.VALUED else [option, "--epochs", "1"],
                              {})
@@ -452,9 +454,9 @@ def test_smoke_test_dry_run_is_the_smoke_check_on_the_same_launch_arguments():
                               "--num_machines", "1", "--num_processes", "2"]
     proc = dry_run({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h0"}, ["--smoke-test"])
     tokens = shlex.split(proc.stdout)
-    assert tokens[tokens.index("smoke") + 1:][-9:] == ["--machine_rank", "1", "--main_process_ip", "h0",
-                                                       "--main_process_port", "29500", "--rdzv_backend", "static",
-                                                       "--same_network"]
+    assert tokens[tokens.index("smoke") + 1:][-11:] == ["--machine_rank", "1", "--main_process_ip", "h0",
+                                                        "--main_process_port", "29500", "--rdzv_backend", "static",
+                                                        "--same_network", "--rdzv_conf", "timeout=600"]
 
 
 # ---- launch.sh for real: the preflight before each attempt waits for rank 0 -----------------------

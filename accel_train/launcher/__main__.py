@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+from .. import errors
 from . import PREFIX, LaunchError, command, options, platforms
 from .plan import Plan, frozen_limit_s, say
 
@@ -57,10 +58,10 @@ def run(plan: Plan, opts: options.Options) -> int:
 
     supervisor = attempt.Supervisor()
 
-    def preflight() -> None:
+    def preflight(attempt_no: int) -> None:
         """Before each attempt: the rank-0 host resolves and rank 0 can listen (rank 0), or its port
-        answers within --rdzv_wait seconds (other ranks: machines may start minutes apart). It
-        prints its own one-line cause."""
+        answers within the attempt's wait (other ranks: machines may start minutes apart, and a
+        relaunched rank 0 comes back within --rejoin_wait). It prints its own one-line cause."""
         if opts.preflight == "1" or (opts.preflight == "auto" and plan.nnodes > 1):
             status = supervisor.run(
                 [
@@ -75,14 +76,17 @@ def run(plan: Plan, opts: options.Options) -> int:
                     "--rank",
                     str(plan.node_rank),
                     "--timeout",
-                    str(plan.rdzv_wait),
+                    str(plan.wait_s(attempt_no)),
                 ],
                 plan.job_environment(),
                 stdout=sys.stderr,
             )
             if status:
                 stopped_before_start()
-                raise SystemExit(2)
+                if attempt_no and plan.nnodes > 1:
+                    say(policy.not_rejoined(plan.rejoin_wait))
+                    raise SystemExit(errors.EXIT_LOST_PEER)
+                raise SystemExit(errors.EXIT_BAD_INPUT)
 
     def stopped_before_start() -> None:
         if supervisor.signalled:
@@ -93,15 +97,20 @@ def run(plan: Plan, opts: options.Options) -> int:
             raise SystemExit(4)
 
     if opts.smoke_test:
-        preflight()
+        preflight(0)
         return supervisor.run(plan.cmd, plan.job_environment())
     # One run id for every attempt (the trainer's ACCEL_TRAIN_RUN_ID: a fresh run takes it): a
     # relaunch of an --overwrite run (then --overwrite with --resume auto) resumes that run's own
     # checkpoints only, never the run it replaces.
     run_id = f"{secrets.randbits(32):08x}{secrets.randbits(16):04x}"
-    cmd, attempt_no = list(plan.cmd), 0
+    attempt_no = 0
     while True:
-        preflight()
+        if attempt_no and plan.nnodes > 1:
+            say(
+                f"{PREFIX}: waiting up to {plan.rejoin_wait} s for the other machine(s) to rejoin"
+                " (--rejoin_wait)"
+            )
+        preflight(attempt_no)
         say(
             f"{PREFIX}: machine {plan.node_rank} of {plan.nnodes}, {plan.nproc} process(es) here,"
             f" config {plan.config.name}{plan.rank0_at} (attempt {attempt_no + 1} of"
@@ -117,11 +126,13 @@ def run(plan: Plan, opts: options.Options) -> int:
         watch = attempt.FrozenWatch(
             status_dir, frozen_limit_s(plan.nnodes * plan.nproc, opts.trainer_args)
         )
+        started = time.monotonic()
         status = supervisor.run(
-            cmd,
+            plan.attempt_cmd(attempt_no),
             plan.job_environment(ACCEL_TRAIN_STATUS_DIR=status_dir, ACCEL_TRAIN_RUN_ID=run_id),
             watch=watch,
         )
+        waited_s = time.monotonic() - started
         attempt.ranks_ended(status_dir, supervisor, plan.rank_stop_s)
         report = policy.read_report(status_dir)
         decision = policy.decide(
@@ -132,6 +143,9 @@ def run(plan: Plan, opts: options.Options) -> int:
             restart_on_preempt=opts.restart_on_preempt,
             attempt=attempt_no,
             max_restarts=plan.max_restarts,
+            machines=plan.nnodes,
+            waited_s=waited_s,
+            rejoin_wait_s=plan.wait_s(attempt_no),
         )
         for line in decision.lines:
             say(line)
@@ -141,8 +155,6 @@ def run(plan: Plan, opts: options.Options) -> int:
         attempt_no += 1
         # (the recovery's start-up: docs/failures.md)
         time.sleep(plan.restart_delay_s)
-        if attempt_no == 1:
-            cmd += ["--resume", "auto"]
 
 
 def main(argv: list[str] | None = None, python: str | None = None) -> int:

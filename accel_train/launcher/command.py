@@ -137,6 +137,13 @@ def launch_args(
     return args
 
 
+def rendezvous_wait(seconds: int) -> list[str]:
+    """How long the rendezvous of several machines waits for all of them (torch's static rendezvous
+    timeout: rank 0's store for the others, the others' connection to it; default 600 s); then
+    accelerate launch exits 1 and no rank has started."""
+    return ["--rdzv_conf", f"timeout={seconds}"]
+
+
 def check_config(python: str, config: Path, env) -> None:
     """The config must load with accelerate's own loader (an unknown key is an error) before
     anything starts, and before the precision probe prints its line (platform/accel_config.py; a

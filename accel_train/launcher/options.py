@@ -46,8 +46,13 @@ Own options (everything else goes to the trainer):
                         unless every rank joined one group of the expected size (accel-train smoke)
   --preflight           check the rank-0 host and port before each attempt (always done for
                         several machines; --no-preflight skips it)
-  --rdzv_wait S         how long the preflight of a non-zero rank waits for rank 0 to come up
-                        (or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
+  --rdzv_wait S         how long the first rendezvous of several machines waits for every machine
+                        (a non-zero rank's preflight for rank 0 to come up, rank 0 for the others to join;
+                        or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
+  --rejoin_wait S       how long a relaunch of several machines waits for the other machines to rejoin
+                        (or ACCEL_REJOIN_WAIT=S; default the trainer's --timeout_s + 60: the others find
+                        the loss and relaunch within it); none came: exit status 3, the newest checkpoint
+                        kept, for the platform or you to start every machine again
   --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named config for
                         one machine also gives the processes (its num_processes, at most one per visible
                         GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
@@ -64,6 +69,7 @@ Own options (everything else goes to the trainer):
 # them).
 VALUED = {
     "--rdzv_wait": "rdzv_wait",
+    "--rejoin_wait": "rejoin_wait",
     "--accel_config": "accel_config",
     "--max_restarts": "max_restarts",
     "--init_method": "init_method",
@@ -93,6 +99,7 @@ class Options:
     accel_config: str = ""
     max_restarts: str = "0"
     rdzv_wait: str = "600"
+    rejoin_wait: str = ""  # "": the trainer's --timeout_s + plan.REJOIN_MARGIN_S
     restart_on_preempt: bool = False
     init_method: str = ""
     rank: str = ""
@@ -109,6 +116,7 @@ def parse(argv: list[str], env) -> Options:
         accel_config=env.get("ACCEL_CONFIG", ""),
         max_restarts=env.get("ACCEL_MAX_RESTARTS") or "0",
         rdzv_wait=env.get("ACCEL_RDZV_WAIT") or env.get("PREFLIGHT_TIMEOUT") or "600",
+        rejoin_wait=env.get("ACCEL_REJOIN_WAIT", ""),
         restart_on_preempt=(env.get("ACCEL_RESTART_ON_PREEMPT") or "0") == "1",
     )
     i = 0

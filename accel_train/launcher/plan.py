@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import fields
+from functools import cached_property
 from pathlib import Path
 
 from . import PREFIX, LaunchError, command, devices, options, platforms
 
 # the peers, whose last beat came up to --heartbeat_s before the stop, give up first
 FROZEN_MARGIN_S = 3
+# A relaunch's wait for the other machines beyond their --timeout_s (the latest a survivor finds the
+# loss): its checkpoint write, the restart delay, the interpreter and accelerate's start
+REJOIN_MARGIN_S = 60
 
 
 def say(line: str) -> None:
@@ -124,6 +128,7 @@ class Plan:
             ("nproc_per_node", nproc),
             ("max_restarts", opts.max_restarts),
             ("rdzv_wait", opts.rdzv_wait),
+            ("rejoin_wait", opts.rejoin_wait or "0"),
         ):
             if not options.is_uint(value):
                 raise LaunchError(
@@ -188,6 +193,8 @@ class Plan:
         self.launch_args = command.launch_args(
             self.config, self.nnodes, self.nproc, self.node_rank, self.master_addr, self.master_port
         )
+        if self.nnodes > 1:
+            self.launch_args += command.rendezvous_wait(self.rdzv_wait)
         if not opts.dry_run:
             command.check_config(self.python, self.config, env)
         # Skipped where the trainer's --mixed_precision (or --force_precision) decides, and in a dry
@@ -227,6 +234,28 @@ class Plan:
                 *entry,
                 *args,
             ]
+
+    @cached_property
+    def rejoin_wait(self) -> int:
+        if self.opts.rejoin_wait:
+            return int(self.opts.rejoin_wait)
+        return trainer_timeout_s(self.opts.trainer_args) + REJOIN_MARGIN_S
+
+    def attempt_cmd(self, attempt: int) -> list[str]:
+        """The command of an attempt (from 0): a relaunch resumes the run, and its rendezvous of
+        several machines waits --rejoin_wait for the others."""
+        if attempt == 0:
+            return list(self.cmd)
+        cmd = list(self.cmd)
+        if self.nnodes > 1:
+            at = cmd.index(command.rendezvous_wait(self.rdzv_wait)[0])
+            cmd[at : at + 2] = command.rendezvous_wait(self.rejoin_wait)
+        return cmd + ["--resume", "auto"]
+
+    def wait_s(self, attempt: int) -> int:
+        """How long an attempt's rendezvous (and a non-zero rank's preflight) waits for the other
+        machines."""
+        return self.rdzv_wait if attempt == 0 else self.rejoin_wait
 
     def job_environment(self, **more: str) -> dict[str, str]:
         return {**self.env, **self.env_vars, **more}

@@ -113,6 +113,14 @@ def finished(report: Report, nproc: int) -> bool:
     )
 
 
+def not_rejoined(wait_s: int) -> str:
+    return (
+        f"{PREFIX}: the other machine(s) did not rejoin within {wait_s} s (--rejoin_wait): a lost"
+        " peer (exit status 3); the newest checkpoint is kept: start launch.sh on every machine"
+        " again, with --resume auto"
+    )
+
+
 def decide(
     status: int,
     report: Report,
@@ -122,11 +130,27 @@ def decide(
     restart_on_preempt: bool = False,
     attempt: int = 0,
     max_restarts: int = 0,
+    machines: int = 1,
+    waited_s: float = 0.0,
+    rejoin_wait_s: int = 0,
 ) -> Decision:
-    """After an attempt whose launcher ended with `status` (attempt counts from 0): relaunch, or
-    exit."""
+    """After an attempt whose launcher ended with `status` after `waited_s` seconds (attempt counts
+    from 0): relaunch, or exit."""
     lines: list[str] = []
     reported = trainer_status(report)
+    # A relaunch of several machines whose rendezvous waited --rejoin_wait for the others in vain:
+    # no rank started, so none reported. Another relaunch would wait again for machines that are
+    # not coming (their launcher stopped, or gave up itself); whoever restarts the job restarts
+    # them all.
+    if (
+        attempt
+        and machines > 1
+        and status
+        and not signalled
+        and not report.anything
+        and waited_s >= rejoin_wait_s
+    ):
+        return Decision([not_rejoined(rejoin_wait_s)], errors.EXIT_LOST_PEER)
     # A stop signal while the job started: the ranks died of it before their handlers were installed
     # (no status, no note of any rank); as a signal before the job started, nothing to save
     if status and signalled and reported is None and not report.anything:

@@ -19,7 +19,7 @@ import typing
 import yaml
 
 from . import __version__
-from .checkpoint.changes import run_data
+from .checkpoint.changes import run_settings
 from .config.train_config import TrainConfig, fields
 from .config.flag_types import base_type
 from .status import status_of
@@ -65,15 +65,16 @@ def load_yaml(path) -> dict:
 def train_parser() -> Parser:
     # (argparse's usage would list every flag: 45 lines)
     p = Parser(prog="accel-train", allow_abbrev=False,
-               usage="accel-train [--config YAML] [--flag value ...] (the flags below, by group)",
+               usage="accel-train [--config YAML] [--flag value ...] (the flags below, by group)\n"
+                     "       accel-train evaluate | predict | preflight | smoke ... (each has "
+                     "--help)",
                description="Train a timm model on CIFAR-10, an image folder or random data with "
                            "Hugging Face Accelerate. Start it with `python -m accel_train ...` "
                            "(one process: a GPU if there is one, else the CPU); on several "
                            "processes or machines with `accelerate launch --config_file "
                            "accelerate_configs/<platform>.yaml -m accel_train ...` or launch.sh, "
                            "whose config gives the devices and ranks.",
-               epilog="Other commands: accel-train evaluate | predict | preflight | smoke (each "
-                      "has --help). An unknown flag is an error; to let a platform's own extra "
+               epilog="An unknown flag is an error; to let a platform's own extra "
                       "arguments through, name them in the environment: "
                       f"{IGNORE_ARGS}=--flag1,--flag2 (or '*' for any).")
     p.add_argument("--version", action="version", version=f"accel_train {__version__}")
@@ -103,6 +104,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     parser = train_parser()
     args, unknown = parser.parse_known_args(argv)
     file = load_yaml(args.config) if args.config else {}
+    check_file_types(parser, file, args.config)
     # trust comes from the command line (or train()), never from a file
     file.pop("trust_model_code", None)
     if file:
@@ -115,10 +117,27 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     if ":" in str(file.get("model", "")) and "model" not in flags:
         from .model.own_model import allow_import
         allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
-    said = run_data(values, flags | set(file), load_yaml)  # a resume's data: the run's (unnamed)
+    # a resume's settings that the command line leaves out: the run's own
+    said = run_settings(values, flags | set(file), load_yaml)
     cfg = TrainConfig(**seed_data_alias(values, flags, file))
     cfg.notes = [said] if said else []  # (said by the main process once the run starts: setup)
     return cfg
+
+
+def check_file_types(parser: argparse.ArgumentParser, file: dict, path) -> None:
+    """A --config file's value that its flag's type refuses is named by the file and key (argparse
+    would name the flag, which the command line does not hold)."""
+    for action in parser._actions:
+        value = file.get(action.dest)
+        if not isinstance(value, str) or action.type is None:
+            continue
+        try:
+            action.type(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            kind = getattr(action.type, "__name__", "value")
+            raise ConfigError(f"--config {path}: key {action.dest}: {value!r} is not a valid "
+                              f"{'true/false' if kind == 'str2bool' else kind}; fix it in the "
+                              "file (or pass --" + action.dest + " on the command line)") from None
 
 
 def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:

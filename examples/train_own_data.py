@@ -4,8 +4,13 @@
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml examples/train_own_data.py --output_dir ...
     ACCEL_TRAIN_SCRIPT=examples/train_own_data.py ./launch.sh --output_dir ...    # clusters, restarts
 
-It takes the command line's flags (--epochs, --resume auto, ...). Exact resume needs a Dataset that gives the same
-item for an index every time: here each image is a function of its index."""
+It takes the command line's flags (--epochs, --resume auto, ...); `--output_dir ... --resume auto` alone continues the
+run with its own settings. Exact resume needs a Dataset that gives the same item for an index every time: here each
+image is a function of its index. The model is recorded as train_own_data:small_net, with this file's folder; predict
+with it from any folder (it imports this file's code, hence the trust flag; the images are fed as Stripes gives them,
+unnormalised):
+
+    accel-train predict --checkpoint /tmp/own_data --trust_model_code --mean 0,0,0 --std 1,1,1 my_images/"""
 
 import json
 import sys

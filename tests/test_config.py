@@ -127,7 +127,7 @@ def test_help_says_each_default_once_and_starts_the_way_the_readme_does(capsys):
     ("epochs: [3]\n", r"--epochs must be a int, got \[3\]"),
     ("lr: .inf\n", "--lr must be a finite number, got inf"),
     ("clip_grad: .nan\n", "--clip_grad must be a finite number, got nan"),
-    ("ema: maybe\n", "expected true or false"),
+    ("ema: maybe\n", r"c.yaml: key ema: 'maybe' is not a valid true/false"),
 ])
 def test_config_yaml_values_get_the_checks_flags_get(tmp_path, text, match):
     (tmp_path / "c.yaml").write_text(text)

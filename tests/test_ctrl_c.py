@@ -17,8 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from conftest import CONFIGS, ROOT, TINY, clean_env, steps_logged, wait_for
+from accel_train.resilience.preempt import ONE_STOP_S
+
+from conftest import CONFIGS, ROOT, TINY, clean_env, launch, reference_args, steps_logged, wait_for
 
 
 def start(tmp_path, args, **env):
@@ -102,9 +106,10 @@ def test_ctrl_c_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
 
 
 # test only: every rank holds inside its optimizer step ACCEL_TEST_HOLD_AT_STEP (after the previous step was logged
-# and agreed on, before the next agreed check can come) until 120 s pass; while it holds, each stop signal it gets
-# leaves a mark (<signal>-<rank> in ACCEL_TEST_MARKS) before the trainer's own handler runs. Both Ctrl-Cs then land
-# while no rank can reach an agreed check, however fast its steps are.
+# and agreed on, before the next agreed check can come) until 120 s pass, or with ACCEL_TEST_RELEASE_ON_SIGNAL until a
+# stop signal reached it; while it holds, each stop signal it gets leaves a mark (<signal>-<rank> in ACCEL_TEST_MARKS,
+# holding-<rank>: the rank's pid) before the trainer's own handler runs. The signals then land while no rank can reach
+# an agreed check, however fast its steps are.
 HOLD_HOOK = """\
 import os
 if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
@@ -113,7 +118,8 @@ if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
     _marks, _steps = os.environ["ACCEL_TEST_MARKS"], [0]
 
     def _mark(name):
-        open(os.path.join(_marks, f"{name}-{os.environ.get('RANK', '0')}"), "w").close()
+        with open(os.path.join(_marks, f"{name}-{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(str(os.getpid()))
 
     def _marked(previous, name):
         def handler(signum, frame):
@@ -128,8 +134,13 @@ if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
                 signal.signal(sig, _marked(signal.getsignal(sig), sig.name))
             _mark("holding")
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
+            me = os.environ.get("RANK", "0")
+            signalled = [os.path.join(_marks, f"{name}-{me}") for name in ("SIGINT", "SIGTERM")]
+            release = os.environ.get("ACCEL_TEST_RELEASE_ON_SIGNAL")
+            while time.monotonic() < deadline and not (release and any(map(os.path.exists, signalled))):
                 time.sleep(0.05)
+            if release:  # (a moment more, for a signal right behind the first)
+                time.sleep(0.5)
     register_optimizer_step_post_hook(_hold)
 """
 
@@ -158,6 +169,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
         # the first one reached both ranks (torchrun's agent passes it on rank by rank), the main process said so
         wait_for(marked("SIGINT-0", "SIGINT-1"), timeout=60, interval=0.01)
         wait_for(lambda: NOTICE in log.read_text(), timeout=60, interval=0.01)
+        time.sleep(ONE_STOP_S + 0.5)  # typed after the first: signals that arrive together are one stop
         os.killpg(proc.pid, signal.SIGINT)  # the agent answers the second with SIGTERM to the ranks
         proc.wait(timeout=120)
     finally:
@@ -172,3 +184,57 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     assert text.count("accel-train: interrupted: a second Ctrl-C stopped the run at once") == 1, text[-3000:]
     assert "preempted" not in text and not (out / "checkpoints").exists()
     assert_no_trainer_traceback(text)
+
+
+@pytest.mark.faults
+def test_a_doubled_ctrl_c_is_one_stop_and_the_folder_alone_continues_the_run_exactly(tmp_path, two_rank_reference):
+    # Ctrl-C to the process group of `timeout 600 accelerate launch ...`: timeout forwards it to the agent, which got
+    # it from the terminal too; it sends the ranks SIGINT and then SIGTERM within a millisecond (here sent to the
+    # ranks as the agent does, whose own count of the two is a race). One stop: the step in flight finishes and the
+    # checkpoint is written. Then only `--output_dir D --resume auto` continues the run:
+    # every setting is the run's own, and it ends bit-equal to the uninterrupted run, with its rows.
+    out, hooks, marks, status = tmp_path / "out", tmp_path / "hooks", tmp_path / "marks", tmp_path / "status"
+    for folder in (hooks, marks, status):
+        folder.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOLD_HOOK)
+    env = clean_env(ACCEL_TRAIN_STATUS_DIR=str(status), ACCEL_TEST_HOLD_AT_STEP="5", ACCEL_TEST_MARKS=str(marks),
+                    ACCEL_TEST_RELEASE_ON_SIGNAL="1",
+                    PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(CONFIGS / "2proc_cpu.yaml"), "-m", "accel_train", *map(str, reference_args(2, out))]
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env)
+    try:
+        holding = [marks / f"holding-{r}" for r in (0, 1)]
+        wait_for(lambda: all(h.exists() and h.read_text() for h in holding), timeout=240)
+        for r in (0, 1):
+            pid = int((marks / f"holding-{r}").read_text())
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert {"SIGINT-0", "SIGINT-1", "SIGTERM-0", "SIGTERM-1"} <= {p.name for p in marks.iterdir()}, text[-3000:]
+    assert trainer_statuses(status) == [4, 4] and "second Ctrl-C" not in text, text[-3000:]
+    # (the stop comes at the next agreed check: in the epoch's steps or its evaluation)
+    stops = re.findall(r"accel-train: preempted: stopped by SIGINT (?:at step|while evaluating epoch) \d+.*; "
+                       r"checkpoint \S+step_(\d+);", text)
+    assert len(stops) == 1 and 5 <= int(stops[0]) < 24, text[-3000:]
+    assert_no_orphan_workers(status, text)
+
+    proc = launch("2proc_cpu.yaml", ["--output_dir", out, "--resume", "auto"])
+    said = [line for line in proc.stderr.splitlines() if "resume: the run's own settings from" in line]
+    assert len(said) == 1 and "--epochs 3" in said[0] and "--model test_resnet" in said[0], proc.stderr[-3000:]
+    assert "--epochs 30" not in proc.stderr and "-> unset" not in proc.stderr, proc.stderr[-3000:]
+    full = two_rank_reference[0]
+    ref, got = load_file(full / "model.safetensors"), load_file(out / "model.safetensors")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    rows = [[json.loads(r) for r in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, out)]
+    assert len(rows[0]) == len(rows[1]) == 3
+    for a, b in zip(*rows):
+        assert (b["train_loss"], b["train_acc"], b["test_acc"]) == pytest.approx(
+            (a["train_loss"], a["train_acc"], a["test_acc"]), abs=1e-6), (a, b)

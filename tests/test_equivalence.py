@@ -40,6 +40,14 @@ def test_two_ranks_batch_b_equal_one_rank_batch_2b(one_process_reference, two_ra
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
     worst = max((w1[k].double() - w2[k].double()).abs().max().item() for k in w1)
     assert worst < 1e-5, worst
+    # the evaluation's numbers are the same on either world size (each sample counted once)
+    rows = [[json.loads(r) for r in (ref[0] / "metrics.jsonl").read_text().splitlines()]
+            for ref in (one_process_reference, two_rank_reference)]
+    assert len(rows[0]) == len(rows[1]) == 3
+    for a, b in zip(*rows):
+        assert a["test_samples"] == b["test_samples"] == 40, (a, b)
+        assert (a["test_acc"], a["test_top5"]) == pytest.approx((b["test_acc"], b["test_top5"]), abs=1e-9), (a, b)
+        assert a["test_loss"] == pytest.approx(b["test_loss"], abs=1e-4) and a["test_loss"] > 0, (a, b)
     # and the tolerance means something: training moved the weights far more than 1e-5
     set_seed(42)  # the trainer's default seed, set before it builds the model
     init = create_model(TINY_GN[1], "imagenet", norm_layer="groupnorm1").state_dict()

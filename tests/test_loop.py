@@ -134,3 +134,40 @@ def test_accelerate_launch_num_processes_2_with_a_one_process_config_is_refused_
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
     assert "--num_processes 2 started one process" in lines[0] and "2proc_cpu.yaml" in lines[0], lines
     assert not out.exists()
+
+
+def test_patience_stops_after_n_evaluations_without_a_better_test_accuracy(tmp_path):
+    from accel_train.training.exports import BestModel
+    rows = [{"epoch": e, "step": 4 * e, "test_acc": acc} for e, acc in enumerate((0.3, 0.5, 0.5, 0.4, 0.6), 1)]
+    best = BestModel(tmp_path, [], writer=False)
+    said = []
+    for row in rows:
+        best.take(row)
+        said.append(best.out_of_patience(2, rows[:row["epoch"]]))
+    # the best is epoch 2 (an equal one is no improvement); epochs 3 and 4 do not beat it: stop after epoch 4
+    assert said[:3] == [None, None, None] and said[3].startswith(
+        "--patience 2: the test accuracy has not improved for 2 evaluation(s) since epoch 2 (50.00%)")
+    assert "after epoch 4" in said[3]
+    assert best.out_of_patience(None, rows[:4]) is None and best.out_of_patience(3, rows[:4]) is None
+    # a resumed run reads the rows its checkpoint carries: the count is the uninterrupted run's
+    assert BestModel(tmp_path, rows[:4], writer=False).out_of_patience(2, rows[:4]) == said[3]
+
+
+@pytest.mark.launches
+def test_patience_on_two_ranks_stops_early_and_a_resume_counts_as_the_uninterrupted_run(tmp_path):
+    # an lr too small to move the test accuracy: epoch 1 stays the best, epochs 2 and 3 do not beat it
+    out = tmp_path / "out"
+    args = [*TINY, "--train_samples", "128", "--test_samples", "32", "--batch_size", "16", "--epochs", "10",
+            "--lr", "1e-9", "--patience", "2", "--output_dir", out]
+    launch("2proc_cpu.yaml", [*args, "--max_steps", "8"])  # (4 steps an epoch: stopped after epoch 2)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    proc = launch("2proc_cpu.yaml", ["--output_dir", out, "--resume", "auto"])  # the rest of the run, as it was
+    said = [line for line in proc.stderr.splitlines() if "--patience 2:" in line]
+    assert len(said) == 1 and "since epoch 1" in said[0] and "after epoch 3" in said[0], proc.stderr[-3000:]
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and rows[0]["test_acc"] >= max(r["test_acc"] for r in rows)
+    from accel_train.training.exports import exported_best
+    assert exported_best(out)["epoch"] == 1 and (out / "model.safetensors").is_file()
+    # a further resume trains nothing more
+    launch("2proc_cpu.yaml", ["--output_dir", out, "--resume", "auto"])
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3

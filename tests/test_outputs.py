@@ -38,12 +38,15 @@ def test_tensorboard_events_hold_the_scalars(finished):
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             tags[tag] = [e.value for e in acc.Scalars(tag)]
-    for tag in ("epoch/train_loss", "epoch/train_acc", "epoch/test_acc", "epoch/lr", "epoch/images_per_sec",
-                "step/train_loss", "step/lr"):
+    for tag in ("epoch/train_loss", "epoch/train_acc", "epoch/test_acc", "epoch/test_loss", "epoch/test_top5",
+                "epoch/lr", "epoch/images_per_sec", "step/train_loss", "step/lr"):
         assert tag in tags, sorted(tags)
     assert len(tags["epoch/test_acc"]) == 2 and len(tags["step/train_loss"]) == 96 // 16 * 2 // 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert tags["epoch/test_acc"] == pytest.approx([r["test_acc"] for r in rows])
+    assert tags["epoch/test_loss"] == pytest.approx([r["test_loss"] for r in rows])
+    assert tags["epoch/test_top5"] == pytest.approx([r["test_top5"] for r in rows])
+    assert all(r["test_acc"] <= r["test_top5"] <= 1 and r["test_loss"] > 0 for r in rows), rows
     # --tracker_project (issue 40 item 7: the project was always "accel_train"), --run_name as wandb's run name
     assert {p.parent.relative_to(out).parts[0] for p in out.rglob("events.out.tfevents.*")} == {"flowers"}
     from accel_train.training.metrics import tracker_init_kwargs

@@ -4,6 +4,7 @@ file, every bad model or data set as one line (exit 2) with the output dir untou
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -340,8 +342,32 @@ def test_the_examples_train_on_two_ranks(tmp_path):
     assert result["step"] == rows[-1]["step"] == 32  # 256 samples, 2 ranks x 8 (the automatic batch): 16 steps an epoch
     assert result["model_file"] == str(tmp_path / "d" / "model.safetensors") and Path(result["model_file"]).is_file()
     meta = json.loads((tmp_path / "d" / "model_config.json").read_text())
-    assert (meta["architecture"], meta["classes"], meta["data"], meta["dataset"]) == (
-        "__main__:small_net", ["horizontal", "vertical"], "dataset", "Stripes")
+    # the script's own model under the name a later process imports it by, with the script's folder
+    assert (meta["architecture"], meta["code_dir"], meta["classes"], meta["data"], meta["dataset"]) == (
+        "train_own_data:small_net", str(ROOT / "examples"), ["horizontal", "vertical"], "dataset", "Stripes")
+    said = [line for line in proc.stderr.splitlines() if "predict with: " in line]
+    assert len(said) == 1 and f"accel-train predict --checkpoint {tmp_path / 'd'} --trust_model_code --mean R,G,B " \
+        "--std R,G,B IMAGE_OR_FOLDER" in said[0], said
+    # the command the script's docstring gives predicts with it, from another folder
+    docstring = (ROOT / "examples" / "train_own_data.py").read_text().split('"""')[1]
+    predict = shlex.split(re.search(r"^ +(accel-train predict .*)$", docstring, re.M)[1])
+    images = tmp_path / "my_images"
+    images.mkdir()
+    from PIL import Image
+    for name, stripes in (("h.png", 0), ("v.png", 1)):
+        pixels = (np.arange(16) // 2 % 2 * 255).astype(np.uint8)
+        grid = np.repeat(pixels[:, None], 16, 1) if stripes == 0 else np.repeat(pixels[None, :], 16, 0)
+        Image.fromarray(np.stack([grid] * 3, -1)).save(images / name)
+    predict = [tmp_path / "d" if a == "/tmp/own_data" else images if a == "my_images/" else a for a in predict[1:]]
+    proc = run([sys.executable, "-m", "accel_train", *map(str, predict), "--format", "json"], 120,
+               clean_env(), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(Path(json.loads(line)["file"]).name for line in proc.stdout.splitlines()) == ["h.png", "v.png"]
+    # the script's run continued from its folder alone: its own settings (2 epochs, not the default 30)
+    cmd = [*cmd[:-4], "--output_dir", tmp_path / "d", "--resume", "auto"]
+    proc = run(list(map(str, cmd)), 240, env, tmp_path)
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 32, proc.stderr[-3000:]
+    assert "--epochs 2" in next(line for line in proc.stderr.splitlines() if "the run's own settings" in line)
     # launch.sh starts the script in the trainer's place (ACCEL_TRAIN_SCRIPT), with its flags
     proc = run(["bash", ROOT / "launch.sh", "--dry-run", "--epochs", "1"], 60,
                clean_env(ACCEL_TRAIN_SCRIPT="examples/train_own_data.py", NPROC_PER_NODE="2"), ROOT)

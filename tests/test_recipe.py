@@ -30,8 +30,7 @@ def accelerator():
 def evaluated_accuracy(accelerator, model, images, labels, tta=False):
     cfg = TrainConfig(batch_size=16)
     data = build_data(cfg, accelerator.device, splits={"train": (images, labels), "test": (images, labels)})
-    preds, gold = evaluate(accelerator, model, data.test_loader, data, tta=tta)
-    return (preds == gold).float().mean().item()
+    return evaluate(accelerator, model, data.test_loader, data, tta=tta).accuracy()
 
 
 class PatchSide(nn.Module):
@@ -53,6 +52,37 @@ def test_flip_tta_recovers_mirrored_images(accelerator):
     plain = evaluated_accuracy(accelerator, PatchSide(), images, labels)
     tta = evaluated_accuracy(accelerator, PatchSide(), images, labels, tta=True)
     assert plain == 0.5 and tta == 1.0
+
+
+class Ranked(nn.Module):
+    """Class c's logit is 9 - c for a bright patch on the left, c for one on the right: every rank is known."""
+
+    def forward(self, x):
+        left = (x[..., :16].mean((1, 2, 3)) > x[..., 16:].mean((1, 2, 3)))[:, None]
+        ranks = torch.arange(10.0).expand(x.shape[0], 10)
+        return torch.where(left, 9 - ranks, ranks)
+
+
+def test_evaluation_gives_each_samples_loss_and_top5_hit(accelerator):
+    images = torch.zeros(32, 3, 32, 32, dtype=torch.uint8)
+    images[:16, :, :, :16] = 255  # left: class 0 first, class 9 last
+    images[16:, :, :, 16:] = 255  # right: class 9 first, class 0 last
+    labels = torch.tensor([0] * 8 + [5] * 8 + [9] * 8 + [4] * 8)  # ranks 1, 6, 1, 6 (1-based)
+    cfg = TrainConfig(batch_size=16)
+    data = build_data(cfg, accelerator.device, splits={"train": (images, labels), "test": (images, labels)})
+    got = evaluate(accelerator, Ranked(), data.test_loader, data)
+    log_p = torch.arange(9.0, -1.0, -1.0).log_softmax(0)  # by rank: the first's, the second's, ...
+    expected = torch.cat([-log_p[r].expand(8) for r in (0, 5, 0, 5)])
+    assert torch.allclose(got.losses, expected, rtol=1e-5)
+    assert got.in_top_k.tolist() == [True] * 8 + [False] * 8 + [True] * 8 + [False] * 8
+    row = got.metrics(10)
+    assert row["test_loss"] == pytest.approx(expected.mean().item(), rel=1e-5)
+    assert row["test_top5"] == 0.5 and row["test_acc"] == 0.5
+    assert "test_top5" not in got.metrics(5)  # (5 classes or fewer: top-5 says nothing)
+    # flip TTA: the mean of the two distributions; mirrored, every image is as likely left as right
+    tta = evaluate(accelerator, Ranked(), data.test_loader, data, tta=True)
+    both = torch.logaddexp(log_p, log_p.flip(0)) - torch.log(torch.tensor(2.0))
+    assert torch.allclose(tta.losses[:8], -both[0].expand(8), rtol=1e-5)
 
 
 @pytest.mark.launches

@@ -35,7 +35,7 @@ APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume'
 FREE = {  # leave the weights' math alone: paths, logging, checkpointing, performance, evaluation only; init_from:
     # the checkpoint's weights win; max_steps: where this run stops
     "data_dir", "test_samples", "pipeline", "device_data_mb", "num_workers", "channels_last", "init_from", "compile",
-    "compile_mode", "max_steps", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
+    "compile_mode", "max_steps", "patience", "tta", "output_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite",
     "timeout_s", "heartbeat_s", "heartbeat_timeout_s", "hang_report_s", "stop_on_hang", "threads", "log_with", "tracker_project", "run_name", "log_every", "log_all_ranks", "plot", "ddp_bucket_cap_mb", "ddp_grad_as_bucket_view",
     "force_precision", "enable_gpu", "init_method", "rank", "world_size", "checkpoint_minutes", "trust_model_code",
     "pretrained", "pretrained_path",  # (as init_from)
@@ -120,3 +120,38 @@ def test_a_checkpoint_of_an_earlier_version_says_its_schedule_changes(stopped, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [ln for ln in proc.stderr.splitlines() if "a checkpoint of an earlier accel_train" in ln]
     assert len(said) == 1 and "from step 4 on the lr follows this version's schedule" in said[0], proc.stderr[-3000:]
+
+
+def test_a_resume_takes_every_setting_the_command_line_leaves_out_from_the_runs_record(tmp_path):
+    from accel_train.cli import parse_train_args
+    out = tmp_path / "run"
+    out.mkdir()
+    run = TrainConfig(model="test_resnet", epochs=3, lr=0.01, label_smoothing=0.2, max_steps=4, num_workers=1,
+                      data="random", train_samples=128, output_dir=str(out))
+    run.save_yaml(out / "config.yaml")
+    cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto"])
+    assert (cfg.model, cfg.epochs, cfg.lr, cfg.label_smoothing, cfg.train_samples) == ("test_resnet", 3, 0.01, 0.2, 128)
+    # this invocation's own: where it stops, the machine's workers, what it resumes
+    assert (cfg.max_steps, cfg.num_workers, cfg.resume) == (None, TrainConfig().num_workers, "auto")
+    assert len(cfg.notes) == 1 and cfg.notes[0].startswith(f"resume: the run's own settings from {out / 'config.yaml'}")
+    assert "--epochs 3" in cfg.notes[0] and "--lr 0.01" in cfg.notes[0] and "--model test_resnet" in cfg.notes[0]
+    assert "max_steps" not in cfg.notes[0] and "num_workers" not in cfg.notes[0]
+    # a flag typed here wins; the others are still the run's
+    cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto", "--epochs", "5"])
+    assert (cfg.epochs, cfg.lr) == (5, 0.01) and "--epochs" not in cfg.notes[0]
+    # a --resume PATH reads the record beside its checkpoints
+    ckpt = out / "checkpoints" / "step_00000004"
+    ckpt.mkdir(parents=True)
+    cfg = parse_train_args(["--output_dir", str(tmp_path / "elsewhere"), "--resume", str(ckpt)])
+    assert (cfg.epochs, cfg.lr) == (3, 0.01)
+    # no resume, no record: the defaults
+    assert parse_train_args(["--output_dir", str(out)]).epochs == TrainConfig().epochs
+    # model code is imported only when named: a script passes it to train(), the command line types --model
+    run.model = "my_pkg.nets:small_net"
+    run.save_yaml(out / "config.yaml")
+    cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto"])
+    assert (cfg.model, cfg.epochs) == (TrainConfig().model, 3)
+    # launch.sh's relaunch of an --overwrite run types its whole command line again; the record may be the replaced
+    # run's: only its data is taken
+    cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto", "--overwrite", "true"])
+    assert (cfg.epochs, cfg.train_samples) == (TrainConfig().epochs, 128)

@@ -36,6 +36,8 @@ def test_resume_auto_that_finds_nothing_says_so_and_that_the_logged_steps_are_lo
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "--resume auto: nothing to resume" in line]
     assert len(said) == 1 and "starts at step 1" in said[0] and "up to step 3" in said[0] and "lost" in said[0], said
+    # a warning, naming the directory: a mistyped --output_dir trains from scratch
+    assert " WARNING " in said[0] and str(out / "checkpoints") in said[0], said
     # a first run with --resume auto (launch.sh's relaunches pass it): the line, without lost steps
     proc = run_cli([*SMALL, "--resume", "auto", "--output_dir", tmp_path / "fresh"])
     said = [line for line in proc.stderr.splitlines() if "--resume auto: nothing to resume" in line]

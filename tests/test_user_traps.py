@@ -260,3 +260,41 @@ def test_timm_train_flags_are_refused_with_what_this_trainer_does_instead(argv, 
         text = str(e.value)
         assert says in text and "timm train.py" in text, text
         assert "did you mean" not in text and IGNORE_ARGS not in text, text
+
+
+def test_messages_say_what_is_wrong(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from accel_train.commands.evaluate import load_exported
+    from accel_train.commands.predict import main_predict
+    from accel_train.config.defaults import infer_data
+    from accel_train.data.cifar import read_cifar10
+    from accel_train.data.folders import image_folder_splits
+    # a file where a folder is expected
+    (tmp_path / "images.zip").write_bytes(b"PK")
+    with pytest.raises(ConfigError, match=r"--data_dir \S+images.zip is a file, not a folder"):
+        infer_data(str(tmp_path / "images.zip"), False)
+    for read in (read_cifar10, image_folder_splits):
+        with pytest.raises(DataError, match=r"images.zip is a file, not a folder"):
+            read(tmp_path / "images.zip")
+    # a damaged weights file is said as damaged, not as a model that does not fit
+    run = tmp_path / "run"
+    run.mkdir()
+    save_file(create_model(TINY[1], "imagenet", 10).state_dict(), run / "model.safetensors")
+    (run / "model_config.json").write_text(json.dumps({"architecture": TINY[1], "stem": "imagenet", "num_classes": 10,
+                                                       "input_size": [3, 32, 32]}))
+    load_exported(run)  # (whole, it loads)
+    with open(run / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ConfigError, match=r"model.safetensors is damaged: not a complete safetensors file"):
+        load_exported(run)
+    # a YAML value of the wrong type names the file and its key
+    (tmp_path / "c.yaml").write_text("epochs: ten\n")
+    with pytest.raises(ConfigError, match=r"--config \S+c.yaml: key epochs: 'ten' is not a valid int"):
+        parse_train_args(["--config", str(tmp_path / "c.yaml")])
+    # --help names the other commands in its first lines; predict's --top has its help
+    head = train_parser().format_help().splitlines()[:3]
+    assert any("evaluate | predict | preflight | smoke" in line for line in head), head
+    with pytest.raises(SystemExit):
+        main_predict(["--help"])
+    assert re.search(r"--top K +the K most likely classes", capsys.readouterr().out)

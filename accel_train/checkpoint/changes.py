@@ -96,10 +96,17 @@ def settings_from_flags(optimizers):
 
 
 # What identifies a run's data beyond the checkpoint's run math (image size, mean/std:
-# resume.keep_run_math takes them from the checkpoint): a resume that names none of them continues
-# on the run's own (its config.yaml).
+# resume.keep_run_math takes them from the checkpoint).
 RUN_DATA = ("data", "data_dir", "train_samples", "test_samples", "val_split")
 DATA_KINDS = ("cifar10", "imagefolder", "random")
+# Settings that may differ between the machines of one job (paths of each machine's own disk, its
+# workers, its logging, the platform's rendezvous arguments, the seed's aliases)
+PER_MACHINE = frozenset({"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method",
+                         "rank", "world_size", "custom_data", "enable_gpu", "overwrite", "resume",
+                         "init_from", "pretrained_path"})
+# What a resume never takes from the run's record: this command's own (where it writes, what it
+# continues, where this invocation stops) and trust, which a file never grants (cli.py)
+OWN = (PER_MACHINE - {"data_dir"}) | {"max_steps", "trust_model_code"}
 
 
 def run_config(output_dir, resume) -> Path:
@@ -112,13 +119,18 @@ def run_config(output_dir, resume) -> Path:
     return Path(output_dir) / "config.yaml"
 
 
-def run_data(values: dict, named: set[str], read) -> str | None:
-    """A resume's data flags that the command line (and its --config) leave out: the run's own,
-    from its config.yaml (`read`: cli.load_yaml), so that `--output_dir D --resume auto --epochs N`
-    continues the run in D. Changes `values` in place; returns the line that says what was taken
-    (None: nothing). --data named alone takes the run's --data_dir only if the run read the same
-    kind; --data_dir named alone says its own kind (config.infer_data). A value that is named and
-    conflicts with the checkpoint is refused later, naming both (resume.keep_run_math)."""
+def run_settings(values: dict, named: set[str], read) -> str | None:
+    """A resume continues the run: every setting that the command line (and its --config) leaves
+    out is the run's own, from its config.yaml (`read`: cli.load_yaml), never the default, so that
+    `--output_dir D --resume auto` continues the run in D as it was started. Changes `values` in
+    place; returns the line that says what was taken (None: nothing).
+
+    The data: --data named alone takes the run's --data_dir only if the run read the same kind;
+    --data_dir named alone says its own kind (config.infer_data). A value that is named and
+    conflicts with the checkpoint is refused later, naming both (resume.keep_run_math). Model code
+    (module:callable) is imported only when named (--model, or train(model=...)). Under
+    --overwrite (launch.sh's relaunch of a run that replaced another, whose command line it gives
+    again) only the data is taken: the config.yaml may still be the replaced run's."""
     if not values.get("resume"):
         return None
     path = run_config(values["output_dir"], values["resume"])
@@ -126,7 +138,7 @@ def run_data(values: dict, named: set[str], read) -> str | None:
         recorded = read(path) if path.is_file() else {}
     except ConfigError:  # (a config.yaml this version cannot read: the flags as given)
         return None
-    drop, kind_named = set(), bool(named & {"data", "custom_data"})
+    drop, kind_named = set(OWN), bool(named & {"data", "custom_data"})
     if kind_named or "data_dir" in named:  # the kind named, or said by the folder named
         drop.add("data")
         if "data_dir" in named or values.get("data") != recorded.get("data"):
@@ -135,11 +147,14 @@ def run_data(values: dict, named: set[str], read) -> str | None:
             drop.add("val_split")
     if recorded.get("data") not in DATA_KINDS:  # (a run on a script's own Datasets reads no folder)
         drop |= {"data", "data_dir"}
-    keys = [k for k in RUN_DATA if k not in named | drop and k in recorded]
+    if ":" in str(recorded.get("model", "")):
+        drop.add("model")
+    keys = [k for k in recorded if k not in named | drop and k in values
+            and (k in RUN_DATA or not values.get("overwrite"))]
     taken = {k: recorded[k] for k in keys if recorded[k] != values.get(k)}
     if not taken:
         return None
     values.update(taken)
     said = " ".join(f"--{k} {_said(v)}" for k, v in taken.items())
-    return (f"resume: {said} from {path} (the run's data; not on the command line); its image "
-            "size, classes and mean/std follow the checkpoint")
+    return (f"resume: the run's own settings from {path}, where this command line names none: "
+            f"{said}; its image size, classes and mean/std follow the checkpoint")

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
-from .changes import check_changes
+from .changes import PER_MACHINE, check_changes
 from ..files import (
     CKPT_DIR,
     MODEL_CONFIG_FILE,
@@ -42,6 +43,7 @@ from ..files import (
 from ..config.train_config import TrainConfig
 from ..config.defaults import BATCH_SIZE
 from ..errors import ConfigError
+from ..model.own_model import same_callable
 from ..platform.ranks import rank0s
 from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
@@ -50,10 +52,6 @@ PROBE = ".accel_train-probe-"
 # the id a fresh run takes: launch.sh sets one per invocation, the same on each of its relaunches,
 # so that a relaunch of an --overwrite run (--overwrite with --resume auto) resumes that run's
 # checkpoints only, never the replaced run's
-# flags that may differ between machines (paths of each machine's own disk, logging)
-PER_MACHINE = {"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method", "rank",
-               "world_size", "custom_data", "enable_gpu", "overwrite", "resume", "init_from",
-               "pretrained_path"}
 
 
 @dataclass
@@ -226,8 +224,8 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
 
     if target is None:
         # (an --overwrite relaunch: the earlier run's are set aside, said then)
-        if cfg.resume == "auto" and not runs:
-            log(nothing_to_resume(out))
+        if cfg.resume == "auto" and not runs:  # (a mistyped --output_dir trains from scratch)
+            get_logger("accel_train").warning(nothing_to_resume(out), main_process_only=True)
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)
         run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
@@ -336,7 +334,7 @@ def keep_run_math(old: dict, cfg: TrainConfig) -> None:
         then = tuple(old[key]) if key in mean_std and old[key] is not None else old[key]
         if now in AUTOMATIC:
             setattr(cfg, key, _flag_value(key, then))
-        elif now != then:
+        elif now != then and not (key == "model" and same_callable(now, then)):
             raise ConfigError(f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
                               f"{_flag_value(key, then)!r}: resuming would change the run; resume "
                               + (f"with --{key} {_flag_value(key, then)}" if then is not None

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..parser import Parser
 from ..training.evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
-from ..model.own_model import allow_import
+from ..model.own_model import allow_import, same_callable, search_code_dir
 
 
 # evaluate's batch where the run's is unknown. Memory: 2 ranks at 256 measured 1.35 GiB per rank
@@ -65,17 +65,27 @@ def load_exported(checkpoint, ema: bool = False, trust: bool = False, named: str
                           "given to train() and its import path does not rebuild it); pass "
                           "--model module.path:callable that builds it, called "
                           f"with num_classes and {meta.get('model_kwargs') or {}}")
+    if same_callable(named, meta.get("architecture")):
+        meta["architecture"] = named  # (its importable name)
     if named and meta.get("architecture") and named != meta["architecture"]:
         raise ConfigError(f"--model {named}, but {root / MODEL_CONFIG_FILE} says the model is "
                           f"{meta['architecture']}; drop --model or name that one")
     arch = named or meta["architecture"]
     allow_import(arch, trust, named, str(root / MODEL_CONFIG_FILE))
+    search_code_dir(meta.get("code_dir"))  # (the training script's folder: its own code)
     # (a model of a fixed input size: built for the run's)
     model = create_model(arch, meta["stem"], meta["num_classes"], int(meta["input_size"][-1]),
                          **meta.get("model_kwargs", {}))
     try:
+        state = load_file(weights)
+    # (safetensors' own error: a header or data cut short, not a safetensors file)
+    except Exception as e:
+        raise ConfigError(f"{weights} is damaged: not a complete safetensors file "
+                          f"({str(e).splitlines()[0][:200]}); train again or take a checkpoint's "
+                          "copy") from None
+    try:
         # (a checkpoint's: written from the prepared model)
-        model.load_state_dict(plain_state_dict(load_file(weights)))
+        model.load_state_dict(plain_state_dict(state))
     except Exception as e:
         raise ConfigError(f"{weights} does not fit {arch} "
                           f"({str(e).splitlines()[0][:200]})") from None
@@ -196,15 +206,20 @@ def main_evaluate(argv: list[str]) -> int:
     data = on_every_rank(accelerator, build_data, cfg, accelerator.device, info=info,
                          eval_only=True, budget=budget)
     model, test_loader = accelerator.prepare(model, data.test_loader)
-    preds, labels = evaluate(accelerator, model, test_loader, data, args.tta)
+    evaluated = evaluate(accelerator, model, test_loader, data, args.tta)
+    preds, labels = evaluated.preds, evaluated.labels
     log = get_logger("accel_train")
-    acc = (preds == labels).float().mean().item()
+    acc = evaluated.accuracy()
     width = max(12, *(columns(c) for c in info.classes))
     lines = [f"{meta['architecture'] or args.model} ({meta['stem']} stem) from {args.checkpoint}"
              + (" [EMA]" if args.ema else "") + (" [best epoch]" if args.best else "")
              + (" [flip TTA]" if args.tta else "")
              + f": test accuracy {acc:.2%} on {labels.numel()} samples "
-               f"({accelerator.num_processes} process(es))",
+               f"({accelerator.num_processes} process(es)); "
+             + ", ".join(f"{k[5:].replace('top', 'top-')} {v:.4f}" if k == "test_loss"
+                         else f"{k[5:].replace('top', 'top-')} {v:.2%}"
+                         for k, v in evaluated.metrics(len(info.classes)).items()
+                         if k != "test_acc"),
              f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]
     for c, name in enumerate(info.classes):
         mask = labels == c

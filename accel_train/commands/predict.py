@@ -128,7 +128,8 @@ def main_predict(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True,
                    help="output directory of a finished run, or a checkpoint folder "
                    "(<output_dir>/checkpoints/step_N)")
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--top", type=int, default=5, metavar="K",
+                   help="the K most likely classes shown for each image")
     p.add_argument("--format", default="text", choices=("text", "json", "csv"),
                    help="text: 'file: class p%%, ...' per image; json: one object per line "
                         "({\"file\", \"top\": [{\"class\", \"probability\"}, ...]} or "

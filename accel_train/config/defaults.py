@@ -101,7 +101,8 @@ def infer_data(data_dir: str, default_dir: bool) -> str:
         return "random"
     root = Path(data_dir)
     if not root.is_dir():
-        raise ConfigError(f"--data_dir {data_dir} does not exist; pass the folder that holds "
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise ConfigError(f"--data_dir {data_dir} {what}; pass the folder that holds "
                           "cifar-10-batches-py/ or train/<class>/, or --data random (random data "
                           "reads no folder)")
     if (root / "cifar-10-batches-py").is_dir():

@@ -51,7 +51,7 @@ class TrainConfig:
                                     "evenly spaced files; random data: its size, default 50000)",
                                     "data")
     test_samples: int | None = opt(None, "use only the first N test samples (random data: its "
-                                   "size, default 10000)", "data")
+                                   "size, default 10000 or --train_samples, the smaller)", "data")
     val_split: float | None = opt(None, "an image folder without val/: hold out this fraction of "
                                   "each class of train/ as the evaluation split (chosen by --seed: "
                                   "the same files on every rank, machine and resume; evaluate and "
@@ -146,6 +146,9 @@ class TrainConfig:
     epochs: int = opt(30, "training epochs (the schedule's length)", "optimisation")
     max_steps: int | None = opt(None, "stop after N optimizer steps (smoke runs); the schedule "
                                 "stays the full run's", "optimisation")
+    patience: int | None = opt(None, "early stopping: stop after N evaluations without a better "
+                               "test accuracy (model_best's); default: off",
+                               "optimisation")
     batch_size: int | None = opt(None, f"batch size per process; default {BATCH_SIZE}, less for a "
                                  "small data set: the largest power of two that gives an epoch "
                                  f"{MIN_STEPS} steps", "optimisation")
@@ -273,7 +276,8 @@ class TrainConfig:
     def validate(self) -> None:
         check_types_and_choices(self)
         at_least(self, 1, "epochs", "grad_accum", "keep_checkpoints", "log_every", "timeout_s",
-                 "ddp_bucket_cap_mb", "batch_size", "max_steps", "train_samples", "test_samples")
+                 "ddp_bucket_cap_mb", "batch_size", "max_steps", "train_samples", "test_samples",
+                 "patience")
         at_least(self, 0, "checkpoint_minutes", "checkpoint_every", "num_workers", "threads",
                  "warmup_epochs", "weight_decay", "min_lr", "drop_path", "drop_rate", "mixup",
                  "cutmix", "device_data_mb", "heartbeat_timeout_s", "hang_report_s")

@@ -87,7 +87,8 @@ def read_cifar10(data_dir, splits=("train", "test")
     data_dir = Path(data_dir)
     root = data_dir / CIFAR_DIR
     if not data_dir.is_dir():
-        raise DataError(f"data directory {data_dir} does not exist; pass --data_dir "
+        what = "is a file, not a folder" if data_dir.exists() else "does not exist"
+        raise DataError(f"data directory {data_dir} {what}; pass --data_dir "
                         f"(or --data_url) pointing at the folder that holds {CIFAR_DIR}/, "
                         "or use --data random")
     if not root.is_dir():

@@ -63,7 +63,8 @@ def image_folder_splits(data_dir, need_train: bool = True, val_split: float | No
     evaluation folder."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise DataError(f"data directory {root} does not exist; pass --data_dir (or --data_url) "
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise DataError(f"data directory {root} {what}; pass --data_dir (or --data_url) "
                         "pointing at the folder that holds train/ and val/")
     train = root / "train"
     if (need_train or val_split) and not train.is_dir():

@@ -131,7 +131,9 @@ def load_data(cfg: TrainConfig, device, info: DataInfo | None = None, eval_only:
         return load_image_folder(cfg, device, info, wanted, budget, should_stop)
     size = info.image_size if info else cfg.resolution()
     if cfg.data == "random":
-        tensors = random_data(cfg.train_samples or 50_000, cfg.test_samples or 10_000, cfg.seed,
+        # CIFAR-10's sizes; the test set no larger than the training set
+        train = cfg.train_samples or 50_000
+        tensors = random_data(train, cfg.test_samples or min(10_000, train), cfg.seed,
                               size, info.num_classes if info else CIFAR10.num_classes, wanted)
         info = info or with_flags(replace(CIFAR10, name="random", image_size=size), cfg)
     else:

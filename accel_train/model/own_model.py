@@ -38,10 +38,55 @@ def is_import_path(name) -> bool:
 
 def name_of(model) -> str:
     """The import path a module or factory given to train() is recorded under (config.yaml,
-    model_config.json)."""
+    model_config.json): a training script's own code under the script's importable name, never
+    `__main__`, which a later process (predict, evaluate, a resume) would take for its own."""
     kind = model if callable(model) and not isinstance(model, nn.Module) else type(model)
-    return (f"{getattr(kind, '__module__', '__main__')}:"
-            f"{getattr(kind, '__qualname__', type(kind).__name__)}")
+    module = getattr(kind, "__module__", "__main__")
+    if module == "__main__":
+        module = main_module_name() or module
+    return f"{module}:{getattr(kind, '__qualname__', type(kind).__name__)}"
+
+
+def main_module_name() -> str | None:
+    """The importable name of the code running as `__main__`: `python -m pkg.mod`'s pkg.mod, a
+    `python path/script.py`'s file name (imported from its folder: code_dir); None for a notebook or
+    `python -c`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return spec.name
+    stem = Path(getattr(main, "__file__", None) or "").stem
+    return stem if stem.isidentifier() else None
+
+
+def code_dir(path: str | None) -> str | None:
+    """The folder a later process imports an import path's module from (model_config.json's
+    code_dir): the one that holds its top-level package or module file, for your own files (None:
+    a timm name, an installed package, or a module with no file)."""
+    if not is_import_path(path):
+        return None
+    name = path.partition(":")[0]
+    module = sys.modules.get("__main__") if name == main_module_name() else sys.modules.get(name)
+    if module is None or not is_local(module):
+        return None
+    folder = Path(module.__file__).resolve().parent
+    for _ in range(name.count(".") + (Path(module.__file__).name == "__init__.py")):
+        folder = folder.parent
+    return str(folder)
+
+
+def search_code_dir(folder: str | None) -> None:
+    """Let import_callable find a module in `folder` (after the working directory and PYTHONPATH):
+    the recorded code_dir of a trained model's own code."""
+    if folder and Path(folder).is_dir() and folder not in sys.path:
+        sys.path.append(folder)
+
+
+def same_callable(named: str | None, recorded: str | None) -> bool:
+    """`--model mod:f` names the model that model_config.json records as `__main__:f` (written by
+    an earlier accel_train from a script run as __main__)."""
+    return bool(named and recorded and recorded.startswith("__main__:") and is_import_path(named)
+                and named.partition(":")[2] == recorded.partition(":")[2])
 
 
 def code_digest(name, model: nn.Module | None = None) -> str | None:

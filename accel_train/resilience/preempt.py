@@ -30,11 +30,14 @@ from ..errors import (
 )
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# stop signals within this many seconds of the first are the same stop
+ONE_STOP_S = 1.0
 
 
 class StopRequest:
     def __init__(self):
         self.signal: int | None = None
+        self.since = 0.0  # when the first stop signal came (time.monotonic)
         self.agreed = False  # the ranks agreed on the stop (AgreedChecks): every peer answered
         # the slowest rank's seconds per training step at the last agreed check (survivor.py)
         self.step_s = None
@@ -78,10 +81,13 @@ class StopRequest:
         # sessions of their own, so they never get the terminal's SIGINT; its agent passes the first
         # SIGINT it gets on and answers a second one with SIGTERM
         # (torch/distributed/elastic/agent/server/api.py, run()).
-        if self.signal == signal.SIGINT:
+        # Signals that arrive together are one stop: the agent's SIGINT then SIGTERM when it got two
+        # (`timeout` forwards the terminal's SIGINT to the group that got it too), a terminal and a
+        # launcher both delivering. Only a Ctrl-C typed after them ends the run at once.
+        if self.signal == signal.SIGINT and time.monotonic() - self.since > ONE_STOP_S:
             stop_at_once(self.announce)
         if self.signal is None:  # named after the first signal
-            self.signal = signum
+            self.signal, self.since = signum, time.monotonic()
             # seconds may pass before the next agreed check
             if signum == signal.SIGINT and self.notice:
                 say("\naccel-train: Ctrl-C: every rank stops at its next agreed check and saves a "

@@ -31,6 +31,7 @@ from ..files import (
 )
 from .metrics import MetricsLog
 from ..model.create import bare_model
+from ..model.own_model import code_dir, is_import_path
 from ..platform.ranks import main_process_writes
 
 if TYPE_CHECKING:
@@ -106,6 +107,23 @@ class BestModel:
         if self.improves(row):
             self.row, self.on_disk = row, True
 
+    def evaluations_since(self, rows: list[dict]) -> int:
+        """How many evaluations came after the best one (the metrics rows, which checkpoints carry:
+        a resumed run counts as the uninterrupted one)."""
+        if self.row is None:
+            return 0
+        return sum(r.get("test_acc") is not None and r["epoch"] > self.row["epoch"] for r in rows)
+
+    def out_of_patience(self, patience: int | None, rows: list[dict]) -> str | None:
+        """--patience: the line that says why the run stops early, or None (go on). Every rank
+        holds the same rows: every rank decides alike, with no collective."""
+        since = self.evaluations_since(rows)
+        if not patience or since < patience:
+            return None
+        return (f"--patience {patience}: the test accuracy has not improved for {since} "
+                f"evaluation(s) since epoch {self.row['epoch']} ({self.row['test_acc']:.2%}); "
+                f"training stops early after epoch {rows[-1]['epoch']}, the best model kept")
+
 
 def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict | None
                  ) -> None:
@@ -163,7 +181,9 @@ def compile_summary() -> str:
 def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
     """architecture: the timm name or import path that rebuilds the model (Run.architecture), None
     if none does."""
-    return {"architecture": run.architecture, "stem": cfg.stem, **run.data.info.model_config(),
+    folder = code_dir(run.architecture)  # (your own code: where predict imports it from)
+    return {"architecture": run.architecture, **({"code_dir": folder} if folder else {}),
+            "stem": cfg.stem, **run.data.info.model_config(),
             "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics,
             "accel_train_version": __version__}
 
@@ -222,10 +242,23 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
                     f"{summary['images_per_sec'] or 0:.0f} img/s | "
                     f"outputs in {out}/: {', '.join(files)}"
                     + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
+        logger.info(predict_command(out, run.architecture, info.mean is not None))
     accelerator.wait_for_everyone()
     accelerator.end_training()
     stop.uninstall()
     return summary
+
+
+def predict_command(out: Path, architecture: str | None, normalised: bool = True) -> str:
+    """The line that says how to predict with the trained model (`normalised`: its model_config.json
+    records the normalisation; a script's own Datasets may not)."""
+    code = (" --trust_model_code" if is_import_path(architecture)
+            else " --model module.path:callable" if architecture is None else "")
+    norm = "" if normalised else " --mean R,G,B --std R,G,B"
+    return (f"predict with: accel-train predict --checkpoint {out}{code}{norm} IMAGE_OR_FOLDER ..."
+            + (" (imports the model's code: trust it)" if is_import_path(architecture) else "")
+            + ("" if normalised else " (--mean/--std: what your Dataset's transform applied to "
+                                     "[0, 1] images)"))
 
 
 def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0,

@@ -48,7 +48,7 @@ def train(cfg: TrainConfig, given=None) -> dict:
         parts = Parts.of(run, cfg, stop)
         started = time.perf_counter()
         with Survivor(run, cfg, parts.checkpoints, parts.metrics, stop, hang).guard() as survivor:
-            while not run.done:
+            while not run.done and not early_stop(cfg, parts):
                 epoch = run.state.epoch
                 # (resumed after the epoch's last batch: only its evaluation is left)
                 only_evaluation = run.state.batch_in_epoch >= run.batches_per_epoch
@@ -66,6 +66,14 @@ def train(cfg: TrainConfig, given=None) -> dict:
                 parts.checkpoints.save(run.state)  # the epoch's end, or where --max_steps stopped
         parts.progress.close()
         return finish(run, cfg, parts.metrics, parts.best, time.perf_counter() - started, stop)
+
+
+def early_stop(cfg: TrainConfig, parts: Parts) -> bool:
+    """--patience spent: said once, and the run finishes as a whole one does (exit 0)."""
+    said = parts.best.out_of_patience(cfg.patience, parts.metrics.rows)
+    if said:
+        logger.info(said, main_process_only=not cfg.log_all_ranks)
+    return said is not None
 
 
 @dataclass
@@ -282,18 +290,20 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     evaluated = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta, stop)
     if evaluated is None:
         return EpochEnd(stopped=True)
-    preds, labels = evaluated
+    classes = run.data.info.num_classes
     row = {"epoch": epoch + 1, "step": run.state.step, **train_stats,
-           "test_acc": (preds == labels).float().mean().item(), "test_samples": labels.numel(),
+           **evaluated.metrics(classes), "test_samples": evaluated.labels.numel(),
            "lr": lr_of_step(run.scheduler, run.state.step)}  # the lr of the epoch's last step
     if run.ema is not None:
         ema_evaluated = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta, stop)
         if ema_evaluated is None:
             return EpochEnd(stopped=True)
-        row["test_acc_ema"] = (ema_evaluated[0] == labels).float().mean().item()
+        row["test_acc_ema"] = ema_evaluated.accuracy()
+    top = f" top-5 {row['test_top5']:.2%}" if "test_top5" in row else ""
     logger.info(f"epoch {epoch + 1}/{cfg.epochs} step {row['step']}: "
                 f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.2%} | "
-                f"test acc {row['test_acc']:.2%} ({row['test_samples']} samples)"
+                f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.2%}{top} "
+                f"({row['test_samples']} samples)"
                 + (f" ema {row['test_acc_ema']:.2%}" if run.ema is not None else "")
                 + f" | {row['images_per_sec']:.0f} img/s "
                 f"({row['images_per_sec_per_process']:.0f}/process, "

@@ -144,6 +144,14 @@ def test_a_resume_takes_every_setting_the_command_line_leaves_out_from_the_runs_
     ckpt.mkdir(parents=True)
     cfg = parse_train_args(["--output_dir", str(tmp_path / "elsewhere"), "--resume", str(ckpt)])
     assert (cfg.epochs, cfg.lr) == (3, 0.01)
+    # another kind of data named: the settings resolved for the run's data are not taken (the data itself is then
+    # refused against the checkpoint, naming --data)
+    run.crop_pct, run.data, run.pipeline = 0.95, "imagefolder", "cache"
+    run.save_yaml(out / "config.yaml")
+    cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto", "--data", "random"])
+    assert (cfg.data, cfg.crop_pct, cfg.pipeline, cfg.epochs) == ("random", None, "auto", 3)
+    run.data, run.pipeline, run.crop_pct = "random", "auto", None
+    run.save_yaml(out / "config.yaml")
     # no resume, no record: the defaults
     assert parse_train_args(["--output_dir", str(out)]).epochs == TrainConfig().epochs
     # model code is imported only when named: a script passes it to train(), the command line types --model

@@ -99,6 +99,8 @@ def settings_from_flags(optimizers):
 # resume.keep_run_math takes them from the checkpoint).
 RUN_DATA = ("data", "data_dir", "train_samples", "test_samples", "val_split")
 DATA_KINDS = ("cifar10", "imagefolder", "random")
+# what start-up resolved from the run's data (config/defaults.py): not the values for another kind
+DATA_RESOLVED = ("image_size", "mean", "std", "pipeline", "crop_pct", "train_crop")
 # Settings that may differ between the machines of one job (paths of each machine's own disk, its
 # workers, its logging, the platform's rendezvous arguments, the seed's aliases)
 PER_MACHINE = frozenset({"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method",
@@ -144,7 +146,7 @@ def run_settings(values: dict, named: set[str], read) -> str | None:
         if "data_dir" in named or values.get("data") != recorded.get("data"):
             drop.add("data_dir")
         if kind_named and values.get("data") != recorded.get("data"):  # (not the run's folder)
-            drop.add("val_split")
+            drop |= {"val_split", *DATA_RESOLVED}
     if recorded.get("data") not in DATA_KINDS:  # (a run on a script's own Datasets reads no folder)
         drop |= {"data", "data_dir"}
     if ":" in str(recorded.get("model", "")):

@@ -118,9 +118,10 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
         from .model.own_model import allow_import
         allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
     # a resume's settings that the command line leaves out: the run's own
-    said = run_settings(values, flags | set(file), load_yaml)
+    said, taken = run_settings(values, flags | set(file), load_yaml)
     cfg = TrainConfig(**seed_data_alias(values, flags, file))
     cfg.notes = [said] if said else []  # (said by the main process once the run starts: setup)
+    cfg.from_run = taken  # (None: no record here; resume.decide gives it another machine's)
     return cfg
 
 

@@ -4,11 +4,52 @@ name."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import os
 import shutil
 from pathlib import Path
+
+_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+
+
+def open_output(path, mode: str = "w"):
+    """A file of the run's outputs opened for writing (mode w, a, wb or ab), never through a link:
+    a link planted in an output directory that someone else can write would redirect the write into
+    a file of theirs choosing (O_NOFOLLOW). A link there is one line naming it."""
+    flags = _FLAGS[mode[0]] | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        from .errors import ConfigError
+        raise ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
+                          "through a link it did not make; remove it, or pass another "
+                          "--output_dir") from None
+    return os.fdopen(fd, mode)
+
+
+def planted_links(out) -> list[str]:
+    """Links in `out` where the run writes a file of its own ("name -> target"): the run makes none.
+    A linked folder (checkpoints/ on another disk) is the user's and stays allowed."""
+    names = {MODEL_FILE, MODEL_CONFIG_FILE, EMA_EXPORT_FILE, BEST_FILE, CONFIG_FILE, METRICS_FILE,
+             STEPS_FILE, CURVES_FILE, LOCK_FILE}
+    try:
+        entries = list(os.scandir(out))
+    except OSError:
+        return []
+    return [f"{e.name} -> {os.readlink(e.path)}" for e in sorted(entries, key=lambda e: e.name)
+            if e.is_symlink() and (e.name in names or e.name.startswith(".tmp-"))]
+
+
+def write_output(path, data: str | bytes) -> None:
+    """Path.write_text / write_bytes, never through a link (open_output)."""
+    with open_output(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+
 
 # --output_dir
 MODEL_FILE = "model.safetensors"            # the trained model (main process only)
@@ -20,6 +61,8 @@ METRICS_FILE = "metrics.jsonl"              # one row per epoch
 STEPS_FILE = "steps.jsonl"                  # one row per logged step
 CURVES_FILE = "training_curves.png"
 CKPT_DIR = "checkpoints"                    # step_<global step>/ each
+# in --output_dir: locked (lockf) by its writer, until that process ends
+LOCK_FILE = ".accel_train.lock"
 # --overwrite: an earlier run's checkpoint until this run has one
 SET_ASIDE = ".overwritten-"
 # in CKPT_DIR: the checkpoint a --resume PATH started the run from
@@ -63,19 +106,21 @@ def resumed_from(output_dir, launch: str | None = None) -> Path | None:
 
 
 def seal(folder: Path, meta: dict) -> None:
-    """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes recorded
-    in its trainer_state.json, which is written and flushed last: after a crash of the machine a
-    "complete" step never holds data the disk did not get."""
-    sizes = {}
+    """A checkpoint's last write: every file in it flushed to the disk (fsync), their sizes and
+    SHA-256 digests recorded in its trainer_state.json (beside the run's id and the step), which is
+    written and flushed last: after a crash of the machine a "complete" step never holds data the
+    disk did not get, and a file swapped in from another run or step is found on resume."""
+    sizes, digests = {}, {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name != STATE_FILE:
             with open(p, "rb") as f:
+                digest = sha256_of(f)
                 os.fsync(f.fileno())
             # (optional: a resume does without them, docs/outputs_and_resume.md)
             if not p.name.startswith(RNG_PREFIX):
-                sizes[p.name] = p.stat().st_size
-    with open(folder / STATE_FILE, "w") as f:
-        json.dump({**meta, "files": sizes}, f, indent=1)
+                sizes[p.name], digests[p.name] = p.stat().st_size, digest
+    with open_output(folder / STATE_FILE) as f:
+        json.dump({**meta, "files": sizes, "digests": digests}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -93,6 +138,27 @@ def sync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def sha256_of(f) -> str:
+    """The SHA-256 of an open binary file, read in 1 MiB blocks (hashlib.file_digest is 3.11's)."""
+    digest = hashlib.sha256()
+    while block := f.read(1 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def swapped(path: Path) -> list[str]:
+    """The files of a checkpoint whose SHA-256 is not the one its seal recorded (replaced by another
+    run's or step's, or changed on disk); none for a checkpoint of an older accel_train, which
+    records no digests."""
+    meta = json.loads((Path(path) / STATE_FILE).read_text())
+    found = []
+    for name, digest in (meta.get("digests") or {}).items():
+        with open(Path(path) / name, "rb") as f:
+            if sha256_of(f) != digest:
+                found.append(name)
+    return found
 
 
 def complete(path: Path) -> bool:

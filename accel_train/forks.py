@@ -23,6 +23,7 @@ import multiprocessing.popen_fork
 import os
 import signal
 import sys
+from pathlib import Path
 
 from .errors import WorkerDidNotStart
 
@@ -42,16 +43,36 @@ def worker_context():
     return FORK if (method or multiprocessing.get_all_start_methods()[0]) == "fork" else None
 
 
+def process_state(pid: int) -> str | None:
+    """A process's state letter (proc(5): R running, S sleeping, D disk ...); None: unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def not_started_why(state: str | None, affected: bool) -> str:
+    """Why a forked worker did not reach Python, as far as its state tells: one that still runs (or
+    waits on the disk) was only slow (a busy machine); one that sleeps, on a Python with the bug,
+    is the one CPython gh-112275 leaves stuck for ever."""
+    if state in ("R", "D"):
+        return "still running: slow, on a busy machine"
+    if affected:
+        return ("asleep: Python before 3.11.10 and 3.10.15 can leave a child forked beside other "
+                "threads stuck for ever (CPython gh-112275)")
+    return "stuck or slow"
+
+
 class _SeenToStart(multiprocessing.popen_fork.Popen):
+    state_at_end: str | None = None
+
     def _launch(self, process_obj):
         for attempt in range(1, FORK_ATTEMPTS + 1):
             wait_s = FORK_START_S * 2 ** (attempt - 1)
             if self._started_in(process_obj, wait_s):
                 return
             if attempt < FORK_ATTEMPTS:
-                why = ("Python before 3.11.10 and 3.10.15 can leave a child forked beside other "
-                       "threads stuck for ever (CPython gh-112275)" if AFFECTED else
-                       "stuck or slow")
+                why = not_started_why(self.state_at_end, AFFECTED)
                 sys.stderr.write(f"accel-train: warning: DataLoader worker {self.pid} did not "
                                  f"reach Python in {wait_s:g} s ({why}); forked it again "
                                  f"(attempt {attempt + 1} of {FORK_ATTEMPTS})\n")
@@ -84,7 +105,8 @@ class _SeenToStart(multiprocessing.popen_fork.Popen):
             os.close(ready)
 
     def _end(self) -> None:
-        """The child that never ran: it holds nothing."""
+        """The child that never ran: it holds nothing. Its state first (why it did not start)."""
+        self.state_at_end = process_state(self.pid)
         try:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)

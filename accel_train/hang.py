@@ -16,7 +16,10 @@ A checkpoint write and a torch.compile are no progress and no hang (`PROGRESS.ex
 thread that holds the GIL and never returns stops this thread too: faulthandler's C watchdog,
 re-armed every second from here, then dumps the stacks itself. Nothing is stopped by the report: a
 slow step goes on; --timeout_s ends a hung run (the survivors save the last completed step), or
---stop_on_hang ends it at the report in the same way.
+--stop_on_hang ends it at the report in the same way, where it tells waiting from computing: only a
+rank that waits on a peer (in a collective) once the first step has completed is stopped. Before
+the first step (a compile, a first large batch, a slow first read) and while every rank computes,
+the report is printed and nothing is stopped.
 """
 
 from __future__ import annotations
@@ -82,9 +85,27 @@ def where(frame) -> str:
     elif any(f.name == "_engine_run_backward" for f in frames):
         text += ", backward (DDP's gradient all-reduce)"
     ours = next((f for f in reversed(frames) if f"accel_train{os.sep}" in f.filename), None)
+    # your own code (a model's forward, a Dataset's read): the line a user looks for first
+    own = next((f for f in reversed(frames) if own_file(f.filename)), None)
+    if own is not None and own is not inner:
+        text += f", in your {short(own.filename)}:{own.lineno} {own.name}"
     if ours is not None and ours is not inner:
         text += f", called from {short(ours.filename)}:{ours.lineno} {ours.name}"
     return text
+
+
+def own_file(filename: str) -> bool:
+    """A file of the user's: not accel_train's, an installed package's or the standard library's."""
+    import sysconfig
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    path = os.path.abspath(filename)
+    return (os.path.isfile(path) and f"accel_train{os.sep}" not in path
+            and not any(path.startswith(os.path.abspath(p) + os.sep) for p in installed))
+
+
+def waits_on_a_peer(where_text: str) -> bool:
+    """A training thread waiting in a collective (or in DDP's all-reduce), from `where`'s text."""
+    return ", collective " in where_text or "all-reduce" in where_text
 
 
 def short(filename: str) -> str:
@@ -165,13 +186,16 @@ class HangReport:
             # a training thread that holds the GIL for good stops this thread: the C watchdog speaks
             # instead
             faulthandler.dump_traceback_later(bound + 30.0, exit=False, file=sys.__stderr__)
-            stagger = STAGGER_S * min(self.rank or 0, 8)
+            stagger = STAGGER_S * min(self.my_rank(), 8)
             if idle is None or idle <= bound + stagger or self.handled_at == self.progress.at:
                 continue
             self.handled_at = self.progress.at  # (once per stall)
-            hung = self.report(idle, bound) if self.reported_at != self.progress.at else True
-            if hung and self.cfg.stop_on_hang and self.on_hang is not None:
-                self.on_hang(f"rank {self.rank or 0} made no progress for {idle:.0f} s "
+            if self.reported_at != self.progress.at:
+                _, stop = self.report(idle, bound)
+            else:  # (a peer printed the report: this rank stops if it waits on that peer)
+                stop = self.stoppable({self.my_rank(): self.section(idle)})
+            if stop:
+                self.on_hang(f"rank {self.my_rank()} made no progress for {idle:.0f} s "
                              f"({self.progress.phase}, {stacks()[0]})")
         faulthandler.cancel_dump_traceback_later()
 
@@ -179,17 +203,26 @@ class HangReport:
         here, text = stacks()
         p = self.progress
         idle = time.monotonic() - p.at if idle is None else idle
-        return {"rank": self.rank or 0, "host": socket.gethostname(), "pid": os.getpid(),
+        return {"rank": self.my_rank(), "host": socket.gethostname(), "pid": os.getpid(),
                 "phase": p.phase, "step": p.step, "detail": p.detail, "idle_s": round(idle, 1),
                 "exempt": bool(p.exempt_depth), "where": here, "stacks": text}
 
-    def report(self, idle: float, bound: float) -> bool:
-        """Ask the peers for their parts (ANSWER_S at most) and print one block; False (nothing
-        printed) where every peer makes progress: this rank only waits for a busy one (a long decode
-        at start, a slow evaluation)."""
+    def my_rank(self) -> int:
+        """This rank's number (before attach, during start-up: the launcher's RANK)."""
+        return self.rank if self.rank is not None else int(os.environ.get("RANK") or 0)
+
+    def stoppable(self, sections: dict) -> bool:
+        """--stop_on_hang ends the run: once the first step completed, a rank waits on a peer."""
+        return (bool(self.cfg.stop_on_hang) and self.on_hang is not None and self.progress.step > 0
+                and any(s.get("missing") or waits_on_a_peer(s["where"]) for s in sections.values()))
+
+    def report(self, idle: float, bound: float) -> tuple[bool, bool]:
+        """Ask the peers for their parts (ANSWER_S at most) and print one block: (printed, whether
+        --stop_on_hang ends the run). Nothing printed where every peer makes progress: this rank
+        only waits for a busy one (a long decode at start, a slow evaluation)."""
         self.reported_at = self.progress.at
         mine = self.section(idle)
-        sections = {self.rank if self.rank is not None else 0: mine}
+        sections = {self.my_rank(): mine}
         peers = list(self.heartbeat.peers) if self.heartbeat is not None else []
         if peers:
             self.report_id += 1
@@ -200,22 +233,32 @@ class HangReport:
             for r in peers:
                 sections[r] = self._whole(r) or {"rank": r, "missing": True}
             if not any(stalled(sections[r], bound) for r in peers):
-                return False
+                return False, False
         step_s = getattr(self.stop, "step_s", None)
-        learned = f", {HANG_STEPS} x the slowest step {step_s:.2g} s" if step_s else ""
+        if self.progress.step == 0:
+            said = (f"--hang_report_s {self.cfg.hang_report_s:g}: before the first step no step "
+                    "time is known")
+        else:
+            learned = f", {HANG_STEPS} x the slowest step {step_s:.2g} s" if step_s else ""
+            said = f"max(--hang_report_s {self.cfg.hang_report_s:g}{learned})"
         head = (f"accel-train: warning: rank {mine['rank']} has made no progress for {idle:.0f} s "
-                f"(bound: max(--hang_report_s {self.cfg.hang_report_s:g}{learned})); "
-                "where every rank is:")
+                f"(bound: {said}); where every rank is:")
         lines = [head] + [summary(sections[r]) for r in sorted(sections)]
         for r in sorted(sections):
             if not sections[r].get("missing"):
                 lines += [f"rank {r}'s threads:", sections[r]["stacks"]]
-        ends = ("--stop_on_hang: the run ends here" if self.cfg.stop_on_hang else
-                f"nothing is stopped: the run goes on if the step completes; --timeout_s "
-                f"{self.cfg.timeout_s} ends it, or --stop_on_hang at this report")
+        stop = self.stoppable(sections)
+        why = ("" if not self.cfg.stop_on_hang or stop else
+               " (--stop_on_hang waits for the first step: a compile, a first batch or read may be "
+               "slow)" if self.progress.step == 0 else
+               " (--stop_on_hang: no rank waits on a peer, every rank is computing)")
+        ends = ("--stop_on_hang: the run ends here" if stop else
+                f"nothing is stopped{why}: the run goes on if the step completes; --timeout_s "
+                f"{self.cfg.timeout_s} ends it" + ("" if self.cfg.stop_on_hang else
+                                                   ", or --stop_on_hang at this report"))
         lines.append(f"accel-train: {ends} (the survivors save the last completed step)")
         write("\n" + "\n".join(lines) + "\n")
-        return True
+        return True, stop
 
     # ---- the channel's handlers (in the heartbeat's thread)
     def _answer(self, rank: int, payload: bytes) -> None:

@@ -188,3 +188,42 @@ def test_a_seed_out_of_range_is_refused_by_the_api_before_the_output_dir(tmp_pat
     with pytest.raises(ConfigError, match=r"^--seed must be in 0\.\.4294967295"):
         train(cfg)
     assert not out.exists(), sorted(out.rglob("*"))
+
+
+def test_links_planted_in_an_output_dir_are_never_written_through(tmp_path):
+    # another local user (uid 65534) made out/ and planted links where the run writes its lock and its config; the
+    # run, as root, is refused in one line and both victims keep their bytes
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {name: tmp_path / f"victim_{name}.txt" for name in ("lock", "cfg")}
+    for victim in victims.values():
+        victim.write_text("root's own data\n")
+    os.symlink(victims["lock"], out / ".accel_train.lock")
+    os.symlink(victims["cfg"], out / "config.yaml")
+    for path in (out, out / ".accel_train.lock", out / "config.yaml"):
+        os.lchown(path, 65534, 65534)
+    os.chmod(out, 0o777)
+    args = ["--model", "test_resnet", "--train_samples", "32", "--test_samples", "8", "--batch_size", "16",
+            "--epochs", "1", "--output_dir", out]
+    proc = run_cli(args)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("accel-train: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert ".accel_train.lock -> " in errors[0] and "config.yaml -> " in errors[0] and "never writes" in errors[0]
+    assert all(v.read_text() == "root's own data\n" for v in victims.values())
+    # a link made while the run goes on (after the start's look) is not written through either
+    from accel_train.errors import ConfigError
+    from accel_train.files import open_output, write_output
+    from accel_train.config.train_config import TrainConfig
+    for write in (lambda p: TrainConfig().save_yaml(p), lambda p: write_output(p, b"x"),
+                  lambda p: open_output(p, "a").write("x")):
+        with pytest.raises(ConfigError, match=r"config.yaml is a link \(to \S+victim_cfg.txt\): accel_train never"):
+            write(out / "config.yaml")
+    assert victims["cfg"].read_text() == "root's own data\n"
+    from accel_train.checkpoint.output_dir import hold_output_dir
+    (out / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"holds .accel_train.lock -> "):
+        hold_output_dir(out)
+    from accel_train.checkpoint.output_dir import open_lock_file
+    with pytest.raises(ConfigError, match=r".accel_train.lock is a link"):
+        open_lock_file(out / ".accel_train.lock")
+    assert victims["lock"].read_text() == "root's own data\n"

@@ -153,6 +153,18 @@ def test_files_in_hidden_folders_are_skipped(tmp_path):
                       "cpu").train_size == 10
 
 
+def test_image_links_that_lead_nowhere_are_said_and_skipped(tmp_path, caplog):
+    root = write_image_folder(tmp_path / "d", train=3, val=1)
+    before = scan_split(root / "train")
+    os.symlink(tmp_path / "gone.png", root / "train/apple/dangling.png")
+    os.symlink(root / "train/apple/loop.png", root / "train/apple/loop.png")
+    with caplog.at_level("WARNING", logger="accel_train"):
+        assert scan_split(root / "train") == before
+    said = [r.getMessage() for r in caplog.records if "image links to nothing" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{root / 'train'}: skipped 2 image links to nothing"), said
+    assert "dangling.png" in said[0] and "loop.png" in said[0]
+
+
 def test_sample_limits_keep_a_small_class(tmp_path):
     # item 10: N evenly spaced files of the whole folder stepped over a class of 3 between two of 1000 for every N
     # from 50 to 500 (the old test's classes were of equal size)

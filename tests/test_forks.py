@@ -21,15 +21,19 @@ from accel_train.data.workers import loader_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_STALL = {"token": None}
+_STALL = {"token": None, "busy": False}
 
 
 def _stall_once_in_the_child():
     # What a fork under CPython's gh-112275 leaves: a child that never gets to its first line of
-    # Python (here: it waits in an at-fork hook, past the reinit, before multiprocessing runs).
+    # Python (here: it waits in an at-fork hook, past the reinit, before multiprocessing runs);
+    # busy: a child that runs but is slow (a busy machine)
     token = _STALL["token"]
     if token and os.path.exists(token):
         os.remove(token)
+        end = time.monotonic() + 3600
+        while _STALL["busy"] and time.monotonic() < end:
+            pass
         time.sleep(3600)
 
 
@@ -60,6 +64,22 @@ def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(tm
     err = capfd.readouterr().err
     assert err.count("did not reach Python in 0.5 s") == 1, err
     assert "attempt 2 of 4" in err and ("CPython gh-112275" in err) == forks.AFFECTED
+    del loader
+
+
+def test_a_worker_that_was_only_slow_is_not_blamed_on_the_fork_bug(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(forks, "FORK_START_S", 0.5)
+    token = tmp_path / "stall"
+    token.write_text("")
+    monkeypatch.setitem(_STALL, "token", str(token))
+    monkeypatch.setitem(_STALL, "busy", True)  # (the child computes: state R)
+    data = TensorDataset(torch.arange(12.0).view(6, 2), torch.arange(6))
+    loader = DataLoader(data, batch_size=3, **loader_kwargs(TrainConfig(num_workers=1), "cpu"))
+    assert [y.tolist() for _, y in loader] == [[0, 1, 2], [3, 4, 5]]
+    err = capfd.readouterr().err
+    assert "did not reach Python in 0.5 s (still running: slow, on a busy machine)" in err, err
+    assert "gh-112275" not in err
+    assert "gh-112275" in forks.not_started_why("S", True) and "gh-112275" not in forks.not_started_why("S", False)
     del loader
 
 

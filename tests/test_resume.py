@@ -426,3 +426,22 @@ def test_an_immediate_resume_after_kill_9_is_not_refused_by_the_dead_trainers_da
     finally:
         os.killpg(trainer.pid, signal.SIGKILL)  # (the workers: in the trainer's session)
         trainer.wait(timeout=30)
+
+
+def test_a_machine_whose_disk_lost_the_runs_record_takes_another_machines():
+    from accel_train.checkpoint.resume import _check_flags, share_the_record
+    from accel_train.config.train_config import TrainConfig
+    said = []
+    # machine 0's command line took --epochs 3 and --lr 0.01 from its config.yaml; machine 1's disk was replaced
+    mine = TrainConfig(resume="auto", model="test_resnet")
+    mine.from_run = None
+    flags = {k: v for k, v in mine.to_dict().items() if k not in ("output_dir", "resume")}
+    reports = [{"rank": 0, "flags": {**flags, "epochs": 3, "lr": 0.01}, "from_run": {"epochs": 3, "lr": 0.01}},
+               {"rank": 1, "flags": dict(flags), "from_run": None}]
+    share_the_record(mine, reports, 1, said.append)
+    _check_flags(reports)  # (no "started with different flags")
+    assert (mine.epochs, mine.lr) == (3, 0.01) and said and "rank 0's: --epochs 3 --lr 0.01" in said[0]
+    # without the share, the machines would disagree (and train two runs)
+    reports[1]["flags"] = dict(flags)
+    with pytest.raises(ConfigError, match="started with different flags"):
+        _check_flags(reports)

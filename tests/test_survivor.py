@@ -111,7 +111,7 @@ def test_a_frozen_rank_is_found_by_its_heartbeat_and_the_job_runs_again_within_a
 # (a long step, a first compile): its peer waits in that step's all-reduce meanwhile
 SLOW_STEP_HOOK = """\
 import os
-if os.environ.get("RANK") == os.environ.get("ACCEL_TEST_SLOW_RANK"):
+if os.environ.get("ACCEL_TEST_SLOW_RANK") in (os.environ.get("RANK"), "*"):
     import time
     import accelerate
     _backward, _calls = accelerate.Accelerator.backward, []
@@ -152,6 +152,29 @@ def test_a_rank_slow_in_one_step_past_the_heartbeat_timeout_is_no_lost_peer(tmp_
     assert re.search(r"rank 0 \(.*training thread in .*backward \(DDP's gradient all-reduce\)", block), block[:3000]
     assert "in _slow" in block and "time.sleep(float(os.environ" in block  # rank 1's stack, its line
     assert "nothing is stopped" in block
+
+
+@pytest.mark.faults
+def test_stop_on_hang_never_stops_a_slow_first_step_of_every_rank(tmp_path):
+    # both ranks spend 12 s in their first step (a compile, a first large batch, a slow first read), past a 4-s hang
+    # report: it is printed, says its bound, and stops nothing; the run finishes
+    out, hooks = tmp_path / "out", tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_STEP_HOOK)
+    env = clean_env(ACCEL_TEST_SLOW_RANK="*", ACCEL_TEST_SLOW_AT="1", ACCEL_TEST_SLOW_S="12",
+                    PYTHONPATH=os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIGS / "2proc_cpu.yaml", "-m",
+           "accel_train", *TINY, "--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "8",
+           "--hang_report_s", "4", "--stop_on_hang", "--heartbeat_s", "0.5", "--heartbeat_timeout_s", "30",
+           "--output_dir", out]
+    proc = run(list(map(str, cmd)), 300, env, ROOT)
+    assert proc.returncode == 0 and (out / "model.safetensors").is_file(), proc.stderr[-4000:]
+    text = proc.stderr
+    assert "has made no progress" in text and "ends the run" not in text, text[-4000:]
+    assert "(bound: --hang_report_s 4: before the first step no step time is known)" in text, text[-4000:]
+    assert "nothing is stopped (--stop_on_hang waits for the first step" in text, text[-4000:]
+    block = text[text.index("has made no progress"):]
+    assert re.search(r"rank 0 \(", block) and re.search(r"rank 1 \(", block), block[:3000]  # (each rank its own)
 
 
 # test only: rank 0 SIGKILLs itself inside its ACCEL_TEST_KILL_AT-th accelerate save_state (a

@@ -121,11 +121,12 @@ def run_config(output_dir, resume) -> Path:
     return Path(output_dir) / "config.yaml"
 
 
-def run_settings(values: dict, named: set[str], read) -> str | None:
+def run_settings(values: dict, named: set[str], read) -> tuple[str | None, dict | None]:
     """A resume continues the run: every setting that the command line (and its --config) leaves
     out is the run's own, from its config.yaml (`read`: cli.load_yaml), never the default, so that
     `--output_dir D --resume auto` continues the run in D as it was started. Changes `values` in
-    place; returns the line that says what was taken (None: nothing).
+    place; returns the line that says what was taken (None: nothing) and what was taken (None: no
+    record was read; a machine whose disk lost it takes another machine's at start: resume.decide).
 
     The data: --data named alone takes the run's --data_dir only if the run read the same kind;
     --data_dir named alone says its own kind (config.infer_data). A value that is named and
@@ -134,12 +135,14 @@ def run_settings(values: dict, named: set[str], read) -> str | None:
     --overwrite (launch.sh's relaunch of a run that replaced another, whose command line it gives
     again) only the data is taken: the config.yaml may still be the replaced run's."""
     if not values.get("resume"):
-        return None
+        return None, None
     path = run_config(values["output_dir"], values["resume"])
     try:
         recorded = read(path) if path.is_file() else {}
     except ConfigError:  # (a config.yaml this version cannot read: the flags as given)
-        return None
+        return None, None
+    if not recorded:
+        return None, None
     drop, kind_named = set(OWN), bool(named & {"data", "custom_data"})
     if kind_named or "data_dir" in named:  # the kind named, or said by the folder named
         drop.add("data")
@@ -155,8 +158,8 @@ def run_settings(values: dict, named: set[str], read) -> str | None:
             and (k in RUN_DATA or not values.get("overwrite"))]
     taken = {k: recorded[k] for k in keys if recorded[k] != values.get(k)}
     if not taken:
-        return None
+        return None, {}
     values.update(taken)
     said = " ".join(f"--{k} {_said(v)}" for k, v in taken.items())
     return (f"resume: the run's own settings from {path}, where this command line names none: "
-            f"{said}; its image size, classes and mean/std follow the checkpoint")
+            f"{said}; its image size, classes and mean/std follow the checkpoint"), taken

@@ -41,10 +41,13 @@ from ..files import (
     STATE_FILE,
     checkpoint_dirs,
     dumps,
+    open_output,
     read_jsonl,
     seal,
     step_dir,
+    swapped,
     sync_dir,
+    write_output,
 )
 from ..hang import PROGRESS
 from .output_dir import delete_set_aside
@@ -74,7 +77,7 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
     try:
-        with open(tmp, "wb") as f:
+        with open_output(tmp, "wb") as f:
             f.write(save(tensors, metadata=metadata))
         os.replace(tmp, path)
     except BaseException:  # a full disk, a signal: no half-written file left beside the outputs
@@ -194,7 +197,7 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
         if writer:
             with attempt:
                 for name, data in filter(None, states):
-                    (tmp / name).write_bytes(data)
+                    write_output(tmp / name, data)
     if writer:
         with attempt:
             # accelerate's save_state writes them 0600 (safetensors' save_file)
@@ -204,11 +207,11 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
                 save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
             # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
             if facts is not None:
-                (tmp / MODEL_CONFIG_FILE).write_text(
-                    json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
+                write_output(tmp / MODEL_CONFIG_FILE,
+                             json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
             for name, rows in (history or {}).items():
                 # as the metrics files are
-                (tmp / name).write_text("".join(dumps(r) + "\n" for r in rows))
+                write_output(tmp / name, "".join(dumps(r) + "\n" for r in rows))
             seal(tmp, {**asdict(state), "run": run_math, "ema": ema is not None,
                        "num_processes": accelerator.num_processes})
     agree()  # every rank's files are in tmp
@@ -299,6 +302,11 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     """Every rank calls this, after accelerator.prepare. The lr schedule is not loaded: it is a
     function of the step and the current flags (see docs/outputs_and_resume.md: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
+    if changed := swapped(path):
+        raise ConfigError(f"checkpoint {path}: {', '.join(changed)} is not the file sealed at step "
+                          f"{meta['step']} of run {meta.get('run_id', '?')} (its SHA-256 differs "
+                          f"from {STATE_FILE}'s): it was replaced or changed since; resume from "
+                          "another checkpoint (--resume PATH) or start a fresh run")
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
     # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says
     if not rng.is_file():

@@ -6,6 +6,7 @@ way a step is written); a resume keeps the run's math."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
-from ..files import CKPT_DIR, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE, checkpoint_dirs
+from ..files import (CKPT_DIR, LOCK_FILE, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE,
+                     checkpoint_dirs, planted_links)
 from ..config.recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule);
@@ -27,8 +29,6 @@ RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean
             "hflip", "freeze", "val_split", *RECIPE_FLAGS)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
-# in --output_dir: locked (lockf) by its writer, until that process ends
-LOCK_FILE = ".accel_train.lock"
 # output dir -> (the open lock file of this process, whether this process made it)
 HELD: dict[str, tuple] = {}
 
@@ -155,6 +155,10 @@ def hold_output_dir(out: Path) -> None:
     key = str(out.resolve())
     if key in HELD:
         return
+    if links := planted_links(out):
+        raise ConfigError(f"--output_dir {out} holds {', '.join(links)}: accel_train never writes "
+                          "through a link it did not make; remove the link(s), or pass another "
+                          "--output_dir")
     path = out / LOCK_FILE
     while True:
         fd, made = open_lock_file(path)
@@ -195,13 +199,19 @@ def open_lock_file(path: Path) -> tuple[int | None, bool]:
     """(A descriptor of the lock file, whether this open made it); (None, False) where the file was
     deleted between the two looks."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), True
     except FileExistsError:
         pass
     try:
-        return os.open(path, os.O_RDWR), False
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW), False
     except FileNotFoundError:
         return None, False
+    except OSError as e:  # (ELOOP: a link planted where the lock file goes)
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
+                          "through a link it did not make; remove it, or pass another "
+                          "--output_dir") from None
 
 
 def same_file(fd: int, path: Path) -> bool:

@@ -107,7 +107,11 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
             "given": given and str(given), "probes": probes, "out": str(out),
             "alike": alike and (alike["step"], reached(alike),
                                 *([True] if alike["finished"] else [])),
-            "launch": os.environ.get(RUN_ID_ENV) or None}
+            "launch": os.environ.get(RUN_ID_ENV) or None,
+            # what this machine's command line took from the run's record (None: it read none)
+            "from_run": {k: v for k, v in (getattr(cfg, "from_run", None) or {}).items()
+                         if k not in PER_MACHINE} if getattr(cfg, "from_run", None) is not None
+            else None}
 
 
 def reached(meta: dict) -> str:
@@ -135,6 +139,26 @@ def say_damaged(reports: list[dict], out: Path, step: int | None, log) -> None:
                 else "none is complete")
         log(f"--resume auto: skipping checkpoint {step_dir(out, s)}: damaged ({why}); {then} (a "
             "save of that step replaces the folder)")
+
+
+def share_the_record(cfg: TrainConfig, reports: list[dict], rank: int, log) -> None:
+    """A resume on a machine whose disk lost the run's config.yaml (a machine replaced with an empty
+    disk) takes what the other machines' command lines took from theirs: every machine then trains
+    the same run (their command lines are the same; _check_flags). Changes cfg in place."""
+    if not cfg.resume:
+        return
+    donor = next((r for r in reports if r.get("from_run") is not None), None)
+    if donor is None:
+        return
+    for r in reports:
+        if r.get("from_run") is None:
+            r["flags"].update(donor["from_run"])
+    if reports[rank].get("from_run") is None and donor["from_run"]:
+        for key, value in donor["from_run"].items():
+            setattr(cfg, key, value)
+        cfg.validate()
+        log(f"resume: this machine has no record of the run; rank {donor['rank']}'s: "
+            + " ".join(f"--{k} {v}" for k, v in donor["from_run"].items()))
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -216,6 +240,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         for stale in out.glob(PROBE + "*"):  # left by a job killed here
             if not stale.name.startswith(f"{PROBE}{job}-"):
                 stale.unlink(missing_ok=True)
+    share_the_record(cfg, reports, rank, log)
     _check_flags(reports)
     writer, shared, machines = _storage(reports, rank)
     target, runs = _choose(cfg, reports)

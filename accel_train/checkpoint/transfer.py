@@ -14,6 +14,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list, gather_object
 
 from ..errors import ConfigError
+from ..files import write_output
 
 
 def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], final: Path) -> None:
@@ -75,6 +76,6 @@ def _write_copy(files: dict[str, bytes], tmp: Path, final: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, data in files.items():
-        (tmp / name).write_bytes(data)
+        write_output(tmp / name, data)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

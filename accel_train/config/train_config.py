@@ -215,10 +215,10 @@ class TrainConfig:
                          "--heartbeat_timeout_s)", "checkpointing")
     heartbeat_s: float = opt(2.0, "seconds between the heartbeats each rank sends its peers from "
                              "a thread of its own", "checkpointing")
-    heartbeat_timeout_s: float = opt(15.0, "a peer silent this long (a stopped process, a paused "
-                                     "machine, a cut network; never a long step) is lost: the "
-                                     "survivors save the last step and exit 3; 0: off (only "
-                                     "--timeout_s)", "checkpointing")
+    heartbeat_timeout_s: float = opt(15.0, "a peer silent this long (stopped, paused, cut off, "
+                                     "or in a C call holding the GIL that long) is lost: the "
+                                     "survivors save the last step, exit 3; 0: off",
+                                     "checkpointing")
     hang_report_s: float = opt(30.0, "a rank whose training makes no progress this long (a step, "
                                "an evaluation batch, a start-up phase; at least 10x the slowest "
                                "step, a checkpoint write or a compile excepted) prints where every "
@@ -375,7 +375,8 @@ class TrainConfig:
     def save_yaml(self, path, **recorded) -> None:
         """`recorded`: values in place of the run's. Never trust_model_code: a file does not grant
         it (cli.py)."""
-        with open(path, "w") as f:
+        from ..files import open_output
+        with open_output(path) as f:
             f.write("# accel_train resolved configuration: `accel-train --config config.yaml` "
                     "reproduces it\n")
             values = {k: v for k, v in {**self.to_dict(), **recorded}.items()

@@ -5,6 +5,7 @@ make each split: the class folders scanned, --val_split's hold-out of train/,
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from pathlib import Path
 
@@ -43,17 +44,23 @@ def scan_split(root: Path, classes: tuple[str, ...] | None = None
     if unknown:
         raise DataError(f"{root}: class folder(s) {', '.join(unknown)} are not in the training "
                         f"split ({', '.join(classes)}); rename or remove them")
-    files, labels = [], []
+    files, labels, broken = [], [], []
     for name in found:
-        images = sorted(f for f in (root / name).rglob("*")
-                        if f.is_file() and f.suffix.lower() in extensions
-                        and not any(part.startswith(".")
-                                    for part in f.relative_to(root / name).parts))
+        named = [f for f in (root / name).rglob("*") if f.suffix.lower() in extensions
+                 and not any(part.startswith(".") for part in f.relative_to(root / name).parts)]
+        images = sorted(f for f in named if f.is_file())
+        # (is_file is False for a link that leads nowhere: said, not skipped in silence)
+        broken += [f for f in named if f.is_symlink() and not f.exists()]
         if not images:
             raise DataError(f"class folder {root / name} has no images; "
                             "add some or remove the folder")
         files += images
         labels += [classes.index(name)] * len(images)
+    if broken:
+        logging.getLogger("accel_train").warning(
+            f"{root}: skipped {counted(len(broken), 'image link')} to nothing (dangling or "
+            f"looping): {', '.join(str(f) for f in sorted(broken)[:3])}"
+            + (" ..." if len(broken) > 3 else ""))
     return classes, files, labels
 
 

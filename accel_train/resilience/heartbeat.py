@@ -18,12 +18,16 @@ in the survivor's one gather at start. A rank that ends its training (a finished
 error) says goodbye, so its silence after that is no alarm; a process that was itself stopped gives
 its peers a fresh window once it runs again (datagrams sent meanwhile wait in its socket's buffer).
 
-Every datagram is signed (HMAC-SHA256) with its sender's key, a random one each rank draws at start
-and hands its peers in that same gather (the process group's connection: no other user of the
-machine reads it); it must come from the peer's gathered address and port, name the peer's pid, and
-carry a sequence number above the last one accepted. A forged or replayed datagram (a rank's pid and
-port are readable by any local user) is dropped. The socket is bound to the address of the interface
-the job's route leaves from, not every interface.
+Every datagram is signed (HMAC-SHA256) with a key of the pair of ranks, agreed by a Diffie-Hellman
+exchange (RFC 3526's 2048-bit group) over that same gather: each rank hands its peers a public
+value only, so a sniffer of the job's network (the gather crosses it in the clear) learns no key;
+it must come from the peer's gathered address and port, name the peer's pid, and carry a sequence
+number above the last one accepted. A forged or replayed datagram (a rank's pid and
+port are readable by any local user) is dropped. A rank holds one UDP socket per peer, bound to the
+address of the interface the job's route leaves from and connected to that peer's socket for it: the
+kernel drops a datagram from any other sender before it is queued, so datagrams nobody asked for (a
+local user's flood at the ports /proc/net/udp lists) never fill the buffer that the peer's beats
+wait in while a step holds the GIL.
 
 The same channel carries the hang report's request and its parts (hang.py):
 `send(kind, payload, to)` and `handlers[kind](rank, payload)`, run in the heartbeat's thread.
@@ -35,14 +39,26 @@ import hashlib
 import hmac
 import itertools
 import os
+import resource
 import secrets
-import select
+import selectors
 import socket
 import threading
 import time
 from pathlib import Path
 
 TAG = b"accel_train-heartbeat"
+# RFC 3526's 2048-bit MODP group (group 14): a safe prime, generator 2 (tests/test_heartbeat.py
+# checks both primes)
+DH_PRIME = int(
+    "FFFFFFFFFFFFFFFFC90FDAA22168C234C4C6628B80DC1CD129024E088A67CC74020BBEA63B139B22514A0879"
+    "8E3404DDEF9519B3CD3A431B302B0A6DF25F14374FE1356D6D51C245E485B576625E7EC6F44C42E9A637ED6B"
+    "0BFF5CB6F406B7EDEE386BFB5A899FA5AE9F24117C4B1FE649286651ECE45B3DC2007CB8A163BF0598DA4836"
+    "1C55D39A69163FA8FD24CF5F83655D23DCA3AD961C62F356208552BB9ED529077096966D670C354E4ABC9804"
+    "F1746C08CA18217C32905E462E36CE3BE39E772C180E86039B2783A2EC07A28FB5C55DF06F4C52C9DE2BCBF6"
+    "955817183995497CEA956AE515D2261898FA051015728E5A8AACAA68FFFFFFFFFFFFFFFF", 16)
+DH_GENERATOR = 2
+DH_SECRET_BITS = 256  # (the exponent: 128-bit security, more than the group's 112)
 MAC_BYTES = 32  # HMAC-SHA256
 # the task's flag from the start of its exit (linux include/linux/sched.h; proc(5): stat field 9)
 PF_EXITING = 0x4
@@ -78,23 +94,58 @@ def reachable(my_host: str, my_ip: str, host: str, ip: str) -> bool:
     return host == my_host or not (ip.startswith("127.") or my_ip.startswith("127."))
 
 
+def pair_key(secret: int, peer_public: int, ranks: tuple[int, int]) -> bytes:
+    """The key two ranks share: a hash of their Diffie-Hellman secret and their ranks (the same
+    on both sides). A public value outside the group's (1, p - 1) is refused."""
+    if not 1 < peer_public < DH_PRIME - 1:
+        raise ValueError("a heartbeat public value outside the group")
+    shared = pow(peer_public, secret, DH_PRIME)
+    low, high = sorted(ranks)
+    return hashlib.sha256(TAG + shared.to_bytes(256, "big") + b"%d-%d" % (low, high)).digest()
+
+
 def sign(key: bytes, body: bytes) -> bytes:
     return hmac.new(key, body, hashlib.sha256).digest() + body
 
 
-class Heartbeat:
-    """One rank's heartbeat: `address` and `key` go to the peers (the survivor's gather),
-    `start(peers, on_lost)` begins the thread, `close()` says goodbye. `on_lost(rank, seconds)` runs
-    in the thread when a peer is silent too long. `peers`: rank -> (ip, port, pid, key)."""
+def enough_descriptors(needed: int) -> None:
+    """Raise this process's soft limit of open files (to the hard one) where a socket per peer would
+    not fit under it beside the data loading's files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        limit = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, limit), hard))
+        except (ValueError, OSError):
+            pass
 
-    def __init__(self, rank: int, period_s: float, timeout_s: float):
+
+class Heartbeat:
+    """One rank's heartbeat among `world` ranks: `card()` goes to the peers (the survivor's
+    gather), `start(peers, on_lost)` begins the thread, `close()` says goodbye. `on_lost(rank,
+    seconds)` runs in the thread when a peer is silent too long. `peers`: rank -> (ip, ports, pid,
+    public value), `ports[r]`: the port of that rank's socket for rank r."""
+
+    def __init__(self, rank: int, period_s: float, timeout_s: float, world: int):
         self.rank, self.period_s, self.timeout_s = rank, period_s, timeout_s
-        self.key = secrets.token_bytes(32)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((local_address(), 0))
-        self.sock.setblocking(False)
-        self.address = self.sock.getsockname()[:2]
-        self.peers: dict[int, tuple[str, int, int, bytes]] = {}
+        # (this rank's Diffie-Hellman secret; only the public value leaves the process)
+        self._secret = secrets.randbits(DH_SECRET_BITS) | (1 << (DH_SECRET_BITS - 1))
+        self.public = pow(DH_GENERATOR, self._secret, DH_PRIME)
+        self.keys: dict[int, bytes] = {}  # rank -> the key this rank and that one share
+        enough_descriptors(world)
+        ip = local_address()
+        # rank -> this rank's socket for it (connected to the peer's socket for this rank at start)
+        self.socks: dict[int, socket.socket] = {}
+        for peer in range(world):
+            if peer != rank:
+                sock = self.socks[peer] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock.bind((ip, 0))
+                sock.setblocking(False)
+        self.ports = tuple(self.socks[r].getsockname()[1] if r in self.socks else 0
+                           for r in range(world))
+        self.address = (ip, self.ports)
+        self.peers: dict[int, tuple[str, tuple[int, ...], int, bytes]] = {}
         # rank -> when its last heartbeat came (monotonic); ended ranks leave it
         self.seen: dict[int, float] = {}
         # rank -> the sequence number of its last accepted datagram
@@ -104,13 +155,32 @@ class Heartbeat:
         self.handlers: dict[bytes, object] = {}
         self.closed = threading.Event()
         self.thread = None
+        self.selector = None
 
-    def card(self) -> tuple[str, int, bytes]:
-        """What the peers need to hear this rank: its address, port and key."""
-        return (*self.address, self.key)
+    def card(self) -> tuple[str, tuple[int, ...], int]:
+        """What the peers need to hear this rank: its address, its port for each rank, its public
+        Diffie-Hellman value."""
+        return (*self.address, self.public)
 
-    def start(self, peers: dict[int, tuple[str, int, int, bytes]], on_lost) -> None:
+    def source(self, rank: int) -> tuple[str, int]:
+        """The address and port this rank's datagrams to `rank` come from."""
+        return self.address[0], self.ports[rank]
+
+    def start(self, peers: dict[int, tuple[str, tuple[int, ...], int, int]], on_lost) -> None:
+        """`peers`: rank -> (ip, ports, pid, public value), as their cards were gathered."""
         self.peers = {rank: peer for rank, peer in peers.items() if rank != self.rank}
+        self.keys = {rank: pair_key(self._secret, peer[3], (self.rank, rank))
+                     for rank, peer in self.peers.items()}
+        for rank, sock in list(self.socks.items()):
+            if rank in self.peers:  # (from here the kernel takes datagrams from that peer only)
+                ip, ports = self.peers[rank][:2]
+                sock.connect((ip, ports[self.rank]))
+            else:  # (a rank this one cannot reach: no watch either way)
+                sock.close()
+                del self.socks[rank]
+        self.selector = selectors.DefaultSelector()
+        for sock in self.socks.values():
+            self.selector.register(sock, selectors.EVENT_READ)
         self.seen = dict.fromkeys(self.peers, time.monotonic())
         self.last_seq = dict.fromkeys(self.peers, 0)
         self.on_lost = on_lost
@@ -120,38 +190,46 @@ class Heartbeat:
     def send(self, kind: bytes, payload: bytes = b"", to=None) -> None:
         """A signed datagram of `kind` to the peers `to` (default: every peer)."""
         body = b"%s %s %d %d %d %s" % (TAG, kind, self.rank, os.getpid(), next(self.seq), payload)
-        message = sign(self.key, body)
         for rank in self.peers if to is None else to:
-            ip, port = self.peers[rank][:2]
             try:
-                self.sock.sendto(message, (ip, port))
-            except OSError:  # (a network that is down: the peer hears nothing, as it should)
+                self.socks[rank].send(sign(self.keys[rank], body))
+            # (a network that is down, a peer's socket closed: the peer hears nothing, as it
+            # should)
+            except (OSError, KeyError):
                 pass
 
     def accept(self, data: bytes, sender) -> tuple[int, bytes, bytes] | None:
-        """(rank, kind, payload) of a datagram this job's peer signed and sent, else None."""
+        """(rank, kind, payload) of a datagram this job's peer signed and sent, else None.
+        `sender`: the address and port it came from."""
         parts = data[MAC_BYTES:].split(b" ", 5)
         if len(parts) != 6 or parts[0] != TAG or not all(p.isdigit() for p in parts[2:5]):
             return None
         rank, pid, seq = int(parts[2]), int(parts[3]), int(parts[4])
         peer = self.peers.get(rank)
-        if (peer is None or rank not in self.last_seq or tuple(sender[:2]) != (peer[0], peer[1])
-                or pid != peer[2]):
+        if (peer is None or rank not in self.last_seq
+                or tuple(sender[:2]) != (peer[0], peer[1][self.rank]) or pid != peer[2]):
             return None  # (not this job's peer, or an earlier attempt's rank under its rank)
-        if not hmac.compare_digest(data[:MAC_BYTES], sign(peer[3], data[MAC_BYTES:])[:MAC_BYTES]):
+        if not hmac.compare_digest(data[:MAC_BYTES],
+                                   sign(self.keys[rank], data[MAC_BYTES:])[:MAC_BYTES]):
             return None
         if seq <= self.last_seq[rank]:
             return None  # (a replay)
         self.last_seq[rank] = seq
         return rank, parts[1], parts[5]
 
-    def _receive(self, now: float) -> None:
+    def _receive(self, now: float, ready) -> None:
+        for sock in ready:
+            self._drain(sock, now)
+
+    def _drain(self, sock, now: float) -> None:
         while True:
             try:
-                data, sender = self.sock.recvfrom(MAX_DATAGRAM + 64)
+                data, sender = sock.recvfrom(MAX_DATAGRAM + 64)
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # (closed by close(); an ICMP error)
+            except ConnectionRefusedError:  # (an ICMP error of an earlier send: the peer's socket
+                continue                    # was not there yet, or is gone)
+            except OSError:  # (closed by close())
                 return
             accepted = self.accept(data, sender)
             if accepted is None:
@@ -175,12 +253,13 @@ class Heartbeat:
             if now >= next_beat:
                 self.send(b"beat")
                 next_beat = now + self.period_s
-            try:
-                select.select([self.sock], [], [], max(0.0, min(next_beat - now, self.period_s)))
-            except (OSError, ValueError):  # (the socket closed under the select)
+            try:  # (epoll: no limit on the descriptors' numbers)
+                ready = [key.fileobj for key, _ in
+                         self.selector.select(max(0.0, min(next_beat - now, self.period_s)))]
+            except (OSError, ValueError):  # (a socket closed under the select)
                 return
             now = time.monotonic()
-            self._receive(now)
+            self._receive(now, ready)
             if now - last > max(self.timeout_s / 2, 3 * self.period_s):
                 # this process did not run (stopped itself, its machine paused): a fresh window
                 since = now
@@ -198,7 +277,10 @@ class Heartbeat:
         self.closed.set()
         for _ in range(BYE_COPIES):
             self.send(b"bye")
-        self.sock.close()
+        for sock in self.socks.values():
+            sock.close()
+        if self.selector is not None:
+            self.selector.close()
 
 
 def alive(pid: int) -> bool:

@@ -60,6 +60,7 @@ from ..files import (
     publish,
     seal,
     step_dir,
+    write_output,
 )
 from .heartbeat import Heartbeat, alive, reachable
 from .preempt import SIGNALS
@@ -129,8 +130,8 @@ class Survivor:
         acc = run.accelerator
         # (heartbeat.py; hang.py's channel)
         beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0
-        self.heartbeat = (Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s)
-                          if beats else None)
+        self.heartbeat = (Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s,
+                                    acc.num_processes) if beats else None)
         me = (socket.gethostname(), os.getpid(), acc.local_process_index,
               *(self.heartbeat.card() if beats else ()))
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
@@ -139,8 +140,8 @@ class Survivor:
         self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
         if beats:
-            self.heartbeat.start({r: (ip, port, pid, key)
-                                  for r, (host, pid, _, ip, port, key) in enumerate(ranks)
+            self.heartbeat.start({r: (ip, ports, pid, public)
+                                  for r, (host, pid, _, ip, ports, public) in enumerate(ranks)
                                   if reachable(me[0], me[3], host, ip)}, self._silent)
         # (the stacks)
         hang.attach(acc.process_index, self.heartbeat, self._hung) if hang is not None else None
@@ -389,10 +390,10 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     if run.ema is not None:
         save_safetensors(state_to_host(run.ema.module.state_dict()), tmp / EMA_FILE)
     if checkpointer.facts is not None:
-        (tmp / MODEL_CONFIG_FILE).write_text(
-            json.dumps({**checkpointer.facts, "metrics": {"step": state.step}}, indent=1))
+        write_output(tmp / MODEL_CONFIG_FILE,
+                     json.dumps({**checkpointer.facts, "metrics": {"step": state.step}}, indent=1))
     for name in HISTORY:
-        (tmp / name).write_text("".join(dumps(r) + "\n" for r in history[name]))
+        write_output(tmp / name, "".join(dumps(r) + "\n" for r in history[name]))
     rank = acc.process_index
     meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
             "num_processes": acc.num_processes,

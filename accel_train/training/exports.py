@@ -19,6 +19,7 @@ from ..checkpoint.checkpointer import _state_dict_cpu, save_safetensors
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..files import (
+    open_output,
     BEST_FILE,
     CKPT_DIR,
     CONFIG_FILE,
@@ -51,7 +52,7 @@ def export_model(model: torch.nn.Module, output_dir, model_config: dict, filenam
                 **{k: json.dumps(v) for k, v in (extra or {}).items()}}
     save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
     if write_config:
-        with open(Path(output_dir) / MODEL_CONFIG_FILE, "w") as f:
+        with open_output(Path(output_dir) / MODEL_CONFIG_FILE) as f:
             json.dump(model_config, f, indent=1)
     return path
 
@@ -311,6 +312,7 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with open_output(path, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return True

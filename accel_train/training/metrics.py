@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..files import METRICS_FILE, STEPS_FILE, dumps, read_jsonl
+from ..files import METRICS_FILE, STEPS_FILE, dumps, open_output, read_jsonl, write_output
 from ..platform.ranks import rank0s
 
 
@@ -164,8 +164,8 @@ class MetricsLog:
                     step % steps_per_epoch and not done:
                 self.step_rows.pop()
         if enabled:
-            self.path.write_text("".join(dumps(r) + "\n" for r in self.rows))
-            self.steps_path.write_text("".join(dumps(r) + "\n" for r in self.step_rows))
+            write_output(self.path, "".join(dumps(r) + "\n" for r in self.rows))
+            write_output(self.steps_path, "".join(dumps(r) + "\n" for r in self.step_rows))
 
     def history(self) -> dict:
         return {METRICS_FILE: list(self.rows), STEPS_FILE: list(self.step_rows)}
@@ -174,7 +174,7 @@ class MetricsLog:
         accelerator.log({f"epoch/{k}": v for k, v in row.items() if k != "epoch"}, step=row["step"])
         self.rows.append(row)
         if self.enabled:
-            with open(self.path, "a") as f:
+            with open_output(self.path, "a") as f:
                 f.write(dumps(row) + "\n")
 
     def steps(self) -> list[dict]:
@@ -187,7 +187,7 @@ class MetricsLog:
         row = {"step": step, "loss": loss, "lr": lr}
         self.step_rows.append(row)
         if self.enabled:
-            with open(self.steps_path, "a") as f:
+            with open_output(self.steps_path, "a") as f:
                 f.write(dumps(row) + "\n")
 
 

@@ -27,6 +27,10 @@ def test_quick_start_is_exactly_two_commands_and_ci_runs_the_test_one():
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines(), "the README's test command must be what .ci/run runs"
     assert commands[0].startswith("pip install -e . && python -m accel_train ")  # (one process: the trainer's status)
+    # a machine without a GPU reads the CPU-only torch install before the command that would fetch the CUDA build
+    block = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    cpu = "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in block and block.index(cpu) < block.index(commands[0]), block
 
 
 def test_every_trainer_flag_the_readme_and_docs_name_exists():

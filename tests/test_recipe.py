@@ -54,6 +54,25 @@ def test_flip_tta_recovers_mirrored_images(accelerator):
     assert plain == 0.5 and tta == 1.0
 
 
+def test_a_long_evaluation_shows_a_progress_bar_on_the_main_process_only(accelerator, monkeypatch, capsys):
+    import accel_train.training.evaluate as module
+    monkeypatch.setattr(module, "BAR_AFTER_S", 0.0)  # (an evaluation past the delay)
+    images, labels = torch.zeros(32, 3, 32, 32, dtype=torch.uint8), torch.zeros(32, dtype=torch.long)
+    data = build_data(TrainConfig(batch_size=8), accelerator.device,
+                      splits={"train": (images, labels), "test": (images, labels)})
+    evaluate(accelerator, PatchSide(), data.test_loader, data)
+    assert "evaluation:   0%|          | 0/4" in capsys.readouterr().err  # (its batches counted, then cleared)
+    monkeypatch.setattr(type(accelerator), "is_main_process", property(lambda self: False))
+    evaluate(accelerator, PatchSide(), data.test_loader, data)
+    assert "evaluation" not in capsys.readouterr().err
+
+
+def test_random_datas_default_test_set_is_no_larger_than_its_train_set():
+    from accel_train.data import build_data as build
+    assert build(TrainConfig(data="random", train_samples=96, batch_size=8), "cpu").test_size == 96
+    assert build(TrainConfig(data="random", train_samples=96, test_samples=40, batch_size=8), "cpu").test_size == 40
+
+
 class Ranked(nn.Module):
     """Class c's logit is 9 - c for a bright patch on the left, c for one on the right: every rank is known."""
 

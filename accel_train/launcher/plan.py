@@ -19,7 +19,10 @@ REJOIN_MARGIN_S = 60
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # one write: under PYTHONUNBUFFERED print() writes the line and its newline apart, and the lines
+    # of launchers started side by side (torchrun's workers) then share a line
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def trainer_default(name: str):

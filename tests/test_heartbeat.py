@@ -219,8 +219,10 @@ def test_a_flood_of_datagrams_from_another_user_does_not_silence_a_rank_whose_st
     flood = None
     try:
         wait_for(lambda: steps_logged(out) >= 2, timeout=240)
-        targets = sorted({tuple(c.laddr) for pid in trainer_pids(tag).values()
-                          for c in psutil.Process(pid).net_connections(kind="udp")})
+        # (psutil 6 renamed connections to net_connections)
+        sockets = [getattr(proc, "net_connections", None) or proc.connections
+                   for proc in map(psutil.Process, trainer_pids(tag).values())]
+        targets = sorted({tuple(c.laddr) for of in sockets for c in of(kind="udp")})
         assert targets, "the ranks' heartbeat sockets"
         flood = flood_as_nobody(targets)
         code = job.wait(timeout=300)

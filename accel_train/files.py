@@ -25,11 +25,15 @@ def open_output(path, mode: str = "w"):
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        from .errors import ConfigError
-        raise ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
-                          "through a link it did not make; remove it, or pass another "
-                          "--output_dir") from None
+        raise link_refused(path) from None
     return os.fdopen(fd, mode)
+
+
+def link_refused(path):
+    """The one-line error of an output path that is a link (os.open with O_NOFOLLOW: ELOOP)."""
+    from .errors import ConfigError
+    return ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
+                       "through a link it did not make; remove it, or pass another --output_dir")
 
 
 def planted_links(out) -> list[str]:

@@ -47,9 +47,14 @@ def ctrl_c(proc, log, out, after_steps):
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: every process of the foreground group
         return proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
+
+
+def end_group(proc):
+    """A launch still running after its test (a failed wait): its whole process group goes."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def trainer_statuses(status):
@@ -173,9 +178,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)  # the agent answers the second with SIGTERM to the ranks
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
     text = log.read_text()
     assert_no_orphan_workers(status, text)
     assert sorted(p.name for p in marks.iterdir()) == ["SIGINT-0", "SIGINT-1", "SIGTERM-0", "SIGTERM-1", "holding-0",
@@ -214,9 +217,7 @@ def test_a_doubled_ctrl_c_is_one_stop_and_the_folder_alone_continues_the_run_exa
             os.kill(pid, signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_group(proc)
     text = log.read_text()
     assert {"SIGINT-0", "SIGINT-1", "SIGTERM-0", "SIGTERM-1"} <= {p.name for p in marks.iterdir()}, text[-3000:]
     assert trainer_statuses(status) == [4, 4] and "second Ctrl-C" not in text, text[-3000:]

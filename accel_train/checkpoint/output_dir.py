@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..files import (CKPT_DIR, LOCK_FILE, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE,
-                     checkpoint_dirs, planted_links)
+                     checkpoint_dirs, link_refused, planted_links)
 from ..config.recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule);
@@ -209,9 +209,7 @@ def open_lock_file(path: Path) -> tuple[int | None, bool]:
     except OSError as e:  # (ELOOP: a link planted where the lock file goes)
         if e.errno != errno.ELOOP:
             raise
-        raise ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
-                          "through a link it did not make; remove it, or pass another "
-                          "--output_dir") from None
+        raise link_refused(path) from None
 
 
 def same_file(fd: int, path: Path) -> bool:

@@ -94,6 +94,7 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     probes = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}{job}-*")) \
         if accelerator.is_local_main_process else None
     flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
+    taken = getattr(cfg, "from_run", None)
     # the resume mode must agree (the path itself may be each machine's own), and so must
     # init_from's presence
     flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
@@ -109,9 +110,8 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
                                 *([True] if alike["finished"] else [])),
             "launch": os.environ.get(RUN_ID_ENV) or None,
             # what this machine's command line took from the run's record (None: it read none)
-            "from_run": {k: v for k, v in (getattr(cfg, "from_run", None) or {}).items()
-                         if k not in PER_MACHINE} if getattr(cfg, "from_run", None) is not None
-            else None}
+            "from_run": None if taken is None else {k: v for k, v in taken.items()
+                                                    if k not in PER_MACHINE}}
 
 
 def reached(meta: dict) -> str:

@@ -209,17 +209,14 @@ def main_evaluate(argv: list[str]) -> int:
     evaluated = evaluate(accelerator, model, test_loader, data, args.tta)
     preds, labels = evaluated.preds, evaluated.labels
     log = get_logger("accel_train")
-    acc = evaluated.accuracy()
+    acc, row = evaluated.accuracy(), evaluated.metrics(len(info.classes))
     width = max(12, *(columns(c) for c in info.classes))
     lines = [f"{meta['architecture'] or args.model} ({meta['stem']} stem) from {args.checkpoint}"
              + (" [EMA]" if args.ema else "") + (" [best epoch]" if args.best else "")
              + (" [flip TTA]" if args.tta else "")
              + f": test accuracy {acc:.2%} on {labels.numel()} samples "
-               f"({accelerator.num_processes} process(es)); "
-             + ", ".join(f"{k[5:].replace('top', 'top-')} {v:.4f}" if k == "test_loss"
-                         else f"{k[5:].replace('top', 'top-')} {v:.2%}"
-                         for k, v in evaluated.metrics(len(info.classes)).items()
-                         if k != "test_acc"),
+               f"({accelerator.num_processes} process(es)); loss {row['test_loss']:.4f}"
+             + (f", top-5 {row['test_top5']:.2%}" if "test_top5" in row else ""),
              f"{'class':{width}s} {'samples':>8s} {'accuracy':>9s}"]
     for c, name in enumerate(info.classes):
         mask = labels == c

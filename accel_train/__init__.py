@@ -14,8 +14,10 @@ __all__ = ["TrainConfig", "train"]
 def __getattr__(name):
     if name == "TrainConfig":
         from .config.train_config import TrainConfig
+
         return TrainConfig
     if name == "train":
         from .api import train
+
         return train
     raise AttributeError(f"module 'accel_train' has no attribute {name!r}")

@@ -24,8 +24,9 @@ from .status import status_of
 from .model.own_model import Given, name_of
 
 
-def train(config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None,
-          classes=None) -> dict:
+def train(
+    config: TrainConfig | None = None, *, model=None, train_set=None, test_set=None, classes=None
+) -> dict:
     """Train as `accel-train` does, with `config`'s flags.
 
     `model`: an nn.Module, or a factory called with `num_classes` and `config.model_kwargs`, or a
@@ -46,8 +47,9 @@ def train(config: TrainConfig | None = None, *, model=None, train_set=None, test
         cfg.model = name_of(model)  # what config.yaml and model_config.json record
     # a script that set up no logging still sees the run's lines
     if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                            level=logging.INFO)
+        logging.basicConfig(
+            format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO
+        )
         logging.getLogger("accelerate").setLevel(logging.WARNING)
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     try:
@@ -59,8 +61,11 @@ def train(config: TrainConfig | None = None, *, model=None, train_set=None, test
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         raise
-    return {**summary, "output_dir": str(cfg.output_dir),
-            "model_file": str(Path(cfg.output_dir) / MODEL_FILE)}
+    return {
+        **summary,
+        "output_dir": str(cfg.output_dir),
+        "model_file": str(Path(cfg.output_dir) / MODEL_FILE),
+    }
 
 
 def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
@@ -74,6 +79,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
 
     from .training.loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
     from .checkpoint.output_dir import release_output_dir
+
     try:
         # log lines while the progress bar is open go above it, each on its own line
         with logging_redirect_tqdm():

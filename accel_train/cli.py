@@ -57,29 +57,42 @@ def load_yaml(path) -> dict:
     known = {f.name for f in fields()}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}; "
-                          "see accel-train --help")
+        raise ConfigError(
+            f"--config {path}: unknown key(s) {', '.join(unknown)}; see accel-train --help"
+        )
     return values
 
 
 def train_parser() -> Parser:
     # (argparse's usage would list every flag: 45 lines)
-    p = Parser(prog="accel-train", allow_abbrev=False,
-               usage="accel-train [--config YAML] [--flag value ...] (the flags below, by group)\n"
-                     "       accel-train evaluate | predict | preflight | smoke ... (each has "
-                     "--help)",
-               description="Train a timm model on CIFAR-10, an image folder or random data with "
-                           "Hugging Face Accelerate. Start it with `python -m accel_train ...` "
-                           "(one process: a GPU if there is one, else the CPU); on several "
-                           "processes or machines with `accelerate launch --config_file "
-                           "accelerate_configs/<platform>.yaml -m accel_train ...` or launch.sh, "
-                           "whose config gives the devices and ranks.",
-               epilog="An unknown flag is an error; to let a platform's own extra "
-                      "arguments through, name them in the environment: "
-                      f"{IGNORE_ARGS}=--flag1,--flag2 (or '*' for any).")
+    p = Parser(
+        prog="accel-train",
+        allow_abbrev=False,
+        usage=(
+            "accel-train [--config YAML] [--flag value ...] (the flags below, by group)\n"
+            "       accel-train evaluate | predict | preflight | smoke ... (each has "
+            "--help)"
+        ),
+        description=(
+            "Train a timm model on CIFAR-10, an image folder or random data with "
+            "Hugging Face Accelerate. Start it with `python -m accel_train ...` "
+            "(one process: a GPU if there is one, else the CPU); on several "
+            "processes or machines with `accelerate launch --config_file "
+            "accelerate_configs/<platform>.yaml -m accel_train ...` or launch.sh, "
+            "whose config gives the devices and ranks."
+        ),
+        epilog=(
+            "An unknown flag is an error; to let a platform's own extra "
+            "arguments through, name them in the environment: "
+            f"{IGNORE_ARGS}=--flag1,--flag2 (or '*' for any)."
+        ),
+    )
     p.add_argument("--version", action="version", version=f"accel_train {__version__}")
-    p.add_argument("--config", metavar="YAML", help="start from a config.yaml written by an "
-                   "earlier run; flags given here override it")
+    p.add_argument(
+        "--config",
+        metavar="YAML",
+        help="start from a config.yaml written by an earlier run; flags given here override it",
+    )
     groups = {g: p.add_argument_group(g) for g in GROUPS}
     hints = typing.get_type_hints(TrainConfig)
     for f in fields():
@@ -116,6 +129,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     # code named by a file: the command line trusts it
     if ":" in str(file.get("model", "")) and "model" not in flags:
         from .model.own_model import allow_import
+
         allow_import(values["model"], args.trust_model_code, None, f"--config {args.config}")
     # a resume's settings that the command line leaves out: the run's own
     said, taken = run_settings(values, flags | set(file), load_yaml)
@@ -136,17 +150,20 @@ def check_file_types(parser: argparse.ArgumentParser, file: dict, path) -> None:
             action.type(value)
         except (ValueError, TypeError, argparse.ArgumentTypeError):
             kind = getattr(action.type, "__name__", "value")
-            raise ConfigError(f"--config {path}: key {action.dest}: {value!r} is not a valid "
-                              f"{'true/false' if kind == 'str2bool' else kind}; fix it in the "
-                              "file (or pass --" + action.dest + " on the command line)") from None
+            raise ConfigError(
+                f"--config {path}: key {action.dest}: {value!r} is not a valid "
+                f"{'true/false' if kind == 'str2bool' else kind}; fix it in the "
+                "file (or pass --" + action.dest + " on the command line)"
+            ) from None
 
 
 def given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The options the command line itself names (not their defaults, nor a --config file's
     values)."""
     dests = {option: action.dest for action in parser._actions for option in action.option_strings}
-    return {dests[token.split("=", 1)[0]] for token in map(str, argv)
-            if token.split("=", 1)[0] in dests}
+    return {
+        dests[token.split("=", 1)[0]] for token in map(str, argv) if token.split("=", 1)[0] in dests
+    }
 
 
 def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
@@ -161,8 +178,10 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
         return {**values, "custom_data": None}
     both = "data" in flags if "custom_data" in flags else "data" in file  # said in one place
     if both and values["data"] != implied:
-        raise ConfigError(f"--custom_data {str(alias).lower()} means --data {implied}, but --data "
-                          f"{values['data']} is given too; pass one of them")
+        raise ConfigError(
+            f"--custom_data {str(alias).lower()} means --data {implied}, but --data "
+            f"{values['data']} is given too; pass one of them"
+        )
     return {**values, "data": implied, "custom_data": None}
 
 
@@ -173,15 +192,22 @@ def seed_data_alias(values: dict, flags: set[str], file: dict) -> dict:
 TIMM_FLAGS = {
     "--color-jitter": "here: --color_jitter",
     "--train-interpolation": "here: --train_interpolation",
-    "--crop-pct": "here: --crop_pct", "--layer-decay": "here: --layer_decay",
-    "--drop-path": "here: --drop_path", "--drop": "here: --drop_rate",
+    "--crop-pct": "here: --crop_pct",
+    "--layer-decay": "here: --layer_decay",
+    "--drop-path": "here: --drop_path",
+    "--drop": "here: --drop_rate",
     "--pretrained-path": "here: --pretrained_path",
-    "--smoothing": "here: --label_smoothing", "--model-ema": "here: --ema",
+    "--smoothing": "here: --label_smoothing",
+    "--model-ema": "here: --ema",
     "--model-ema-decay": "here: --ema_decay",
-    "--amp": "here: --mixed_precision bf16 (or fp16)", "--initial-checkpoint": "here: --init_from",
-    "--output": "here: --output_dir", "--workers": "here: --num_workers",
-    "-j": "here: --num_workers", "-b": "here: --batch_size",
-    "--img-size": "here: --image_size", "--input-size": "here: --image_size",
+    "--amp": "here: --mixed_precision bf16 (or fp16)",
+    "--initial-checkpoint": "here: --init_from",
+    "--output": "here: --output_dir",
+    "--workers": "here: --num_workers",
+    "-j": "here: --num_workers",
+    "-b": "here: --batch_size",
+    "--img-size": "here: --image_size",
+    "--input-size": "here: --image_size",
 }
 
 
@@ -206,7 +232,8 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
     if let_through:
         logging.getLogger("accel_train").warning(
             f"ignoring arguments named in {IGNORE_ARGS}: "
-            f"{' '.join(t for g in let_through for t in g)}")
+            f"{' '.join(t for g in let_through for t in g)}"
+        )
     if not wrong:
         return
     known = sorted(o for o in parser._option_string_actions if o.startswith("--"))
@@ -219,46 +246,65 @@ def check_unknown(parser: argparse.ArgumentParser, unknown: list[str], allowed: 
         if name in TIMM_FLAGS:
             parts.append(f"{name} (timm train.py's flag; {TIMM_FLAGS[name]})")
             continue
-        near = difflib.get_close_matches("--" + name.lstrip("-").replace("-", "_"), known, n=1,
-                                         cutoff=0.75)
+        near = difflib.get_close_matches(
+            "--" + name.lstrip("-").replace("-", "_"), known, n=1, cutoff=0.75
+        )
         parts.append(name + (f" (did you mean {near[0]}?)" if near else ""))
     fixed = any("did you mean" in part or "timm train.py" in part for part in parts)
-    hint = "" if fixed else (  # a typo or a timm flag: the fix is the flag, not the escape
-        " (to let a platform's own arguments through: "
-        f"{IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})")
-    raise ConfigError(f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see "
-                      f"{parser.prog} --help{hint}")
+    hint = (
+        ""
+        if fixed
+        # a typo or a timm flag: the fix is the flag, not the escape
+        else (
+            " (to let a platform's own arguments through: "
+            f"{IGNORE_ARGS}={wrong[0][0].split('=', 1)[0]})"
+        )
+    )
+    raise ConfigError(
+        f"unknown argument{'s' * (len(parts) > 1)} {', '.join(parts)}; see "
+        f"{parser.prog} --help{hint}"
+    )
 
 
 def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     from .api import run_training  # heavy imports after the arguments are known to be good
+
     run_training(cfg)
     return EXIT_OK
 
 
 def cmd_evaluate(argv):
     from .commands.evaluate import main_evaluate
+
     return main_evaluate(argv)
 
 
 def cmd_predict(argv):
     from .commands.predict import main_predict
+
     return main_predict(argv)
 
 
 def cmd_preflight(argv):
     from .commands.preflight import main_preflight
+
     return main_preflight(argv)
 
 
 def cmd_smoke(argv):
     from .commands.smoke import main_smoke
+
     return main_smoke(argv)
 
 
-COMMANDS = {"train": cmd_train, "evaluate": cmd_evaluate, "predict": cmd_predict,
-            "preflight": cmd_preflight, "smoke": cmd_smoke}
+COMMANDS = {
+    "train": cmd_train,
+    "evaluate": cmd_evaluate,
+    "predict": cmd_predict,
+    "preflight": cmd_preflight,
+    "smoke": cmd_smoke,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     # transparent huge pages are "never" it changes nothing. THP_MEM_ALLOC_ENABLE=0 turns it off.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO
+    )
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load chatter
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     code = status_of(lambda: COMMANDS[command](argv))

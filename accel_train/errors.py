@@ -42,8 +42,14 @@ class LostPeer(RuntimeError):
     lost peer (exit 3)."""
 
 
-(EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED,
- EXIT_DIVERGED) = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_LOST_PEER, EXIT_PREEMPTED, EXIT_DIVERGED = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process a Ctrl-C ended
 # 128 + SIGKILL: launch.sh's status for a rank killed outright (kill -9, the OOM killer), which
 # reports nothing itself: its abort note (exits.note_aborts) has no fault and no exit of Python's,
@@ -58,8 +64,17 @@ EXIT_KILLED = 137
 # The launcher's policy walks this list (launcher/policy.py). (A rank's abort note names its
 # backend: exits.note_backend.)
 CRASHED, ABORTED = "crash", "abort"
-STATUS_PRIORITY = (EXIT_BAD_INPUT, EXIT_DIVERGED, CRASHED, ABORTED, EXIT_ERROR, EXIT_INTERRUPTED,
-                   EXIT_PREEMPTED, EXIT_LOST_PEER, EXIT_KILLED)
+STATUS_PRIORITY = (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    CRASHED,
+    ABORTED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    EXIT_LOST_PEER,
+    EXIT_KILLED,
+)
 
 
 def report_status(code: int) -> None:
@@ -78,9 +93,11 @@ def of_step(rows: list, step: int, what: str) -> list:
     are, or LostPeer when a row is of no such step (what an all-gather that NCCL's watchdog aborted
     leaves: docs/failures.md)."""
     if any(r[-1] != step for r in rows):
-        raise LostPeer(f"{what} at step {step} read rows of no rank "
-                       f"(steps {sorted({r[-1] for r in rows})}): its "
-                       "all-gather was aborted, a peer is gone (docs/failures.md)")
+        raise LostPeer(
+            f"{what} at step {step} read rows of no rank "
+            f"(steps {sorted({r[-1] for r in rows})}): its "
+            "all-gather was aborted, a peer is gone (docs/failures.md)"
+        )
     return rows
 
 
@@ -97,13 +114,15 @@ LOST_PEER_TYPES = ("DistNetworkError", "DistStoreError", "LostPeer")
 # pair of its context with the bare "Application timeout caused pair closure" (no file location),
 # and another pending operation of that rank (DDP's all-reduce in the backward) can raise that text
 # first: a peer silent for --timeout_s, a lost peer.
-LOST_PEER_ORIGINS = re.compile(r"gloo/transport/|^Application timeout caused pair closure$|"
-                               r"ncclRemoteError|ncclSystemError|remote process exited|"
-                               r"Watchdog caught collective operation timeout|"
-                               r"NCCL operation timed out|"
-                               r"NCCL communicator was aborted after a previous error|"
-                               r"HCCL.*(timeout|heartbeat)",
-                               re.I | re.M)
+LOST_PEER_ORIGINS = re.compile(
+    r"gloo/transport/|^Application timeout caused pair closure$|"
+    r"ncclRemoteError|ncclSystemError|remote process exited|"
+    r"Watchdog caught collective operation timeout|"
+    r"NCCL operation timed out|"
+    r"NCCL communicator was aborted after a previous error|"
+    r"HCCL.*(timeout|heartbeat)",
+    re.I | re.M,
+)
 
 
 def is_lost_peer(error: BaseException) -> bool:

@@ -123,6 +123,7 @@ def says_shared_errors() -> bool:
     if process_group() is not None or not any(v in os.environ for v in LAUNCHER_VARS):
         return True  # (no launcher started several processes here: skip accelerate's import)
     from accelerate.utils import get_cpu_distributed_information
+
     if get_cpu_distributed_information().local_rank == 0:
         return True
     time.sleep(QUIET_EXIT_DELAY_S)
@@ -189,8 +190,9 @@ def note_bad_input(output_dir, error: Exception) -> None:
     as well (peer_gone, lost_peer)."""
     if isinstance(error, ConfigError) and output_dir:
         try:
-            Path(output_dir,
-                 f".bad_input.{socket.gethostname()}.{os.getpid()}").write_text(str(error))
+            Path(output_dir, f".bad_input.{socket.gethostname()}.{os.getpid()}").write_text(
+                str(error)
+            )
         except OSError:
             pass
 
@@ -210,8 +212,9 @@ def bad_input_of_peer(output_dir, pids=()) -> str | None:
     if not output_dir:
         return None
     try:
-        notes = [p for p in Path(output_dir).glob(".bad_input.*")
-                 if names is None or p.name in names]
+        notes = [
+            p for p in Path(output_dir).glob(".bad_input.*") if names is None or p.name in names
+        ]
         return next((p.read_text() for p in notes if p.stat().st_mtime >= STARTED - 1), None)
     except OSError:
         return None
@@ -236,25 +239,33 @@ def lost_peer(error: Exception, cfg) -> None:
     (destroying a process group whose peer is gone can hang); the bad input a peer met, if it left a
     note, exit 2."""
     from .files import checkpoint_dirs, resumed_from
+
     text = " ".join(str(error).split())
-    peer = (re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
-            or re.search(r"(\d+\.\d+\.\d+\.\d+:\d+)", text))
+    peer = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text) or re.search(
+        r"(\d+\.\d+\.\d+\.\d+:\d+)", text
+    )
     detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
-    found = (checkpoint_dirs(cfg.output_dir)
-             or [p for p in [resumed_from(cfg.output_dir)] if p])  # (or its start)
+    # (or its start)
+    found = checkpoint_dirs(cfg.output_dir) or [p for p in [resumed_from(cfg.output_dir)] if p]
     where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
     # the last completed step, written by this machine's survivor (survivor.py)
     if getattr(error, "survivor", None):
-        where = (error.survivor if found and str(found[-1]) in error.survivor
-                 else f"{error.survivor}; {where}")
+        where = (
+            error.survivor
+            if found and str(found[-1]) in error.survivor
+            else f"{error.survivor}; {where}"
+        )
     end_progress_line()
     if (bad := bad_input_of_peer(cfg.output_dir)) is not None:
         print(f"accel-train: error: {bad} (met by a peer); {where}", file=sys.stderr, flush=True)
         report_status(EXIT_BAD_INPUT)
         os._exit(EXIT_BAD_INPUT)
-    print(f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} "
-          f"during a collective ({detail}); the job stops here, {where}; relaunch with --resume "
-          "auto (launch.sh --max_restarts N does it) once every node is back",
-          file=sys.stderr, flush=True)
+    print(
+        f"accel-train: error: lost contact with peer {peer.group(1) if peer else '(unknown)'} "
+        f"during a collective ({detail}); the job stops here, {where}; relaunch with --resume "
+        "auto (launch.sh --max_restarts N does it) once every node is back",
+        file=sys.stderr,
+        flush=True,
+    )
     report_status(EXIT_LOST_PEER)
     os._exit(EXIT_LOST_PEER)

@@ -32,21 +32,36 @@ def open_output(path, mode: str = "w"):
 def link_refused(path):
     """The one-line error of an output path that is a link (os.open with O_NOFOLLOW: ELOOP)."""
     from .errors import ConfigError
-    return ConfigError(f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
-                       "through a link it did not make; remove it, or pass another --output_dir")
+
+    return ConfigError(
+        f"{path} is a link (to {os.readlink(path)}): accel_train never writes "
+        "through a link it did not make; remove it, or pass another --output_dir"
+    )
 
 
 def planted_links(out) -> list[str]:
     """Links in `out` where the run writes a file of its own ("name -> target"): the run makes none.
     A linked folder (checkpoints/ on another disk) is the user's and stays allowed."""
-    names = {MODEL_FILE, MODEL_CONFIG_FILE, EMA_EXPORT_FILE, BEST_FILE, CONFIG_FILE, METRICS_FILE,
-             STEPS_FILE, CURVES_FILE, LOCK_FILE}
+    names = {
+        MODEL_FILE,
+        MODEL_CONFIG_FILE,
+        EMA_EXPORT_FILE,
+        BEST_FILE,
+        CONFIG_FILE,
+        METRICS_FILE,
+        STEPS_FILE,
+        CURVES_FILE,
+        LOCK_FILE,
+    }
     try:
         entries = list(os.scandir(out))
     except OSError:
         return []
-    return [f"{e.name} -> {os.readlink(e.path)}" for e in sorted(entries, key=lambda e: e.name)
-            if e.is_symlink() and (e.name in names or e.name.startswith(".tmp-"))]
+    return [
+        f"{e.name} -> {os.readlink(e.path)}"
+        for e in sorted(entries, key=lambda e: e.name)
+        if e.is_symlink() and (e.name in names or e.name.startswith(".tmp-"))
+    ]
 
 
 def write_output(path, data: str | bytes) -> None:
@@ -56,15 +71,15 @@ def write_output(path, data: str | bytes) -> None:
 
 
 # --output_dir
-MODEL_FILE = "model.safetensors"            # the trained model (main process only)
-MODEL_CONFIG_FILE = "model_config.json"     # timm name, stem, the data's description, final metrics
-EMA_EXPORT_FILE = "model_ema.safetensors"   # --ema: the EMA weights
-BEST_FILE = "model_best.safetensors"        # the weights of the epoch with the best test_acc so far
-CONFIG_FILE = "config.yaml"                 # the run's flags: --config config.yaml reproduces it
-METRICS_FILE = "metrics.jsonl"              # one row per epoch
-STEPS_FILE = "steps.jsonl"                  # one row per logged step
+MODEL_FILE = "model.safetensors"  # the trained model (main process only)
+MODEL_CONFIG_FILE = "model_config.json"  # timm name, stem, the data's description, final metrics
+EMA_EXPORT_FILE = "model_ema.safetensors"  # --ema: the EMA weights
+BEST_FILE = "model_best.safetensors"  # the weights of the epoch with the best test_acc so far
+CONFIG_FILE = "config.yaml"  # the run's flags: --config config.yaml reproduces it
+METRICS_FILE = "metrics.jsonl"  # one row per epoch
+STEPS_FILE = "steps.jsonl"  # one row per logged step
 CURVES_FILE = "training_curves.png"
-CKPT_DIR = "checkpoints"                    # step_<global step>/ each
+CKPT_DIR = "checkpoints"  # step_<global step>/ each
 # in --output_dir: locked (lockf) by its writer, until that process ends
 LOCK_FILE = ".accel_train.lock"
 # --overwrite: an earlier run's checkpoint until this run has one
@@ -76,7 +91,7 @@ ORIGIN_FILE = "resumed_from.json"
 STATE_FILE = "trainer_state.json"
 EMA_FILE = "ema.safetensors"
 RNG_PREFIX = "random_states_"
-HISTORY = (METRICS_FILE, STEPS_FILE)        # the run's rows so far, carried by every checkpoint
+HISTORY = (METRICS_FILE, STEPS_FILE)  # the run's rows so far, carried by every checkpoint
 
 
 def step_dir(output_dir, step: int) -> Path:
@@ -205,8 +220,10 @@ def _run_of(path: Path) -> str | None:
 def dumps(row: dict) -> str:
     """One JSON line; a non-finite float becomes null (json.dumps would write NaN, which is not
     JSON)."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                       for k, v in row.items()}, allow_nan=False)
+    return json.dumps(
+        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()},
+        allow_nan=False,
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -228,11 +245,17 @@ def nothing_to_resume(output_dir) -> str:
                 continue  # (a line cut short by the kill)
     except OSError:
         pass
-    lost = (f"; the steps up to step {max(steps)} that an earlier run logged in {STEPS_FILE} are "
-            "lost: it stopped before its first checkpoint (--checkpoint_every N saves one every "
-            "N steps)") if steps else ""
-    return (f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): "
-            f"training starts at step 1{lost}")
+    lost = (
+        f"; the steps up to step {max(steps)} that an earlier run logged in {STEPS_FILE} are "
+        "lost: it stopped before its first checkpoint (--checkpoint_every N saves one every "
+        "N steps)"
+        if steps
+        else ""
+    )
+    return (
+        f"--resume auto: nothing to resume (no complete checkpoint in {out / CKPT_DIR}): "
+        f"training starts at step 1{lost}"
+    )
 
 
 def cache_dir(name: str) -> Path | None:

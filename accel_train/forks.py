@@ -31,8 +31,7 @@ from .errors import WorkerDidNotStart
 # waits twice as long (a child slow for a reason it inherits is slow again: it gets the time).
 FORK_START_S = 5.0
 FORK_ATTEMPTS = 4  # the lock is held for microseconds: a second fork all but always gets through
-AFFECTED = ((3, 11) <= sys.version_info < (3, 11, 10)
-            or (3, 10) <= sys.version_info < (3, 10, 15))
+AFFECTED = (3, 11) <= sys.version_info < (3, 11, 10) or (3, 10) <= sys.version_info < (3, 10, 15)
 
 
 def worker_context():
@@ -58,8 +57,10 @@ def not_started_why(state: str | None, affected: bool) -> str:
     if state in ("R", "D"):
         return "still running: slow, on a busy machine"
     if affected:
-        return ("asleep: Python before 3.11.10 and 3.10.15 can leave a child forked beside other "
-                "threads stuck for ever (CPython gh-112275)")
+        return (
+            "asleep: Python before 3.11.10 and 3.10.15 can leave a child forked beside other "
+            "threads stuck for ever (CPython gh-112275)"
+        )
     return "stuck or slow"
 
 
@@ -73,13 +74,17 @@ class _SeenToStart(multiprocessing.popen_fork.Popen):
                 return
             if attempt < FORK_ATTEMPTS:
                 why = not_started_why(self.state_at_end, AFFECTED)
-                sys.stderr.write(f"accel-train: warning: DataLoader worker {self.pid} did not "
-                                 f"reach Python in {wait_s:g} s ({why}); forked it again "
-                                 f"(attempt {attempt + 1} of {FORK_ATTEMPTS})\n")
+                sys.stderr.write(
+                    f"accel-train: warning: DataLoader worker {self.pid} did not "
+                    f"reach Python in {wait_s:g} s ({why}); forked it again "
+                    f"(attempt {attempt + 1} of {FORK_ATTEMPTS})\n"
+                )
         fixed = "; Python 3.11.10+ or 3.12 has the fix (CPython gh-112275)" if AFFECTED else ""
-        raise WorkerDidNotStart(f"a DataLoader worker did not reach Python in {FORK_ATTEMPTS} "
-                                f"forks (the last waited {wait_s:g} s); --num_workers 0 loads in "
-                                f"the trainer{fixed}")
+        raise WorkerDidNotStart(
+            f"a DataLoader worker did not reach Python in {FORK_ATTEMPTS} "
+            f"forks (the last waited {wait_s:g} s); --num_workers 0 loads in "
+            f"the trainer{fixed}"
+        )
 
     def _started_in(self, process_obj, wait_s: float) -> bool:
         """Fork once (multiprocessing's own launch): True once the child runs Python; False (the
@@ -116,6 +121,7 @@ class _SeenToStart(multiprocessing.popen_fork.Popen):
 
 
 if hasattr(os, "fork"):
+
     class _SeenToStartProcess(multiprocessing.context.ForkProcess):
         @staticmethod
         def _Popen(process_obj):
@@ -130,6 +136,7 @@ if hasattr(os, "fork"):
 
     class SeenToStart(multiprocessing.context.ForkContext):
         """Fork, as multiprocessing does, each child seen to start (_SeenToStart)."""
+
         Process = _SeenToStartProcess
 
     FORK = SeenToStart()

@@ -34,12 +34,12 @@ import time
 import traceback
 from contextlib import contextmanager
 
-HANG_STEPS = 10   # a step this many times the slowest agreed one is no hang yet
-ANSWER_S = 3.0    # how long a report waits for its peers' parts
+HANG_STEPS = 10  # a step this many times the slowest agreed one is no hang yet
+ANSWER_S = 3.0  # how long a report waits for its peers' parts
 PART_BYTES = 8000  # a part's text per datagram (well under UDP's 64 KiB, a few IP fragments across
-                   # machines)
-FRAMES = 30        # innermost frames shown per thread
-STAGGER_S = 1.0    # rank r reports r x this later: the lower rank's request reaches it first
+# machines)
+FRAMES = 30  # innermost frames shown per thread
+STAGGER_S = 1.0  # rank r reports r x this later: the lower rank's request reaches it first
 
 
 class Progress:
@@ -47,7 +47,12 @@ class Progress:
 
     def __init__(self):
         self.phase, self.step, self.detail, self.at, self.exempt_depth = (
-            "start-up", 0, "", time.monotonic(), 0)
+            "start-up",
+            0,
+            "",
+            time.monotonic(),
+            0,
+        )
 
     def mark(self, phase: str, step: int | None = None, detail: str = "") -> None:
         self.phase, self.detail, self.at = phase, detail, time.monotonic()
@@ -78,8 +83,14 @@ def where(frame) -> str:
         return "no Python frame"
     inner = frames[-1]
     text = f"in {inner.name} ({short(inner.filename)}:{inner.lineno})"
-    collective = next((f for f in reversed(frames) if f"torch{os.sep}distributed" in f.filename
-                       and not f.name.startswith("_")), None)
+    collective = next(
+        (
+            f
+            for f in reversed(frames)
+            if f"torch{os.sep}distributed" in f.filename and not f.name.startswith("_")
+        ),
+        None,
+    )
     if collective is not None:
         text += f", collective {collective.name}"
     elif any(f.name == "_engine_run_backward" for f in frames):
@@ -97,10 +108,14 @@ def where(frame) -> str:
 def own_file(filename: str) -> bool:
     """A file of the user's: not accel_train's, an installed package's or the standard library's."""
     import sysconfig
+
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     path = os.path.abspath(filename)
-    return (os.path.isfile(path) and f"accel_train{os.sep}" not in path
-            and not any(path.startswith(os.path.abspath(p) + os.sep) for p in installed))
+    return (
+        os.path.isfile(path)
+        and f"accel_train{os.sep}" not in path
+        and not any(path.startswith(os.path.abspath(p) + os.sep) for p in installed)
+    )
 
 
 def waits_on_a_peer(where_text: str) -> bool:
@@ -113,7 +128,7 @@ def short(filename: str) -> str:
     for anchor in ("accel_train", "site-packages"):
         if anchor in parts:
             i = len(parts) - 1 - parts[::-1].index(anchor)
-            return os.sep.join(parts[i + (anchor == "site-packages"):])
+            return os.sep.join(parts[i + (anchor == "site-packages") :])
     return filename
 
 
@@ -125,8 +140,9 @@ def stacks() -> tuple[str, str]:
     for ident, frame in sorted(frames.items(), key=lambda item: item[0] != main):
         if ident == threading.get_ident():
             continue  # (this report's own thread)
-        name = (names.get(ident, f"thread {ident}")
-                + (" (the training thread)" if ident == main else ""))
+        name = names.get(ident, f"thread {ident}") + (
+            " (the training thread)" if ident == main else ""
+        )
         if ident == main:
             here = where(frame)
         lines.append(f"  thread {name}:")
@@ -144,7 +160,7 @@ class HangReport:
         self.rank, self.heartbeat, self.on_hang = None, None, None
         # progress.at of the stall whose report was printed (here or by a peer)
         self.reported_at = None
-        self.handled_at = None   # progress.at of the stall this rank's own watch has answered
+        self.handled_at = None  # progress.at of the stall this rank's own watch has answered
         # (report, rank) -> part index -> bytes
         self.parts: dict[tuple[int, int], dict[int, bytes]] = {}
         self.counts: dict[tuple[int, int], int] = {}
@@ -156,8 +172,9 @@ class HangReport:
     def start(self) -> HangReport:
         self.progress.mark("start-up", 0)
         if self.cfg.hang_report_s > 0:
-            self.thread = threading.Thread(target=self._run, daemon=True,
-                                           name="accel_train-hang-report")
+            self.thread = threading.Thread(
+                target=self._run, daemon=True, name="accel_train-hang-report"
+            )
             self.thread.start()
         if getattr(self.cfg, "compile", False):
             self._exempt_compiles()
@@ -195,17 +212,28 @@ class HangReport:
             else:  # (a peer printed the report: this rank stops if it waits on that peer)
                 stop = self.stoppable({self.my_rank(): self.section(idle)})
             if stop:
-                self.on_hang(f"rank {self.my_rank()} made no progress for {idle:.0f} s "
-                             f"({self.progress.phase}, {stacks()[0]})")
+                self.on_hang(
+                    f"rank {self.my_rank()} made no progress for {idle:.0f} s "
+                    f"({self.progress.phase}, {stacks()[0]})"
+                )
         faulthandler.cancel_dump_traceback_later()
 
     def section(self, idle: float | None = None) -> dict:
         here, text = stacks()
         p = self.progress
         idle = time.monotonic() - p.at if idle is None else idle
-        return {"rank": self.my_rank(), "host": socket.gethostname(), "pid": os.getpid(),
-                "phase": p.phase, "step": p.step, "detail": p.detail, "idle_s": round(idle, 1),
-                "exempt": bool(p.exempt_depth), "where": here, "stacks": text}
+        return {
+            "rank": self.my_rank(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "phase": p.phase,
+            "step": p.step,
+            "detail": p.detail,
+            "idle_s": round(idle, 1),
+            "exempt": bool(p.exempt_depth),
+            "where": here,
+            "stacks": text,
+        }
 
     def my_rank(self) -> int:
         """This rank's number (before attach, during start-up: the launcher's RANK)."""
@@ -213,8 +241,12 @@ class HangReport:
 
     def stoppable(self, sections: dict) -> bool:
         """--stop_on_hang ends the run: once the first step completed, a rank waits on a peer."""
-        return (bool(self.cfg.stop_on_hang) and self.on_hang is not None and self.progress.step > 0
-                and any(s.get("missing") or waits_on_a_peer(s["where"]) for s in sections.values()))
+        return (
+            bool(self.cfg.stop_on_hang)
+            and self.on_hang is not None
+            and self.progress.step > 0
+            and any(s.get("missing") or waits_on_a_peer(s["where"]) for s in sections.values())
+        )
 
     def report(self, idle: float, bound: float) -> tuple[bool, bool]:
         """Ask the peers for their parts (ANSWER_S at most) and print one block: (printed, whether
@@ -236,26 +268,41 @@ class HangReport:
                 return False, False
         step_s = getattr(self.stop, "step_s", None)
         if self.progress.step == 0:
-            said = (f"--hang_report_s {self.cfg.hang_report_s:g}: before the first step no step "
-                    "time is known")
+            said = (
+                f"--hang_report_s {self.cfg.hang_report_s:g}: before the first step no step "
+                "time is known"
+            )
         else:
             learned = f", {HANG_STEPS} x the slowest step {step_s:.2g} s" if step_s else ""
             said = f"max(--hang_report_s {self.cfg.hang_report_s:g}{learned})"
-        head = (f"accel-train: warning: rank {mine['rank']} has made no progress for {idle:.0f} s "
-                f"(bound: {said}); where every rank is:")
+        head = (
+            f"accel-train: warning: rank {mine['rank']} has made no progress for {idle:.0f} s "
+            f"(bound: {said}); where every rank is:"
+        )
         lines = [head] + [summary(sections[r]) for r in sorted(sections)]
         for r in sorted(sections):
             if not sections[r].get("missing"):
                 lines += [f"rank {r}'s threads:", sections[r]["stacks"]]
         stop = self.stoppable(sections)
-        why = ("" if not self.cfg.stop_on_hang or stop else
-               " (--stop_on_hang waits for the first step: a compile, a first batch or read may be "
-               "slow)" if self.progress.step == 0 else
-               " (--stop_on_hang: no rank waits on a peer, every rank is computing)")
-        ends = ("--stop_on_hang: the run ends here" if stop else
+        why = (
+            ""
+            if not self.cfg.stop_on_hang or stop
+            else (
+                " (--stop_on_hang waits for the first step: a compile, a first batch or read may be"
+                " slow)"
+                if self.progress.step == 0
+                else " (--stop_on_hang: no rank waits on a peer, every rank is computing)"
+            )
+        )
+        ends = (
+            "--stop_on_hang: the run ends here"
+            if stop
+            else (
                 f"nothing is stopped{why}: the run goes on if the step completes; --timeout_s "
-                f"{self.cfg.timeout_s} ends it" + ("" if self.cfg.stop_on_hang else
-                                                   ", or --stop_on_hang at this report"))
+                f"{self.cfg.timeout_s} ends it"
+            )
+            + ("" if self.cfg.stop_on_hang else ", or --stop_on_hang at this report")
+        )
         lines.append(f"accel-train: {ends} (the survivors save the last completed step)")
         write("\n" + "\n".join(lines) + "\n")
         return True, stop
@@ -264,15 +311,18 @@ class HangReport:
     def _answer(self, rank: int, payload: bytes) -> None:
         section = self.section()
         data = json.dumps(section).encode()
-        chunks = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
+        chunks = [data[i : i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
         for i, chunk in enumerate(chunks):
-            self.heartbeat.send(b"part", b"%s %d %d " % (payload.strip(), i, len(chunks)) + chunk,
-                                to=[rank])
+            self.heartbeat.send(
+                b"part", b"%s %d %d " % (payload.strip(), i, len(chunks)) + chunk, to=[rank]
+            )
         # this stall is reported by `rank`: no second block from here
         if stalled(section, self.bound()):
             self.reported_at = self.progress.at
-            write(f"\naccel-train: warning: rank {rank} reports no progress; "
-                  f"this rank's stacks are in its report (rank {rank}'s log)\n")
+            write(
+                f"\naccel-train: warning: rank {rank} reports no progress; "
+                f"this rank's stacks are in its report (rank {rank}'s log)\n"
+            )
 
     def _part(self, rank: int, payload: bytes) -> None:
         report, index, count, chunk = payload.split(b" ", 3)
@@ -290,6 +340,7 @@ class HangReport:
 
     def _exempt_compiles(self) -> None:
         from torch._dynamo.callback import callback_handler
+
         progress = self.progress
 
         def started(*_):
@@ -332,12 +383,16 @@ def stalled(section: dict, bound: float) -> bool:
 
 def summary(section: dict) -> str:
     if section.get("missing"):
-        return (f"  rank {section['rank']}: no answer within {ANSWER_S:.0f} s (its process is "
-                "stopped, its machine cut off, or its training thread holds the GIL)")
+        return (
+            f"  rank {section['rank']}: no answer within {ANSWER_S:.0f} s (its process is "
+            "stopped, its machine cut off, or its training thread holds the GIL)"
+        )
     detail = f", {section['detail']}" if section["detail"] else ""
-    return (f"  rank {section['rank']} ({section['host']}, pid {section['pid']}): "
-            f"{section['phase']}{detail}, step {section['step']}, {section['idle_s']:.0f} s since; "
-            f"training thread {section['where']}")
+    return (
+        f"  rank {section['rank']} ({section['host']}, pid {section['pid']}): "
+        f"{section['phase']}{detail}, step {section['step']}, {section['idle_s']:.0f} s since; "
+        f"training thread {section['where']}"
+    )
 
 
 def write(text: str) -> None:
@@ -349,6 +404,6 @@ def write(text: str) -> None:
     try:
         fd = sys.__stderr__.fileno()
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
     except Exception:  # (a closed stderr, a full non-blocking pipe)
         pass

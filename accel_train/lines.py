@@ -8,8 +8,11 @@ import sys
 
 def counted(n: int, noun: str) -> str:
     """'1 step', '3 steps', '1 class', '2 classes': a count in words, for the lines a user reads."""
-    return (f"{n} {noun}" if n == 1
-            else f"{n} {noun}{'es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's'}")
+    return (
+        f"{n} {noun}"
+        if n == 1
+        else f"{n} {noun}{'es' if noun.endswith(('s', 'sh', 'ch', 'x')) else 's'}"
+    )
 
 
 def end_progress_line() -> bool:

@@ -6,8 +6,18 @@ from __future__ import annotations
 import sys
 import traceback
 
-from .errors import (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PREEMPTED,
-                     ConfigError, Diverged, Preempted, WorkerDidNotStart, report_status)
+from .errors import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    ConfigError,
+    Diverged,
+    Preempted,
+    WorkerDidNotStart,
+    report_status,
+)
 from .exits import process_group, says_shared_errors
 from .lines import end_progress_line
 
@@ -31,9 +41,13 @@ def status_of(call) -> int:
         # (--log_all_ranks)
         if group is None or group.is_main_process or getattr(e, "every_rank", False):
             from .resilience.preempt import launcher_status
+
             said = launcher_status(getattr(e, "signal", None), code)  # (130 from accelerate launch)
-            print(f"accel-train: {'preempted' if code == EXIT_PREEMPTED else 'error'}: {e}{said}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"accel-train: {'preempted' if code == EXIT_PREEMPTED else 'error'}: {e}{said}",
+                file=sys.stderr,
+                flush=True,
+            )
     except Diverged as e:  # every rank stopped at the same step; the main process says why
         group = process_group()
         if group is None or group.is_main_process:
@@ -44,8 +58,12 @@ def status_of(call) -> int:
         code = EXIT_DIVERGED
     # Ctrl-C outside the training loop's handler (imports, the final export)
     except KeyboardInterrupt:
-        print("\naccel-train: interrupted (Ctrl-C); a training run continues from its newest "
-              "complete checkpoint with --resume auto", file=sys.stderr, flush=True)
+        print(
+            "\naccel-train: interrupted (Ctrl-C); a training run continues from its newest "
+            "complete checkpoint with --resume auto",
+            file=sys.stderr,
+            flush=True,
+        )
         code = EXIT_INTERRUPTED
     except WorkerDidNotStart as e:  # (not a bug of ours: no traceback)
         print(f"accel-train: error: {e}", file=sys.stderr, flush=True)

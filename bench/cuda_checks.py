@@ -1,4 +1,5 @@
-"""Device checks for bench/gpu_check.sh, one per call; each prints one line and writes its figures as JSON.
+"""Device checks for bench/gpu_check.sh, one per call; each prints one line and writes its figures
+as JSON.
 
     python bench/cuda_checks.py syncs  --json F --output_dir D [--device cuda]   host syncs per optimizer step
     python bench/cuda_checks.py compile --json F --output_dir D [--compile_mode M] graphs torch.compile compiled
@@ -6,11 +7,11 @@
     python bench/cuda_checks.py deterministic-train -- <trainer arguments>       (used by resume)
 
 Each runs the real trainer (accel_train.cli.main) in this process. `syncs` turns on
-torch.cuda.set_sync_debug_mode("warn") once training has started and counts the warnings per window between
-two optimizer steps (a global optimizer step post-hook marks the boundaries), apart from the steps at which
-the ranks ran an agreed check (AgreedChecks.agree); it fails when no window was left to judge (on a slow device
-every step may run an agreed check). On --device cpu (a dry run of the script itself) the
-same counting wraps Tensor.item / tolist / cpu / __bool__ instead.
+torch.cuda.set_sync_debug_mode("warn") once training has started and counts the warnings per window
+between two optimizer steps (a global optimizer step post-hook marks the boundaries), apart from the
+steps at which the ranks ran an agreed check (AgreedChecks.agree); it fails when no window was left
+to judge (on a slow device every step may run an agreed check). On --device cpu (a dry run of the
+script itself) the same counting wraps Tensor.item / tolist / cpu / __bool__ instead.
 """
 
 from __future__ import annotations
@@ -24,11 +25,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SMALL = ["--data", "random", "--train_samples", "5120", "--test_samples", "1000", "--batch_size", "256"]
+SMALL = [
+    "--data",
+    "random",
+    "--train_samples",
+    "5120",
+    "--test_samples",
+    "1000",
+    "--batch_size",
+    "256",
+]
 
 
 def train(args: list[str]) -> int:
     from accel_train.cli import main
+
     return main([str(a) for a in args])
 
 
@@ -37,6 +48,7 @@ def check_syncs(a) -> dict:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from accel_train.resilience.preempt import AgreedChecks
+
     state = {"step": 0, "syncs": {}, "checks": []}
 
     def count():
@@ -65,6 +77,7 @@ def check_syncs(a) -> dict:
                 count()
             else:
                 shown(message, category, *rest, **kw)
+
         warnings.simplefilter("always")
         warnings.showwarning = showwarning
     else:
@@ -75,6 +88,7 @@ def check_syncs(a) -> dict:
                 if state["step"]:
                     count()
                 return _method(*args, **kw)
+
             setattr(torch.Tensor, name, wrapped)
     code = train(SMALL + ["--epochs", "1", "--log_every", "100000", "--output_dir", a.output_dir])
     judged = judge_syncs(state["step"], state["syncs"], state["checks"])
@@ -82,43 +96,81 @@ def check_syncs(a) -> dict:
 
 
 def judge_syncs(steps: int, syncs: dict[int, int], checks: list[int]) -> dict:
-    """The windows between optimizer steps 1..steps-1 that ran no agreed check are judged: none may sync. No window
-    judged (every step an agreed check, as on a slow device) is a failure too: nothing was shown."""
+    """The windows between optimizer steps 1..steps-1 that ran no agreed check are judged: none may
+    sync. No window judged (every step an agreed check, as on a slow device) is a failure too:
+    nothing was shown."""
     judged = [k for k in range(1, steps) if k not in checks]
     stray = {k: syncs[k] for k in judged if syncs.get(k)}
-    return {"ok": bool(judged) and not stray, "steps": steps, "windows_judged": len(judged), "agreed_checks": checks,
-            "syncs_outside_checks": stray, "syncs_per_window": {str(k): n for k, n in sorted(syncs.items())}}
+    return {
+        "ok": bool(judged) and not stray,
+        "steps": steps,
+        "windows_judged": len(judged),
+        "agreed_checks": checks,
+        "syncs_outside_checks": stray,
+        "syncs_per_window": {str(k): n for k, n in sorted(syncs.items())},
+    }
 
 
 def check_compile(a) -> dict:
-    """Also the seconds dynamo and inductor spent compiling (a cold start's with an empty TORCHINDUCTOR_CACHE_DIR)."""
+    """Also the seconds dynamo and inductor spent compiling (a cold start's with an empty
+    TORCHINDUCTOR_CACHE_DIR)."""
     import time
+
     start = time.monotonic()
-    code = train(SMALL + ["--test_samples", "1001", "--epochs", "2", "--compile", "--compile_mode", a.compile_mode,
-                          "--output_dir", a.output_dir])
+    code = train(
+        SMALL
+        + [
+            "--test_samples",
+            "1001",
+            "--epochs",
+            "2",
+            "--compile",
+            "--compile_mode",
+            a.compile_mode,
+            "--output_dir",
+            a.output_dir,
+        ]
+    )
     from torch._dynamo import utils
+
     graphs, frames = utils.counters["stats"]["unique_graphs"], utils.counters["frames"]["ok"]
     spent = utils.calculate_time_spent() if hasattr(utils, "calculate_time_spent") else {}
-    return {"check": "compile", "mode": a.compile_mode, "ok": code == 0 and graphs == 2, "exit": code,
-            "graphs": graphs, "traced_frames": frames, "expected": "2 graphs (train, eval)",
-            "compile_seconds": round(spent.get("total_wall_time", -1.0), 1),
-            "run_seconds": round(time.monotonic() - start, 1)}
+    return {
+        "check": "compile",
+        "mode": a.compile_mode,
+        "ok": code == 0 and graphs == 2,
+        "exit": code,
+        "graphs": graphs,
+        "traced_frames": frames,
+        "expected": "2 graphs (train, eval)",
+        "compile_seconds": round(spent.get("total_wall_time", -1.0), 1),
+        "run_seconds": round(time.monotonic() - start, 1),
+    }
 
 
 def check_resume(a) -> dict:
-    """Three runs, each its own process with deterministic kernels: uninterrupted, stopped at --max_steps
-    (5 steps into epoch 2), resumed; the exported weights must be equal."""
+    """Three runs, each its own process with deterministic kernels: uninterrupted, stopped at
+    --max_steps (5 steps into epoch 2), resumed; the exported weights must be equal."""
     import subprocess
 
     from safetensors.torch import load_file
+
     out = Path(a.output_dir)
     run = [sys.executable, __file__, "deterministic-train", "--"] + SMALL + ["--epochs", "2"]
-    codes = [subprocess.run(run + extra, timeout=600).returncode for extra in (
-        ["--output_dir", out / "full"], ["--max_steps", "25", "--output_dir", out / "stopped"],  # 20 steps/epoch
-        ["--resume", "auto", "--output_dir", out / "stopped"])]
+    codes = [
+        subprocess.run(run + extra, timeout=600).returncode
+        for extra in (
+            ["--output_dir", out / "full"],
+            ["--max_steps", "25", "--output_dir", out / "stopped"],  # 20 steps/epoch
+            ["--resume", "auto", "--output_dir", out / "stopped"],
+        )
+    ]
     if codes != [0, 0, 0]:
         return {"check": "resume", "ok": False, "exits": codes}
-    x, y = load_file(out / "full" / "model.safetensors"), load_file(out / "stopped" / "model.safetensors")
+    x, y = (
+        load_file(out / "full" / "model.safetensors"),
+        load_file(out / "stopped" / "model.safetensors"),
+    )
     diff = max((x[k].double() - y[k].double()).abs().max().item() for k in x)
     return {"check": "resume", "ok": diff <= 1e-6, "exits": codes, "max_abs_diff": diff}
 
@@ -127,6 +179,7 @@ def deterministic_train(args: list[str]) -> int:
     import os
 
     import torch
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     return train(args)
@@ -141,15 +194,20 @@ def main() -> int:
     p.add_argument("--json", required=True, help="file for the figures")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--compile_mode", default="default", help="compile: torch.compile's mode (reduce-overhead: "
-                   "CUDA graphs)")
+    p.add_argument(
+        "--compile_mode",
+        default="default",
+        help="compile: torch.compile's mode (reduce-overhead: CUDA graphs)",
+    )
     if sys.argv[1:2] == ["deterministic-train"]:
-        return deterministic_train(sys.argv[sys.argv.index("--") + 1:])
+        return deterministic_train(sys.argv[sys.argv.index("--") + 1 :])
     a = p.parse_args()
     result = CHECKS[a.check](a)
     Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{a.check}: {'ok' if result['ok'] else 'FAILED'} " + json.dumps({k: v for k, v in result.items()
-                                                                           if k not in ("syncs_per_window",)}))
+    print(
+        f"{a.check}: {'ok' if result['ok'] else 'FAILED'} "
+        + json.dumps({k: v for k, v in result.items() if k not in ("syncs_per_window",)})
+    )
     return 0 if result["ok"] else 1
 
 

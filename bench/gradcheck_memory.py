@@ -1,7 +1,8 @@
-"""The precision check's cost next to one training step (issue 34 item 6): peak memory and time of one bf16 training
-step, of the check on the slice a run checks (gradcheck.CHECK_BATCH rule) and of the check on the whole batch (the
-check before issue 34), each in a fresh process. Peak memory over what the process held just before: the
-accelerator's allocator peak where there is one, else the growth of the peak resident set (Linux).
+"""The precision check's cost next to one training step (issue 34 item 6): peak memory and time of
+one bf16 training step, of the check on the slice a run checks (gradcheck.CHECK_BATCH rule) and of
+the check on the whole batch (the check before issue 34), each in a fresh process. Peak memory over
+what the process held just before: the accelerator's allocator peak where there is one, else the
+growth of the peak resident set (Linux).
 
     python bench/gradcheck_memory.py [--model resnet50] [--image_size 224] [--batch 64] [--precision bf16]
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def current_bytes() -> int:
     import torch
+
     if torch.accelerator.is_available():
         return torch.accelerator.memory_allocated()
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
@@ -28,6 +30,7 @@ def current_bytes() -> int:
 
 def peak_bytes() -> int:
     import torch
+
     if torch.accelerator.is_available():
         return torch.accelerator.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -38,13 +41,22 @@ def measure(args) -> dict:
     import torch
 
     from accel_train.precision import check as gradcheck
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+
+    device = (
+        torch.accelerator.current_accelerator()
+        if torch.accelerator.is_available()
+        else torch.device("cpu")
+    )
     torch.manual_seed(0)
     model = timm.create_model(args.model, num_classes=1000).to(device).train()
     x = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(0, 1000, (args.batch,), device=device)
     criterion, dtype = torch.nn.CrossEntropyLoss(), gradcheck.DTYPES[args.precision]
-    n = min(args.batch, max(gradcheck.CHECK_BATCH, args.batch // 4)) if args.what == "check" else args.batch
+    n = (
+        min(args.batch, max(gradcheck.CHECK_BATCH, args.batch // 4))
+        if args.what == "check"
+        else args.batch
+    )
     if torch.accelerator.is_available():
         torch.accelerator.reset_peak_memory_stats()
     before, start = current_bytes(), time.perf_counter()
@@ -56,9 +68,14 @@ def measure(args) -> dict:
         optimizer.step()
         float(loss)
     else:
-        gradcheck.check(model, x[:n], y[:n], criterion, args.precision)  # (its cost, whatever its verdict)
-    return dict(what=args.what, samples=n, seconds=time.perf_counter() - start,
-                peak_gib=(peak_bytes() - before) / 2 ** 30)
+        # (its cost, whatever its verdict)
+        gradcheck.check(model, x[:n], y[:n], criterion, args.precision)
+    return dict(
+        what=args.what,
+        samples=n,
+        seconds=time.perf_counter() - start,
+        peak_gib=(peak_bytes() - before) / 2**30,
+    )
 
 
 def main() -> None:
@@ -67,25 +84,41 @@ def main() -> None:
     p.add_argument("--image_size", type=int, default=224)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16"])
-    p.add_argument("--what", choices=["step", "check", "whole"], help="one measurement, in this process")
+    p.add_argument(
+        "--what", choices=["step", "check", "whole"], help="one measurement, in this process"
+    )
     args = p.parse_args()
     if args.what:
         print(json.dumps(measure(args)))
         return
     import torch
-    print(f"# {args.model}, {args.image_size} px, batch {args.batch}, {args.precision}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}")
+
+    print(
+        f"# {args.model}, {args.image_size} px, batch {args.batch}, {args.precision}, torch"
+        f" {torch.__version__}, threads {torch.get_num_threads()}"
+    )
     print(f"{'':34}{'samples':>8}{'seconds':>9}{'peak GiB':>10}")
     rows = {}
     for what in ("step", "check", "whole"):
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--what", what], capture_output=True, text=True,
-                             timeout=1800, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--what", what],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=True,
+        ).stdout
         rows[what] = r = json.loads(out.strip().splitlines()[-1])
-        label = {"step": "one training step", "check": "check on its slice (now)", "whole": "check on the whole batch"}
+        label = {
+            "step": "one training step",
+            "check": "check on its slice (now)",
+            "whole": "check on the whole batch",
+        }
         print(f"{label[what]:34}{r['samples']:>8}{r['seconds']:>9.1f}{r['peak_gib']:>10.2f}")
     for what in ("check", "whole"):
-        print(f"{what}: peak {rows[what]['peak_gib'] / rows['step']['peak_gib'] - 1:+.0%} over the step's, "
-              f"{rows[what]['seconds'] / rows['step']['seconds']:.1f} steps of time")
+        print(
+            f"{what}: peak {rows[what]['peak_gib'] / rows['step']['peak_gib'] - 1:+.0%} over the"
+            f" step's, {rows[what]['seconds'] / rows['step']['seconds']:.1f} steps of time"
+        )
 
 
 if __name__ == "__main__":

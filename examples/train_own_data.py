@@ -4,13 +4,14 @@
     accelerate launch --config_file accelerate_configs/2proc_cpu.yaml examples/train_own_data.py --output_dir ...
     ACCEL_TRAIN_SCRIPT=examples/train_own_data.py ./launch.sh --output_dir ...    # clusters, restarts
 
-It takes the command line's flags (--epochs, --resume auto, ...); `--output_dir ... --resume auto` alone continues the
-run with its own settings. Exact resume needs a Dataset that gives the same item for an index every time: here each
-image is a function of its index. The model is recorded as train_own_data:small_net, with this file's folder; predict
-with it from any folder (it imports this file's code, hence the trust flag; the images are fed as Stripes gives them,
-unnormalised):
+It takes the command line's flags (--epochs, --resume auto, ...); `--output_dir ... --resume auto`
+alone continues the run with its own settings. Exact resume needs a Dataset that gives the same item
+for an index every time: here each image is a function of its index. The model is recorded as
+train_own_data:small_net, with this file's folder; predict with it from any folder (it imports this
+file's code, hence the trust flag; the images are fed as Stripes gives them, unnormalised):
 
-    accel-train predict --checkpoint /tmp/own_data --trust_model_code --mean 0,0,0 --std 1,1,1 my_images/"""
+    accel-train predict --checkpoint /tmp/own_data --trust_model_code --mean 0,0,0 --std 1,1,1 my_images/
+"""
 
 import json
 import sys
@@ -26,7 +27,9 @@ from accel_train.cli import parse_train_args
 
 
 class Stripes(Dataset):
-    """Images of horizontal (class 0) or vertical (class 1) stripes with noise: item i is the same on every call."""
+    """Images of horizontal (class 0) or vertical (class 1) stripes with noise: item i is the same
+    on every call."""
+
     classes = ("horizontal", "vertical")
 
     def __init__(self, n: int, seed: int):
@@ -44,16 +47,25 @@ class Stripes(Dataset):
 
 
 def small_net(num_classes: int) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-                         nn.Linear(8 * 16, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(8 * 16, num_classes),
+    )
 
 
 def run():
-    cfg = parse_train_args(sys.argv[1:])  # the command line's flags and defaults (TrainConfig(...) works as well)
-    result = train(cfg, model=small_net, train_set=Stripes(256, seed=0), test_set=Stripes(64, seed=1))
+    # the command line's flags and defaults (TrainConfig(...) works as well)
+    cfg = parse_train_args(sys.argv[1:])
+    result = train(
+        cfg, model=small_net, train_set=Stripes(256, seed=0), test_set=Stripes(64, seed=1)
+    )
     if PartialState().is_main_process:  # every rank returns the same metrics
         print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(run)  # the command line's one-line errors and exit statuses (bad input 2, preempted 4, ...)
+    # the command line's one-line errors and exit statuses (bad input 2, preempted 4, ...)
+    main(run)

@@ -1,4 +1,5 @@
-"""accel_config: launch.sh's check of an accelerate config with accelerate's own loader, remembered per contents."""
+"""accel_config: launch.sh's check of an accelerate config with accelerate's own loader, remembered
+per contents."""
 
 import importlib.metadata
 
@@ -13,8 +14,10 @@ def test_a_config_that_loaded_is_not_read_again_and_a_changed_one_is(tmp_path, m
     checked = []
     real = accel_config.problem
     monkeypatch.setattr(accel_config, "problem", lambda path: checked.append(path) or real(path))
-    assert accel_config.main([str(config)]) == 0 and len(checked) == 1  # accelerate's loader took it
-    assert accel_config.main([str(config)]) == 0 and len(checked) == 1  # remembered: accelerate not imported
+    # accelerate's loader took it
+    assert accel_config.main([str(config)]) == 0 and len(checked) == 1
+    # remembered: accelerate not imported
+    assert accel_config.main([str(config)]) == 0 and len(checked) == 1
     # the same file with a typo is another file: read, refused in one line, not remembered
     config.write_text(config.read_text() + "num_proceses: 2\n")
     capsys.readouterr()
@@ -26,7 +29,11 @@ def test_a_config_that_loaded_is_not_read_again_and_a_changed_one_is(tmp_path, m
     config.write_text((CONFIGS / "2proc_cpu.yaml").read_text())
     assert accel_config.main([str(config)]) == 0 and len(checked) == 3
     installed = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == "accelerate" else installed(name))
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda name: "99.0" if name == "accelerate" else installed(name),
+    )
     assert accel_config.main([str(config)]) == 0 and len(checked) == 4
 
 
@@ -45,6 +52,7 @@ def test_no_home_directory_only_means_the_check_runs(tmp_path, monkeypatch):
 
     def no_home():
         raise RuntimeError("Could not determine home directory.")
+
     monkeypatch.setattr(accel_config.Path, "home", staticmethod(no_home))
     assert accel_config.marker(str(CONFIGS / "cpu.yaml")) is None
     assert accel_config.main([str(CONFIGS / "cpu.yaml")]) == 0
@@ -56,4 +64,5 @@ def test_the_same_text_read_as_json_is_another_check(tmp_path, monkeypatch):
     (tmp_path / "a.yaml").write_text(text)
     (tmp_path / "a.json").write_text(text)
     assert accel_config.main([str(tmp_path / "a.yaml")]) == 0
-    assert accel_config.main([str(tmp_path / "a.json")]) == 1  # YAML is not JSON: refused, though a.yaml passed
+    # YAML is not JSON: refused, though a.yaml passed
+    assert accel_config.main([str(tmp_path / "a.json")]) == 1

@@ -9,8 +9,8 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from conftest import CONFIGS
 
 ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
-# name: (distributed_type, machines, total processes, mixed precision; None: the config states none, which
-# leaves it to the trainer's device check)
+# name: (distributed_type, machines, total processes, mixed precision; None: the config states none,
+# which leaves it to the trainer's device check)
 EXPECTED = {
     "cpu.yaml": ("NO", 1, 1, None),
     "2proc_cpu.yaml": ("MULTI_GPU", 1, 2, None),
@@ -32,11 +32,17 @@ def test_config_loads_and_validates(name):
     cfg = load_config_from_file(str(path))
     kind, machines, procs, precision = EXPECTED[name]
     assert str(cfg.distributed_type).split(".")[-1] == kind
-    assert (cfg.num_machines, cfg.num_processes, cfg.mixed_precision) == (machines, procs, precision)
+    assert (cfg.num_machines, cfg.num_processes, cfg.mixed_precision) == (
+        machines,
+        procs,
+        precision,
+    )
     assert cfg.num_processes % cfg.num_machines == 0, "processes must split evenly over machines"
     assert kind != "MULTI_CPU", "MULTI_CPU starts one process without an MPI hostfile"
     if cfg.num_machines > 1:
-        assert cfg.main_process_ip and cfg.main_process_port, "multi-node configs carry placeholders"
+        assert cfg.main_process_ip and cfg.main_process_port, (
+            "multi-node configs carry placeholders"
+        )
     text = path.read_text()
     assert text.lstrip().startswith("#"), "each config starts with a comment saying what it is for"
     assert not re.search(r":\s*(NO|no)\s*$", text, re.M), "unquoted NO/no is a YAML boolean"
@@ -53,17 +59,20 @@ def test_unknown_key_is_refused(tmp_path):
         load_config_from_file(str(bad))
 
 
-# `ACCELERATE_USE_CPU=1 accelerate test --config_file <cfg>` on cpu.yaml and 2proc_cpu.yaml: the same launch of
-# Accelerate's test script is tests/test_smoke.py::test_smoke_passes_when_every_rank_joined, which asserts
-# everything this file's launched test did (exit 0 of the script = "Test is a success", the process indices,
-# "Num processes" == the config's) and the group size on top.
-
+# `ACCELERATE_USE_CPU=1 accelerate test --config_file <cfg>` on cpu.yaml and 2proc_cpu.yaml: the
+# same launch of Accelerate's test script is
+# tests/test_smoke.py::test_smoke_passes_when_every_rank_joined, which asserts everything this
+# file's launched test did (exit 0 of the script = "Test is a success", the process indices, "Num
+# processes" == the config's) and the group size on top.
 
 
 def test_the_npu_configs_name_the_fact_launch_sh_chooses_bf16_by():
-    """issue 41 item 9: 1node_npu.yaml said launch.sh asks torch.npu.is_bf16_supported(); it (and the trainer) match
-    the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name: Accelerate's answer is True on every NPU)."""
+    """issue 41 item 9: 1node_npu.yaml said launch.sh asks torch.npu.is_bf16_supported(); it (and
+    the trainer) match the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name:
+    Accelerate's answer is True on every NPU).
+    """
     from accel_train.platform import hardware
+
     assert hardware.NPU_BF16.pattern and "get_device_name(0)" in open(hardware.__file__).read()
     for name in ALL:
         text = (CONFIGS / name).read_text()

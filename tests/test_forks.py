@@ -40,8 +40,9 @@ def _stall_once_in_the_child():
 os.register_at_fork(after_in_child=_stall_once_in_the_child)
 
 
-def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(tmp_path, monkeypatch,
-                                                                              capfd):
+def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(
+    tmp_path, monkeypatch, capfd
+):
     monkeypatch.setattr(forks, "FORK_START_S", 0.5)
     token = tmp_path / "stall"
     token.write_text("")
@@ -55,7 +56,8 @@ def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(tm
     reader.start()
     reader.join(60)
     alive = reader.is_alive()
-    if alive:  # (the old fork: the loader waits for ever on the stuck child; end it for the next tests)
+    if alive:
+        # (the old fork: the loader waits for ever on the stuck child; end it for the next tests)
         for child in multiprocessing.active_children():
             child.kill()
     assert not alive, "the loader waited on a worker that never started"
@@ -79,7 +81,9 @@ def test_a_worker_that_was_only_slow_is_not_blamed_on_the_fork_bug(tmp_path, mon
     err = capfd.readouterr().err
     assert "did not reach Python in 0.5 s (still running: slow, on a busy machine)" in err, err
     assert "gh-112275" not in err
-    assert "gh-112275" in forks.not_started_why("S", True) and "gh-112275" not in forks.not_started_why("S", False)
+    assert "gh-112275" in forks.not_started_why(
+        "S", True
+    ) and "gh-112275" not in forks.not_started_why("S", False)
     del loader
 
 
@@ -92,6 +96,7 @@ def _forks(monkeypatch) -> list[int]:
         if pid:
             pids.append(pid)
         return pid
+
     monkeypatch.setattr(os, "fork", recorded)
     return pids
 
@@ -122,8 +127,10 @@ def test_stuck_forks_are_killed_reaped_and_end_in_one_line_naming_the_fix(monkey
     monkeypatch.setattr(forks._SeenToStartProcess, "run", lambda self: time.sleep(3600))
     fds = len(os.listdir("/proc/self/fd"))
     pids = _forks(monkeypatch)
-    with pytest.raises(forks.WorkerDidNotStart, match=r"in 3 forks \(the last waited 0.4 s\); "
-                                                       r"--num_workers 0 loads in the trainer"):
+    with pytest.raises(
+        forks.WorkerDidNotStart,
+        match=r"in 3 forks \(the last waited 0.4 s\); " r"--num_workers 0 loads in the trainer",
+    ):
         forks.FORK.Process(target=os.getpid).start()
     assert len(pids) == 3 and all(_reaped(pid) for pid in pids)
     assert len(os.listdir("/proc/self/fd")) == fds  # (every pipe of every attempt closed)
@@ -131,6 +138,7 @@ def test_stuck_forks_are_killed_reaped_and_end_in_one_line_naming_the_fix(monkey
     assert [f"did not reach Python in {s} s" in err for s in ("0.1", "0.2")] == [True, True]
     assert err.count("forked it again") == 2 and f"DataLoader worker {pids[0]} " in err
     from accel_train.status import status_of
+
     assert status_of(lambda: forks.FORK.Process(target=os.getpid).start()) == 1
     line = capfd.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("accel-train: error: a DataLoader worker did not reach Python"), line
@@ -139,6 +147,7 @@ def test_stuck_forks_are_killed_reaped_and_end_in_one_line_naming_the_fix(monkey
 def test_an_interrupt_while_a_child_is_awaited_leaves_no_child(monkeypatch):
     def interrupted(*args):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(forks.multiprocessing.connection, "wait", interrupted)
     monkeypatch.setattr(forks._SeenToStartProcess, "run", lambda self: time.sleep(3600))
     pids = _forks(monkeypatch)
@@ -149,6 +158,7 @@ def test_an_interrupt_while_a_child_is_awaited_leaves_no_child(monkeypatch):
 
 def test_a_trainer_with_more_than_1024_files_open_starts_its_workers():
     import resource
+
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
         pytest.skip("an open-file limit under 1200")
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
@@ -207,8 +217,13 @@ RACE = textwrap.dedent("""
 @pytest.mark.faults
 def test_forks_beside_threads_that_enter_python_all_start():
     env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", RACE, "guarded", "20"], capture_output=True,
-                         text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", RACE, "guarded", "20"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     started = int(out.stdout.split()[-1])
     assert started > 500, out.stdout

@@ -1,7 +1,9 @@
-"""Your own Datasets given to train() (data/given.py): the normalisation they apply is recorded as what it is (issue 40
-item 2: a torchvision ImageFolder with Normalize(0.5, 0.5) was recorded as mean 0 / std 1, and evaluate scored
-86.67% what train() scored 100%), or as unknown, and then evaluate/predict of image files ask for --mean/--std; the
-data kind recorded is "dataset" (evaluate without --data named the Dataset's class as an invalid --data choice)."""
+"""Your own Datasets given to train() (data/given.py): the normalisation they apply is recorded as
+what it is (issue 40 item 2: a torchvision ImageFolder with Normalize(0.5, 0.5) was recorded as mean
+0 / std 1, and evaluate scored 86.67% what train() scored 100%), or as unknown, and then
+evaluate/predict of image files ask for --mean/--std; the data kind recorded is "dataset" (evaluate
+without --data named the Dataset's class as an invalid --data choice).
+"""
 
 import json
 import logging
@@ -37,19 +39,29 @@ class Plain(Dataset):
 def test_the_normalisation_is_read_from_the_datasets_transform():
     half = Compose([Resize(16), ToTensor(), Normalize([0.5] * 3, [0.25] * 3)])
     assert seen_normalisation(Plain(half))[:2] == ((0.5,) * 3, (0.25,) * 3)
-    assert seen_normalisation(Subset(Plain(half), [0, 1]))[:2] == ((0.5,) * 3, (0.25,) * 3)  # (wrapped)
+    # (wrapped)
+    assert seen_normalisation(Subset(Plain(half), [0, 1]))[:2] == (
+        (0.5,) * 3,
+        (0.25,) * 3,
+    )
     scaled = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
     assert seen_normalisation(Plain(scaled))[:2] == ((0.0,) * 3, (1.0,) * 3)
-    assert seen_normalisation(Plain(v2.Compose([v2.ToImage(), v2.Normalize([0.1] * 3, [0.2] * 3)])))[0] == (0.1,) * 3
-    # what cannot be seen is unknown, not a guess: no transform, a Lambda, a conversion without scaling
+    assert (
+        seen_normalisation(Plain(v2.Compose([v2.ToImage(), v2.Normalize([0.1] * 3, [0.2] * 3)])))[0]
+        == (0.1,) * 3
+    )
+    # what cannot be seen is unknown, not a guess: no transform, a Lambda, a conversion without
+    # scaling
     assert seen_normalisation(Plain()) is None
     assert seen_normalisation(Plain(Compose([ToTensor(), Lambda(lambda x: x * 2 - 1)]))) is None
     assert seen_normalisation(Plain(v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32)]))) is None
 
 
 def write_folder(root, per_class: int = 8):
-    """train/ and val/ of two colour classes, 16x16 PNGs (lossless: the files decode to the Dataset's pixels)."""
+    """train/ and val/ of two colour classes, 16x16 PNGs (lossless: the files decode to the
+    Dataset's pixels)."""
     from PIL import Image
+
     rng = np.random.default_rng(0)
     for split in ("train", "val"):
         for c, name in enumerate(("blue", "red")):
@@ -68,45 +80,90 @@ def folder(tmp_path_factory):
 
 def test_an_imagefolder_with_normalize_is_evaluated_and_predicted_as_it_trained(folder, tmp_path):
     transform = Compose([ToTensor(), Normalize([0.5] * 3, [0.5] * 3)])
-    train_set, val_set = (datasets.ImageFolder(folder / split, transform) for split in ("train", "val"))
+    train_set, val_set = (
+        datasets.ImageFolder(folder / split, transform) for split in ("train", "val")
+    )
     out = tmp_path / "out"
-    result = in_process_train(TrainConfig(epochs=3, batch_size=4, output_dir=str(out), lr=0.05), model=Net,
-                              train_set=train_set, test_set=val_set)
+    result = in_process_train(
+        TrainConfig(epochs=3, batch_size=4, output_dir=str(out), lr=0.05),
+        model=Net,
+        train_set=train_set,
+        test_set=val_set,
+    )
     meta = json.loads((out / "model_config.json").read_text())
     assert (meta["mean"], meta["std"]) == ([0.5] * 3, [0.5] * 3), meta
     assert (meta["data"], meta["dataset"]) == ("dataset", "ImageFolder")
-    # evaluate without --data: one line naming what to pass (was: "--data 'ImageFolder': invalid choice")
+    # evaluate without --data: one line naming what to pass (was: "--data 'ImageFolder': invalid
+    # choice")
     proc = run_cli(["evaluate", "--checkpoint", out, "--trust_model_code"])
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "accel-train: error: the model was trained on your own Dataset (ImageFolder) through train(); pass --data "
-        "imagefolder or cifar10 with --data_dir for files to evaluate it on (read as accel_train reads them: shorter "
-        "side resized, centre crop, the recorded mean/std)"), proc.stderr[-2000:]
-    proc = run_cli(["evaluate", "--checkpoint", out, "--trust_model_code", "--data", "imagefolder", "--data_dir",
-                    folder])
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip().splitlines()[-1]
+        == "accel-train: error: the model was trained on your own Dataset (ImageFolder) through"
+        " train(); pass --data imagefolder or cifar10 with --data_dir for files to evaluate it"
+        " on (read as accel_train reads them: shorter side resized, centre crop, the recorded"
+        " mean/std)"
+    ), proc.stderr[-2000:]
+    proc = run_cli(
+        [
+            "evaluate",
+            "--checkpoint",
+            out,
+            "--trust_model_code",
+            "--data",
+            "imagefolder",
+            "--data_dir",
+            folder,
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"test accuracy {result['final_test_acc']:.2%} on 16 samples" in proc.stdout, (result, proc.stdout)
+    assert f"test accuracy {result['final_test_acc']:.2%} on 16 samples" in proc.stdout, (
+        result,
+        proc.stdout,
+    )
     # predict: the probabilities the model gives the Dataset's own tensors
     model = Net(2)
     model.load_state_dict(load_file(out / "model.safetensors"))
     with torch.no_grad():
         expected = model.eval()(torch.stack([x for x, _ in val_set])).softmax(1).max(1).values
-    proc = run_cli(["predict", "--checkpoint", out, "--trust_model_code", "--format", "json", folder / "val"])
+    proc = run_cli(
+        ["predict", "--checkpoint", out, "--trust_model_code", "--format", "json", folder / "val"]
+    )
     got = [json.loads(line)["top"][0]["probability"] for line in proc.stdout.splitlines()]
     assert got == pytest.approx(expected.tolist(), abs=1e-5), proc.stderr[-2000:]
 
-    # unknown normalisation (null recorded, as a Dataset without a visible transform records it): predict of files
-    # asks for --mean/--std, one line, and takes them
+    # unknown normalisation (null recorded, as a Dataset without a visible transform records it):
+    # predict of files asks for --mean/--std, one line, and takes them
     unknown = shutil.copytree(out, tmp_path / "unknown")
     meta.update(mean=None, std=None)
     (unknown / "model_config.json").write_text(json.dumps(meta))
     image = folder / "val" / "red" / "0.png"
     proc = run_cli(["predict", "--checkpoint", unknown, "--trust_model_code", image])
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "accel-train: error: the model was trained on your own Dataset (ImageFolder) whose normalisation was not "
-        "recorded; pass --mean R,G,B --std R,G,B (what its transform applied to [0, 1] images)"), proc.stderr[-2000:]
-    proc = run_cli(["predict", "--checkpoint", unknown, "--trust_model_code", "--format", "json", "--mean",
-                    "0.5,0.5,0.5", "--std", "0.5,0.5,0.5", image])
-    assert json.loads(proc.stdout)["top"][0]["probability"] == pytest.approx(got[8], abs=1e-5), proc.stderr[-2000:]
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip().splitlines()[-1]
+        == "accel-train: error: the model was trained on your own Dataset (ImageFolder) whose"
+        " normalisation was not recorded; pass --mean R,G,B --std R,G,B (what its transform"
+        " applied to [0, 1] images)"
+    ), proc.stderr[-2000:]
+    proc = run_cli(
+        [
+            "predict",
+            "--checkpoint",
+            unknown,
+            "--trust_model_code",
+            "--format",
+            "json",
+            "--mean",
+            "0.5,0.5,0.5",
+            "--std",
+            "0.5,0.5,0.5",
+            image,
+        ]
+    )
+    assert json.loads(proc.stdout)["top"][0]["probability"] == pytest.approx(got[8], abs=1e-5), (
+        proc.stderr[-2000:]
+    )
 
 
 def test_a_dataset_whose_normalisation_is_not_seen_records_it_as_unknown(folder, tmp_path, caplog):
@@ -123,8 +180,12 @@ def test_a_dataset_whose_normalisation_is_not_seen_records_it_as_unknown(folder,
 
     out = tmp_path / "out"
     caplog.set_level(logging.INFO)
-    in_process_train(TrainConfig(epochs=1, batch_size=4, output_dir=str(out)), model=Net, train_set=Tensors("train"),
-                     test_set=Tensors("val"))
+    in_process_train(
+        TrainConfig(epochs=1, batch_size=4, output_dir=str(out)),
+        model=Net,
+        train_set=Tensors("train"),
+        test_set=Tensors("val"),
+    )
     meta = json.loads((out / "model_config.json").read_text())
     assert (meta["mean"], meta["std"], meta["dataset"]) == (None, None, "Tensors")
     said = [r.getMessage() for r in caplog.records]

@@ -1,6 +1,7 @@
-"""The hang report (accel_train/hang.py), in process: a training thread without progress is named with its stack,
-the peers' parts come over the heartbeat's channel, a busy peer is no hang, exempt work is none, --stop_on_hang ends.
-With real ranks: a model that blocks on one rank (test_survivor.py)."""
+"""The hang report (accel_train/hang.py), in process: a training thread without progress is named
+with its stack, the peers' parts come over the heartbeat's channel, a busy peer is no hang, exempt
+work is none, --stop_on_hang ends. With real ranks: a model that blocks on one rank
+(test_survivor.py)."""
 
 import importlib.util
 import threading
@@ -13,8 +14,9 @@ from conftest import wait_for
 
 
 def settings(**kw):
-    return types.SimpleNamespace(**{"hang_report_s": 1.0, "stop_on_hang": False, "timeout_s": 300, "compile": False,
-                                    **kw})
+    return types.SimpleNamespace(
+        **{"hang_report_s": 1.0, "stop_on_hang": False, "timeout_s": 300, "compile": False, **kw}
+    )
 
 
 def wait_for_the_lock_that_never_comes(seconds):
@@ -46,7 +48,9 @@ def test_the_bound_is_learned_from_the_agreed_step_time_and_exempt_work_is_no_ha
 
 def reports(n, progress):
     hearts = [Heartbeat(rank, 0.2, 600, n) for rank in range(n)]
-    peers = {rank: (*h.address, __import__("os").getpid(), h.public) for rank, h in enumerate(hearts)}
+    peers = {
+        rank: (*h.address, __import__("os").getpid(), h.public) for rank, h in enumerate(hearts)
+    }
     for h in hearts:
         h.start(peers, lambda *a: None)
     out = []
@@ -70,7 +74,8 @@ def test_every_ranks_place_comes_over_the_channel_and_a_busy_peer_is_no_hang(cap
         assert "rank 0 (" in err and "evaluation, batch 1, step 9" in err, err
         assert "rank 1 (" in err and "training, step 9" in err and "rank 1's threads:" in err, err
         assert "this rank's stacks are in its report" in err  # rank 1 says where its stacks went
-        progress[1].mark("training", 10)  # rank 1 works on: rank 0 only waits for it (a long decode, say)
+        # rank 1 works on: rank 0 only waits for it (a long decode, say)
+        progress[1].mark("training", 10)
         progress[0].at -= 100
         assert not zero.report(100, 60)[0]
         assert "has made no progress" not in capfd.readouterr().err
@@ -95,8 +100,9 @@ def waiting_in_a_collective(tmp_path):
     """A function whose frames read as torch.distributed's all_reduce: a rank waiting on a peer."""
     folder = tmp_path / "torch" / "distributed"
     folder.mkdir(parents=True)
-    (folder / "fake_c10d.py").write_text("import threading\n\ndef all_reduce(seconds):\n"
-                                         "    threading.Event().wait(seconds)\n")
+    (folder / "fake_c10d.py").write_text(
+        "import threading\n\ndef all_reduce(seconds):\n    threading.Event().wait(seconds)\n"
+    )
     spec = importlib.util.spec_from_file_location("fake_c10d", folder / "fake_c10d.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -107,7 +113,9 @@ def test_stop_on_hang_ends_the_run_of_a_rank_waiting_on_a_peer(tmp_path, capfd):
     ended = []
     progress = Progress()
     all_reduce = waiting_in_a_collective(tmp_path)
-    with HangReport(settings(stop_on_hang=True), types.SimpleNamespace(step_s=None), progress).start() as report:
+    with HangReport(
+        settings(stop_on_hang=True), types.SimpleNamespace(step_s=None), progress
+    ).start() as report:
         report.attach(0, None, ended.append)
         progress.mark("training", 3)
         deadline = time.monotonic() + 10
@@ -118,13 +126,18 @@ def test_stop_on_hang_ends_the_run_of_a_rank_waiting_on_a_peer(tmp_path, capfd):
 
 
 def test_stop_on_hang_waits_for_the_first_step_and_never_stops_a_computing_rank(capfd, monkeypatch):
-    # a slow first step (a compile, a first large batch, a slow first read), then a slow step that computes: the
-    # report is printed, nothing is stopped
+    # a slow first step (a compile, a first large batch, a slow first read), then a slow step that
+    # computes: the report is printed, nothing is stopped
     monkeypatch.setenv("RANK", "1")  # (during start-up the report knows the rank from the launcher)
-    for step, says in ((0, "--stop_on_hang waits for the first step"), (5, "--stop_on_hang: no rank waits on a peer")):
+    for step, says in (
+        (0, "--stop_on_hang waits for the first step"),
+        (5, "--stop_on_hang: no rank waits on a peer"),
+    ):
         ended = []
         progress = Progress()
-        with HangReport(settings(stop_on_hang=True), types.SimpleNamespace(step_s=None), progress).start() as r:
+        with HangReport(
+            settings(stop_on_hang=True), types.SimpleNamespace(step_s=None), progress
+        ).start() as r:
             r.attach(None, None, ended.append)
             progress.mark("training", step)
             wait_for_the_lock_that_never_comes(3.5)
@@ -133,4 +146,6 @@ def test_stop_on_hang_waits_for_the_first_step_and_never_stops_a_computing_rank(
         assert "rank 1 has made no progress" in err and "rank 1 (" in err, err
         assert f"nothing is stopped ({says}" in err and "the run ends here" not in err, err
         if step == 0:
-            assert "(bound: --hang_report_s 1: before the first step no step time is known)" in err, err
+            assert (
+                "(bound: --hang_report_s 1: before the first step no step time is known)" in err
+            ), err

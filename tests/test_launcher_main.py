@@ -95,8 +95,9 @@ def test_under_torchrun_the_trainer_runs_in_place_and_the_launchers_options_are_
     assert launcher.main([*args, "--epochs", "1"], python="py") == 0
     out, err = capsys.readouterr()
     assert out.split()[-4:] == ["-m", "accel_train", "--epochs", "1"]
-    assert err.strip() == (
-        "launch.sh: warning: --accel_config --max_restarts --no-preflight ignored: started by"
+    assert (
+        err.strip()
+        == "launch.sh: warning: --accel_config --max_restarts --no-preflight ignored: started by"
         " torchrun, whose agent relaunches, rendezvous and places this rank (its own"
         " --max_restarts, --nnodes, ...)"
     )

@@ -66,7 +66,7 @@ def test_modelarts_variables_and_boot_arguments():
     }
     assert layout({"VC_WORKER_NUM": "2", "VC_TASK_INDEX": "0"})[0][:2] == ("2", "0")
     # a CPU-only flavour: no devices, not 0 processes
-    assert (layout({"MA_NUM_GPUS": "0"})[0][4] == "")
+    assert layout({"MA_NUM_GPUS": "0"})[0][4] == ""
 
 
 @pytest.mark.parametrize("bad", ["tcp://host", "host:1234", "tcp://h:port", "udp://h:1"])

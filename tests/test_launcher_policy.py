@@ -19,9 +19,8 @@ def report(*written, notes=None) -> Report:
     return Report(statuses=statuses, notes=notes, anything=bool(statuses or notes))
 
 
-KILLED = {
-    "host-7": "backend: gloo\n"
-}  # a note that ends without Python's exit, and no status file of that rank
+# a note that ends without Python's exit, and no status file of that rank
+KILLED = {"host-7": "backend: gloo\n"}
 
 
 @pytest.mark.parametrize(
@@ -33,11 +32,12 @@ KILLED = {
         ([4], {"host-9": ABORT}, 3),  # a rank aborted by the NCCL watchdog: a lost peer
         ([4], {"host-9": "backend: nccl\n" + ABORT}, 3),  # (its note names its backend)
         ([2], {"host-9": ABORT}, 2),  # ... unless a rank found bad input
+        # gloo aborts on a collective mismatch, a bug
         (
             [3],
             {"host-9": "backend: gloo\n" + ABORT},
             1,
-        ),  # gloo aborts on a collective mismatch, a bug
+        ),
         ([2], {"host-9": "backend: gloo\n" + ABORT}, 2),
         ([130, 4], {}, 130),  # a second Ctrl-C beats the preemption it interrupted
         ([3, 4], {}, 4),
@@ -182,26 +182,48 @@ def test_read_report_reads_the_status_folder(tmp_path):
 
 
 def test_a_relaunch_whose_rendezvous_waited_in_vain_for_the_other_machines_ends_as_a_lost_peer():
-    # no rank started (nothing reported), the attempt lasted --rejoin_wait: the others are not coming
-    gave_up = decide(1, Report(), nproc=2, attempt=1, max_restarts=3, machines=2, waited_s=120.5,
-                     rejoin_wait_s=120)
+    # no rank started (nothing reported), the attempt lasted --rejoin_wait: the others are not
+    # coming
+    gave_up = decide(
+        1,
+        Report(),
+        nproc=2,
+        attempt=1,
+        max_restarts=3,
+        machines=2,
+        waited_s=120.5,
+        rejoin_wait_s=120,
+    )
     assert gave_up == policy.Decision([policy.not_rejoined(120)], errors.EXIT_LOST_PEER)
     assert "did not rejoin within 120 s (--rejoin_wait)" in gave_up.lines[0]
-    # the first attempt, one machine, or an attempt that failed before the wait ran out: the usual policy
+    # the first attempt, one machine, or an attempt that failed before the wait ran out: the usual
+    # policy
     for attempt, machines, waited in ((0, 2, 700.0), (1, 1, 700.0), (1, 2, 5.0)):
-        got = decide(1, Report(), nproc=2, attempt=attempt, max_restarts=3, machines=machines, waited_s=waited,
-                     rejoin_wait_s=120)
+        got = decide(
+            1,
+            Report(),
+            nproc=2,
+            attempt=attempt,
+            max_restarts=3,
+            machines=machines,
+            waited_s=waited,
+            rejoin_wait_s=120,
+        )
         assert got.exit_status is None, (attempt, machines, waited)
 
 
 def test_a_relaunch_resumes_and_its_rendezvous_waits_rejoin_wait():
     from accel_train.launcher import options
     from accel_train.launcher.plan import Plan
+
     env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h0", "ACCEL_CONFIG": "2node_cpu"}
-    plan = Plan(options.parse(["--dry-run", "--epochs", "1", "--timeout_s", "90"], env), env, "python3")
+    plan = Plan(
+        options.parse(["--dry-run", "--epochs", "1", "--timeout_s", "90"], env), env, "python3"
+    )
     first, second = plan.attempt_cmd(0), plan.attempt_cmd(1)
     assert first[first.index("--rdzv_conf") + 1] == "timeout=600" and "--resume" not in first
-    assert second[second.index("--rdzv_conf") + 1] == "timeout=150"  # the trainer's --timeout_s + 60
+    # the trainer's --timeout_s + 60
+    assert second[second.index("--rdzv_conf") + 1] == "timeout=150"
     assert second[-2:] == ["--resume", "auto"] and (plan.wait_s(0), plan.wait_s(1)) == (600, 150)
     plan = Plan(options.parse(["--dry-run", "--rejoin_wait", "30"], env), env, "python3")
     assert plan.attempt_cmd(1)[plan.attempt_cmd(1).index("--rdzv_conf") + 1] == "timeout=30"

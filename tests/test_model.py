@@ -34,20 +34,44 @@ def test_unknown_model_and_unsupported_stem_are_clear_errors():
 
 
 def test_init_from_takes_a_pth_state_dict_and_its_imagenet_stem_at_64px(tmp_path):
-    # issue 40 item 7: a .pth/.pt state dict was refused ("not a safetensors file"), and ImageNet-shaped weights at
-    # 64 px failed on the auto (cifar) stem: conv1.weight (64, 3, 7, 7) vs (64, 3, 3, 3)
+    # issue 40 item 7: a .pth/.pt state dict was refused ("not a safetensors file"), and
+    # ImageNet-shaped weights at 64 px failed on the auto (cifar) stem: conv1.weight (64, 3, 7, 7)
+    # vs (64, 3, 3, 3)
     from conftest import run_cli
+
     weights = create_model("resnet18", "imagenet", 1000).state_dict()
-    torch.save({"state_dict": weights, "epoch": 90}, tmp_path / "imagenet.pth")  # (timm's train.py checkpoint shape)
-    args = ["--data", "random", "--image_size", "64", "--train_samples", "16", "--test_samples", "8", "--batch_size",
-            "8", "--max_steps", "1", "--init_from", tmp_path / "imagenet.pth"]
+    # (timm's train.py checkpoint shape)
+    torch.save({"state_dict": weights, "epoch": 90}, tmp_path / "imagenet.pth")
+    args = [
+        "--data",
+        "random",
+        "--image_size",
+        "64",
+        "--train_samples",
+        "16",
+        "--test_samples",
+        "8",
+        "--batch_size",
+        "8",
+        "--max_steps",
+        "1",
+        "--init_from",
+        tmp_path / "imagenet.pth",
+    ]
     proc = run_cli([*args, "--output_dir", tmp_path / "out"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--init_from: stem imagenet, as the weights were trained" in proc.stderr
-    assert f"loaded {len(weights) - 2} tensors; re-initialised fc.weight, fc.bias (1000 classes" in proc.stderr
-    # a pickle that is not tensors by name is refused without running it (weights_only=True): one line
+    assert (
+        f"loaded {len(weights) - 2} tensors; re-initialised fc.weight, fc.bias (1000 classes"
+        in proc.stderr
+    )
+    # a pickle that is not tensors by name is refused without running it (weights_only=True): one
+    # line
     torch.save({"state_dict": {"conv1.weight": nn.Conv2d(3, 8, 3)}}, tmp_path / "object.pth")
     proc = run_cli([*args[:-1], tmp_path / "object.pth", "--output_dir", tmp_path / "bad"])
-    assert proc.returncode == 2 and "does not load as a state dict of tensors with weights_only=True" in \
-        proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    assert (
+        proc.returncode == 2
+        and "does not load as a state dict of tensors with weights_only=True"
+        in proc.stderr.strip().splitlines()[-1]
+    ), proc.stderr[-2000:]
     assert not (tmp_path / "bad" / "model.safetensors").exists()

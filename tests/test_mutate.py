@@ -1,5 +1,5 @@
-"""tools/mutate.py: every planted bug of its list still applies to the tree and names tests that exist (the run
-itself, each mutant against its tests, is by hand: bench/RESULTS.md records it)."""
+"""tools/mutate.py: every planted bug of its list still applies to the tree and names tests that
+exist (the run itself, each mutant against its tests, is by hand: bench/RESULTS.md records it)."""
 
 import importlib.util
 import sys

@@ -20,9 +20,27 @@ def test_succeeds_against_a_listening_rank0():
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "accel_train", "preflight", "--host", "localhost", "--port",
-                               str(port), "--rank", "1", "--timeout", "10"], capture_output=True, text=True,
-                              timeout=60, cwd=ROOT, env=clean_env())
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "accel_train",
+                "preflight",
+                "--host",
+                "localhost",
+                "--port",
+                str(port),
+                "--rank",
+                "1",
+                "--timeout",
+                "10",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=clean_env(),
+        )
     assert proc.returncode == 0, proc.stderr
     assert "reachable" in proc.stdout and "preflight: ok" in proc.stdout
 
@@ -30,9 +48,27 @@ def test_succeeds_against_a_listening_rank0():
 def test_fails_clearly_within_its_bound_when_nothing_listens():
     port = free_port()
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "accel_train", "preflight", "--host", "127.0.0.1", "--port",
-                           str(port), "--rank", "1", "--timeout", "3"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env=clean_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel_train",
+            "preflight",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--rank",
+            "1",
+            "--timeout",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=clean_env(),
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot reach rank 0 at 127.0.0.1:{port}" in lines[0]
@@ -49,7 +85,8 @@ def test_unresolvable_host_and_rank0_checks():
         busy.listen()
         failures = preflight("127.0.0.1", busy.getsockname()[1], 0, timeout=5, log=lambda m: None)
     assert len(failures) == 1 and "already in use" in failures[0]
-    failures = preflight("192.0.2.1", free_port(), 0, timeout=5, log=lambda m: None)  # TEST-NET: not ours
+    # TEST-NET: not ours
+    failures = preflight("192.0.2.1", free_port(), 0, timeout=5, log=lambda m: None)
     assert len(failures) == 1 and "not an address of this machine" in failures[0]
 
 
@@ -75,16 +112,26 @@ def test_a_rank0_name_that_resolves_late_is_waited_for(monkeypatch):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        assert preflight("rank0.job.svc", server.getsockname()[1], 1, timeout=30, log=lambda m: None) == []
+        assert (
+            preflight("rank0.job.svc", server.getsockname()[1], 1, timeout=30, log=lambda m: None)
+            == []
+        )
     answers = iter([[]] * 100)
     start = time.monotonic()
     failures = preflight("rank0.job.svc", 29500, 1, timeout=2, log=lambda m: None)
-    assert len(failures) == 1 and "does not resolve within 2s" in failures[0] and time.monotonic() - start < 10
+    assert (
+        len(failures) == 1
+        and "does not resolve within 2s" in failures[0]
+        and time.monotonic() - start < 10
+    )
 
 
-def test_a_lookup_slower_than_5s_is_waited_for_and_one_that_never_answers_fails_in_one_line(monkeypatch, capsys):
-    # glibc waits 5 s per nameserver that does not answer, so one dead nameserver makes every lookup take longer than
-    # 5 s; preflight capped each attempt at 5 s and dropped the late answer, so such a host never resolved
+def test_a_lookup_slower_than_5s_is_waited_for_and_one_that_never_answers_fails_in_one_line(
+    monkeypatch, capsys
+):
+    # glibc waits 5 s per nameserver that does not answer, so one dead nameserver makes every lookup
+    # take longer than 5 s; preflight capped each attempt at 5 s and dropped the late answer, so
+    # such a host never resolved
     real, release = socket.getaddrinfo, threading.Event()
 
     def slow(host, *args, **kwargs):
@@ -97,8 +144,18 @@ def test_a_lookup_slower_than_5s_is_waited_for_and_one_that_never_answers_fails_
             server.bind(("127.0.0.1", 0))
             server.listen()
             start = time.monotonic()
-            code = preflight_module.main_preflight(["--host", "rank0.slow-dns", "--port", str(server.getsockname()[1]),
-                                                    "--rank", "1", "--timeout", "20"])
+            code = preflight_module.main_preflight(
+                [
+                    "--host",
+                    "rank0.slow-dns",
+                    "--port",
+                    str(server.getsockname()[1]),
+                    "--rank",
+                    "1",
+                    "--timeout",
+                    "20",
+                ]
+            )
             assert code == 0 and 6 <= time.monotonic() - start < 19, capsys.readouterr()
         assert "preflight: rank0.slow-dns resolves to 127.0.0.1" in capsys.readouterr().out
 
@@ -108,11 +165,17 @@ def test_a_lookup_slower_than_5s_is_waited_for_and_one_that_never_answers_fails_
 
         monkeypatch.setattr(preflight_module.socket, "getaddrinfo", never)
         start = time.monotonic()
-        assert preflight_module.main_preflight(["--host", "rank0.dead-dns", "--rank", "1", "--timeout", "3"]) == 1
+        assert (
+            preflight_module.main_preflight(
+                ["--host", "rank0.dead-dns", "--rank", "1", "--timeout", "3"]
+            )
+            == 1
+        )
         assert time.monotonic() - start < 6
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("preflight: FAILED: rank-0 host 'rank0.dead-dns' does not "
-                                                       "resolve within 3s"), err
+        assert len(lines) == 1 and lines[0].startswith(
+            "preflight: FAILED: rank-0 host 'rank0.dead-dns' does not resolve within 3s"
+        ), err
     finally:
         release.set()  # (the lookups' threads end)

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between its modules, no import up its layers, train() on one screen."""
+"""The package's shape: no import cycle between its modules, no import up its layers, train() on one
+screen."""
 
 import ast
 import inspect
@@ -16,7 +17,8 @@ def module_name(path):
 
 
 def imports_of(path) -> set[str]:
-    """Every accel_train module `path` imports, at the top or inside a function (a cycle either way)."""
+    """Every accel_train module `path` imports, at the top or inside a function (a cycle either
+    way)."""
     name, found = module_name(path), set()
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):
@@ -24,12 +26,17 @@ def imports_of(path) -> set[str]:
             base = package
             for _ in range(node.level - 1):
                 base = base.rsplit(".", 1)[0]
-            target = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            target = (
+                (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+            )
             if not target or not target.startswith("accel_train"):
                 continue
-            for alias in node.names:  # `from . import x` / `from .data import info`: a submodule, if there is one
+            for alias in node.names:
+                # `from . import x` / `from .data import info`: a submodule, if there is one
                 sub = f"{target}.{alias.name}"
-                found.add(sub if (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() else target)
+                found.add(
+                    sub if (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() else target
+                )
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("accel_train")}
     return found - {name}
@@ -37,12 +44,14 @@ def imports_of(path) -> set[str]:
 
 def test_no_import_cycle_between_the_packages_modules():
     graph = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
-    graph = {m: {t for t in targets if t in graph and t != "accel_train"} for m, targets in graph.items()}
+    graph = {
+        m: {t for t in targets if t in graph and t != "accel_train"} for m, targets in graph.items()
+    }
     done, path = set(), []
 
     def visit(m):
         if m in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
         if m in done:
             return
         path.append(m)
@@ -50,14 +59,18 @@ def test_no_import_cycle_between_the_packages_modules():
             visit(t)
         path.pop()
         done.add(m)
+
     for m in sorted(graph):
         visit(m)
 
 
 def test_only_the_entry_point_imports_the_cli():
-    # the command line is the top: the loop, the commands and everything else never reach back into it
+    # the command line is the top: the loop, the commands and everything else never reach back into
+    # it
     graph = {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
-    assert {m for m, targets in graph.items() if "accel_train.cli" in targets} == {"accel_train.__main__"}
+    assert {m for m, targets in graph.items() if "accel_train.cli" in targets} == {
+        "accel_train.__main__"
+    }
 
 
 def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
@@ -74,43 +87,76 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 # (__version__, the parent's pid) is the base; its lazy re-exports of TrainConfig and train are the
 # public face, not a dependency.
 LAYERS = [
-    ("base: exceptions, exit statuses, the parser, file names, a rank's lines, where a rank is, "
-     "forks",
-     ["accel_train", "accel_train.errors", "accel_train.parser", "accel_train.lines",
-      "accel_train.exits", "accel_train.files", "accel_train.forks", "accel_train.hang"]),
-    ("model: timm's and your own, freeze, pretrained weights",
-     ["accel_train.model"]),
-    ("config: TrainConfig, flag types, automatic defaults, the recipe's flags",
-     ["accel_train.config"]),
-    ("platform: the Accelerator, hardware facts, cores, a backend's environment, checks across ranks",
-     ["accel_train.platform"]),
+    (
+        (
+            "base: exceptions, exit statuses, the parser, file names, a rank's lines, where a rank"
+            " is, forks"
+        ),
+        [
+            "accel_train",
+            "accel_train.errors",
+            "accel_train.parser",
+            "accel_train.lines",
+            "accel_train.exits",
+            "accel_train.files",
+            "accel_train.forks",
+            "accel_train.hang",
+        ],
+    ),
+    ("model: timm's and your own, freeze, pretrained weights", ["accel_train.model"]),
+    (
+        "config: TrainConfig, flag types, automatic defaults, the recipe's flags",
+        ["accel_train.config"],
+    ),
+    (
+        (
+            "platform: the Accelerator, hardware facts, cores, a backend's environment, checks"
+            " across ranks"
+        ),
+        ["accel_train.platform"],
+    ),
     ("data", ["accel_train.data"]),
     ("precision: the check, its verdict, its cache", ["accel_train.precision"]),
-    ("checkpoint: the checkpointer, resume and what it may change, the output dir, transfer",
-     ["accel_train.checkpoint"]),
-    ("resilience: stop requests and agreed checks, survivor, heartbeat, how a run's status ends",
-     ["accel_train.resilience", "accel_train.status"]),
-    ("train: the loop, building a run, evaluation, optimizer, metrics, exports, divergence",
-     ["accel_train.training"]),
+    (
+        "checkpoint: the checkpointer, resume and what it may change, the output dir, transfer",
+        ["accel_train.checkpoint"],
+    ),
+    (
+        "resilience: stop requests and agreed checks, survivor, heartbeat, how a run's status ends",
+        ["accel_train.resilience", "accel_train.status"],
+    ),
+    (
+        "train: the loop, building a run, evaluation, optimizer, metrics, exports, divergence",
+        ["accel_train.training"],
+    ),
     ("commands and the API", ["accel_train.commands", "accel_train.api"]),
-    ("the command line and the launcher",
-     ["accel_train.cli", "accel_train.__main__", "accel_train.launcher"]),
+    (
+        "the command line and the launcher",
+        ["accel_train.cli", "accel_train.__main__", "accel_train.launcher"],
+    ),
 ]
 FACE = {("accel_train", "accel_train.api"), ("accel_train", "accel_train.config.train_config")}
 
 
 def layer_of(module: str) -> int:
-    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-             if module == prefix or (prefix != "accel_train" and module.startswith(prefix + "."))]
+    found = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or (prefix != "accel_train" and module.startswith(prefix + "."))
+    ]
     assert found, f"{module} is in no layer of tests/test_structure.py's LAYERS: give it one"
     return max(found)[1]
 
 
 def upward_imports(graph) -> list[str]:
-    return [f"{m} ({LAYERS[layer_of(m)][0].split(':')[0]}) imports {t} "
-            f"({LAYERS[layer_of(t)][0].split(':')[0]})"
-            for m, targets in sorted(graph.items()) for t in sorted(targets)
-            if (m, t) not in FACE and layer_of(t) > layer_of(m)]
+    return [
+        f"{m} ({LAYERS[layer_of(m)][0].split(':')[0]}) imports {t} "
+        f"({LAYERS[layer_of(t)][0].split(':')[0]})"
+        for m, targets in sorted(graph.items())
+        for t in sorted(targets)
+        if (m, t) not in FACE and layer_of(t) > layer_of(m)
+    ]
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -128,7 +174,8 @@ def test_the_layer_check_finds_an_import_that_goes_up(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     graph = {"accel_train.data.images": imports_of(data / "images.py")}
     assert upward_imports(graph) == [
-        "accel_train.data.images (data) imports accel_train.resilience.preempt (resilience)"]
+        "accel_train.data.images (data) imports accel_train.resilience.preempt (resilience)"
+    ]
     with pytest.raises(AssertionError, match="accel_train.nowhere is in no layer"):
         layer_of("accel_train.nowhere")
 
@@ -140,50 +187,86 @@ def test_the_public_names_survive_every_module_being_imported():
     import pkgutil
 
     import accel_train
+
     for info in pkgutil.walk_packages(accel_train.__path__, "accel_train."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
     from accel_train import TrainConfig, api, train
+
     assert train is api.train and callable(train) and isinstance(TrainConfig, type)
     assert TrainConfig is api.TrainConfig and accel_train.__all__ == ["TrainConfig", "train"]
 
 
 # Lines at most 100 characters: the modules brought there so far (the rest still reach 120; each
 # joins this list as it is formatted, and the list then gives way to the linter's check)
-# Every module at 100 columns, but launch.sh's help text: printed as it is written (launcher/options.py)
+# Every module at 100 columns, but launch.sh's help text: printed as it is written
+# (launcher/options.py)
 AT_100 = ["accel_train/*.py", "accel_train/*/*.py"]
 WIDER = {"accel_train/launcher/options.py"}
 
 
 def test_the_modules_at_100_columns_stay_there():
-    files = sorted({p for pattern in AT_100 for p in ROOT.glob(pattern)} - {ROOT / w for w in WIDER})
+    files = sorted(
+        {p for pattern in AT_100 for p in ROOT.glob(pattern)} - {ROOT / w for w in WIDER}
+    )
     assert len(files) >= 60, files
-    long = [f"{p.relative_to(ROOT)}:{n}" for p in files
-            for n, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    long = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
     assert not long, long
 
 
 def test_the_package_says_why_not_its_history():
     # which issue, review or campaign seed brought a line is git's to say; a comment says why now
     import re
+
     history = re.compile(r"\b(issues? \d+|review\s?\d+\w*|scenario \d{6,})", re.IGNORECASE)
-    found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
-             for n, line in enumerate(p.read_text().splitlines(), 1) if history.search(line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if history.search(line)
+    ]
     assert not found, found
 
 
 def test_train_reads_on_one_screen():
     from accel_train.training.loop import train
+
     assert len(inspect.getsource(train).splitlines()) <= 40
 
 
 def test_no_binary_or_large_file_is_tracked():
-    # issue 33 item 8: a 2.9 MB wheel sat at the repository root; nothing downloaded or generated belongs in git
+    # issue 33 item 8: a 2.9 MB wheel sat at the repository root; nothing downloaded or generated
+    # belongs in git
     import subprocess
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     paths = [p for p in tracked.decode().split("\0") if p and (ROOT / p).is_file()]
     assert paths, "git ls-files listed nothing"
     big = [p for p in paths if (ROOT / p).stat().st_size > 1 << 20]
-    archives = [p for p in paths if p.endswith((".whl", ".tar.gz", ".tgz", ".zip", ".egg", ".tar", ".so", ".pt",
-                                                 ".pth", ".safetensors", ".bin"))]
+    archives = [
+        p
+        for p in paths
+        if p.endswith(
+            (
+                ".whl",
+                ".tar.gz",
+                ".tgz",
+                ".zip",
+                ".egg",
+                ".tar",
+                ".so",
+                ".pt",
+                ".pth",
+                ".safetensors",
+                ".bin",
+            )
+        )
+    ]
     assert not big and not archives, f"binaries or files over 1 MB are tracked: {big + archives}"

@@ -1,5 +1,6 @@
-"""Models whose gradient is wrong in the reduced precision only, for tests/test_precision_check.py (in the test process,
-and imported by a sitecustomize hook in the ranks of its 2-rank test): registered as timm models."""
+"""Models whose gradient is wrong in the reduced precision only, for tests/test_precision_check.py
+(in the test process, and imported by a sitecustomize hook in the ranks of its 2-rank test):
+registered as timm models."""
 
 import os
 
@@ -8,13 +9,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.models import register_model
 
-FORWARDS: list[bool] = []  # per forward with gradients of the registered models: was autocast on? (not counted: the
+FORWARDS: list[
+    bool
+] = []  # per forward with gradients of the registered models: was autocast on? (not counted: the
 # start-up check of the logits' shape and the evaluations, which run without gradients)
 
 
 class Corrupt(torch.autograd.Function):
-    """Identity on a weight whose gradient is garbage (x1e15) where the forward ran under autocast: a kernel that is
-    wrong in the reduced precision only."""
+    """Identity on a weight whose gradient is garbage (x1e15) where the forward ran under autocast:
+    a kernel that is wrong in the reduced precision only."""
 
     @staticmethod
     def forward(ctx, w):

@@ -17,17 +17,40 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-APPLIED = ("epochs", "lr", "lr_base", "min_lr", "warmup_epochs", "momentum", "weight_decay",
-           "label_smoothing", "clip_grad", "ema", "ema_decay", "mixed_precision", "optimizer",
-           "layer_decay", "sched", "sched_kwargs", "drop_path", "drop_rate", "mixup", "cutmix")
+APPLIED = (
+    "epochs",
+    "lr",
+    "lr_base",
+    "min_lr",
+    "warmup_epochs",
+    "momentum",
+    "weight_decay",
+    "label_smoothing",
+    "clip_grad",
+    "ema",
+    "ema_decay",
+    "mixed_precision",
+    "optimizer",
+    "layer_decay",
+    "sched",
+    "sched_kwargs",
+    "drop_path",
+    "drop_rate",
+    "mixup",
+    "cutmix",
+)
 
 
 def settings(cfg, precision: str) -> dict:
     """The applied settings a checkpoint records (mixed_precision: the one the run used, `auto`
     resolved; lr_base and weight_decay: --opt's defaults where not given)."""
     lr_base, decay = cfg.optimizer_defaults()
-    return {**{key: getattr(cfg, key) for key in APPLIED}, "mixed_precision": precision,
-            "lr_base": lr_base, "weight_decay": decay}
+    return {
+        **{key: getattr(cfg, key) for key in APPLIED},
+        "mixed_precision": precision,
+        "lr_base": lr_base,
+        "weight_decay": decay,
+    }
 
 
 def check_changes(old: dict, cfg) -> None:
@@ -36,16 +59,20 @@ def check_changes(old: dict, cfg) -> None:
     change: norm and bias parameters are not decayed; layer decay groups by layer)."""
     now = settings(cfg, "")
     if old.get("optimizer", "sgd") != cfg.optimizer:
-        raise ConfigError(f"--opt {cfg.optimizer} cannot follow the checkpoint's "
-                          f"{old.get('optimizer', 'sgd')} (its optimizer state is "
-                          f"{old.get('optimizer', 'sgd')}'s); resume with --opt "
-                          f"{old.get('optimizer', 'sgd')} or start a fresh run")
+        raise ConfigError(
+            f"--opt {cfg.optimizer} cannot follow the checkpoint's "
+            f"{old.get('optimizer', 'sgd')} (its optimizer state is "
+            f"{old.get('optimizer', 'sgd')}'s); resume with --opt "
+            f"{old.get('optimizer', 'sgd')} or start a fresh run"
+        )
     for key, off in (("weight_decay", 0), ("layer_decay", None)):
         if key in old and (old[key] == off) != (now[key] == off):
-            raise ConfigError(f"--{key} {_said(now[key])} cannot follow the checkpoint's "
-                              f"{_said(old[key])} ({key} on or off changes the optimizer's "
-                              f"parameter groups); resume with {'no' if old[key] == off else 'a'} "
-                              f"--{key} or start a fresh run")
+            raise ConfigError(
+                f"--{key} {_said(now[key])} cannot follow the checkpoint's "
+                f"{_said(old[key])} ({key} on or off changes the optimizer's "
+                f"parameter groups); resume with {'no' if old[key] == off else 'a'} "
+                f"--{key} or start a fresh run"
+            )
 
 
 def log_changes(meta: dict, cfg, precision: str, log) -> None:
@@ -53,16 +80,23 @@ def log_changes(meta: dict, cfg, precision: str, log) -> None:
     resume.reconcile)."""
     old = (meta.get("run") or {}).get("settings")
     if not old:  # a checkpoint of an older accel_train: no settings recorded, an older schedule
-        log("resume: a checkpoint of an earlier accel_train, whose cosine ran from step 1 under "
+        log(
+            "resume: a checkpoint of an earlier accel_train, whose cosine ran from step 1 under "
             f"the warmup: from step {meta['step'] + 1} on the lr follows this version's schedule "
-            "(the cosine starts at the peak, after the warmup), a little higher than before")
+            "(the cosine starts at the peak, after the warmup), a little higher than before"
+        )
         return
     now = settings(cfg, precision)
-    changed = [f"--{k} {_said(old[k])} -> {_said(now[k])}" for k in APPLIED
-               if k != "epochs" and k in old and old[k] != now[k]]
+    changed = [
+        f"--{k} {_said(old[k])} -> {_said(now[k])}"
+        for k in APPLIED
+        if k != "epochs" and k in old and old[k] != now[k]
+    ]
     if changed:
-        log(f"resume: {', '.join(changed)}: applied from step {meta['step'] + 1} on (the "
-            "checkpoint's run used the values on the left)")
+        log(
+            f"resume: {', '.join(changed)}: applied from step {meta['step'] + 1} on (the "
+            "checkpoint's run used the values on the left)"
+        )
 
 
 # a step's lr follows these
@@ -78,8 +112,17 @@ def schedule_changed(meta: dict, cfg) -> bool:
 
 
 def _said(value) -> str:
-    return ("unset" if value is None else f"{value:g}" if isinstance(value, float)
-            else str(value).lower() if isinstance(value, bool) else str(value))
+    return (
+        "unset"
+        if value is None
+        else (
+            f"{value:g}"
+            if isinstance(value, float)
+            else str(value).lower()
+            if isinstance(value, bool)
+            else str(value)
+        )
+    )
 
 
 @contextmanager
@@ -87,8 +130,10 @@ def settings_from_flags(optimizers):
     """Around accelerator.load_state: the optimizers keep the settings they were built with from the
     flags (momentum, weight decay, ...) and take only the checkpoint's state; load_state would
     restore its param groups'."""
-    built = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-             for opt in optimizers]
+    built = [
+        [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+        for opt in optimizers
+    ]
     yield
     for opt, groups in zip(optimizers, built):
         for group, values in zip(opt.param_groups, groups):
@@ -103,9 +148,23 @@ DATA_KINDS = ("cifar10", "imagefolder", "random")
 DATA_RESOLVED = ("image_size", "mean", "std", "pipeline", "crop_pct", "train_crop")
 # Settings that may differ between the machines of one job (paths of each machine's own disk, its
 # workers, its logging, the platform's rendezvous arguments, the seed's aliases)
-PER_MACHINE = frozenset({"output_dir", "data_dir", "log_all_ranks", "num_workers", "init_method",
-                         "rank", "world_size", "custom_data", "enable_gpu", "overwrite", "resume",
-                         "init_from", "pretrained_path"})
+PER_MACHINE = frozenset(
+    {
+        "output_dir",
+        "data_dir",
+        "log_all_ranks",
+        "num_workers",
+        "init_method",
+        "rank",
+        "world_size",
+        "custom_data",
+        "enable_gpu",
+        "overwrite",
+        "resume",
+        "init_from",
+        "pretrained_path",
+    }
+)
 # What a resume never takes from the run's record: this command's own (where it writes, what it
 # continues, where this invocation stops) and trust, which a file never grants (cli.py)
 OWN = (PER_MACHINE - {"data_dir"}) | {"max_steps", "trust_model_code"}
@@ -154,12 +213,20 @@ def run_settings(values: dict, named: set[str], read) -> tuple[str | None, dict 
         drop |= {"data", "data_dir"}
     if ":" in str(recorded.get("model", "")):
         drop.add("model")
-    keys = [k for k in recorded if k not in named | drop and k in values
-            and (k in RUN_DATA or not values.get("overwrite"))]
+    keys = [
+        k
+        for k in recorded
+        if k not in named | drop and k in values and (k in RUN_DATA or not values.get("overwrite"))
+    ]
     taken = {k: recorded[k] for k in keys if recorded[k] != values.get(k)}
     if not taken:
         return None, {}
     values.update(taken)
     said = " ".join(f"--{k} {_said(v)}" for k, v in taken.items())
-    return (f"resume: the run's own settings from {path}, where this command line names none: "
-            f"{said}; its image size, classes and mean/std follow the checkpoint"), taken
+    return (
+        (
+            f"resume: the run's own settings from {path}, where this command line names none: "
+            f"{said}; its image size, classes and mean/std follow the checkpoint"
+        ),
+        taken,
+    )

@@ -52,10 +52,11 @@ from ..files import (
 from ..hang import PROGRESS
 from .output_dir import delete_set_aside
 
+
 @dataclass
 class TrainState:
-    epoch: int = 0           # 0-based epoch in progress (== epochs done when batch_in_epoch == 0)
-    step: int = 0            # optimizer steps done
+    epoch: int = 0  # 0-based epoch in progress (== epochs done when batch_in_epoch == 0)
+    step: int = 0  # optimizer steps done
     batch_in_epoch: int = 0  # batches of `epoch` already consumed (on each rank)
     # the run this state belongs to (checkpoints of other runs are never touched)
     run_id: str = ""
@@ -105,12 +106,33 @@ class Checkpointer:
     Never a checkpoint of non-finite weights: `watch` (divergence.NonFiniteWatch) checks them first
     and stops every rank if any is, so the newest checkpoint is the last finite one."""
 
-    def __init__(self, accelerator, output_dir, run_math: dict, decision, model, ema, keep: int,
-                 facts: dict, watch, history):
+    def __init__(
+        self,
+        accelerator,
+        output_dir,
+        run_math: dict,
+        decision,
+        model,
+        ema,
+        keep: int,
+        facts: dict,
+        watch,
+        history,
+    ):
         self.accelerator, self.output_dir, self.run_math, self.decision = (
-            accelerator, output_dir, run_math, decision)
+            accelerator,
+            output_dir,
+            run_math,
+            decision,
+        )
         self.model, self.ema, self.keep, self.facts, self.watch, self.history = (
-            model, ema, keep, facts, watch, history)
+            model,
+            ema,
+            keep,
+            facts,
+            watch,
+            history,
+        )
         # (a checkpoint by time: preempt.AgreedChecks)
         self.saved_at, self.write_s = time.perf_counter(), None
         # a save in progress: the survivor's signal watch does not save beside it
@@ -122,8 +144,9 @@ class Checkpointer:
         self.watch.check(self.accelerator, state.step, self.model)
         # mid-epoch (its row not yet made): the epoch's training sums so far, reduced here, where
         # the ranks meet anyway, so that a resume's row of this epoch is the uninterrupted run's
-        mid_epoch = self.meter is not None and state.batch_in_epoch > 0 \
-            and state.epoch_train is None
+        mid_epoch = (
+            self.meter is not None and state.batch_in_epoch > 0 and state.epoch_train is None
+        )
         state.epoch_sums = self.meter.sums(self.accelerator) if mid_epoch else None
         start = time.perf_counter()
         self.writing = True
@@ -132,10 +155,19 @@ class Checkpointer:
             if shared and self.buffers_shared is not None:
                 self.buffers_shared(state.step)
             with PROGRESS.exempt("checkpoint write"):  # (a long write is no hang: hang.py)
-                path = save_checkpoint(self.accelerator, self.output_dir, state, self.run_math,
-                                       self.decision.writer, self.decision.shared, model=self.model,
-                                       ema=self.ema, history=self.history(), keep=self.keep,
-                                       facts=self.facts)
+                path = save_checkpoint(
+                    self.accelerator,
+                    self.output_dir,
+                    state,
+                    self.run_math,
+                    self.decision.writer,
+                    self.decision.shared,
+                    model=self.model,
+                    ema=self.ema,
+                    history=self.history(),
+                    keep=self.keep,
+                    facts=self.facts,
+                )
         finally:
             self.writing = False
         self.saved_at = time.perf_counter()
@@ -159,9 +191,19 @@ def share_buffers(accelerator, model, ema) -> bool:
     return bool(tensors)
 
 
-def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, writer: bool,
-                    shared: bool, model=None, ema=None, history: dict | None = None, keep: int = 2,
-                    facts: dict | None = None) -> Path:
+def save_checkpoint(
+    accelerator,
+    output_dir,
+    state: TrainState,
+    run_math: dict,
+    writer: bool,
+    shared: bool,
+    model=None,
+    ema=None,
+    history: dict | None = None,
+    keep: int = 2,
+    facts: dict | None = None,
+) -> Path:
     """Every rank calls this. Returns the final checkpoint path.
 
     `writer`: this process writes to its disk (the main process for a shared output dir, else each
@@ -182,8 +224,9 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
             for stale in root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
-    agree = partial(_agree, accelerator, attempt, tmp if writer else None, final, output_dir,
-                    state.run_id)
+    agree = partial(
+        _agree, accelerator, attempt, tmp if writer else None, final, output_dir, state.run_id
+    )
     agree()
     accelerator.project_configuration.save_on_each_node = not shared
     with attempt:
@@ -207,13 +250,22 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
                 save_safetensors(_state_dict_cpu(ema.module), tmp / EMA_FILE)
             # the model's facts, so that evaluate/predict/--init_from take a checkpoint folder
             if facts is not None:
-                write_output(tmp / MODEL_CONFIG_FILE,
-                             json.dumps({**facts, "metrics": {"step": state.step}}, indent=1))
+                write_output(
+                    tmp / MODEL_CONFIG_FILE,
+                    json.dumps({**facts, "metrics": {"step": state.step}}, indent=1),
+                )
             for name, rows in (history or {}).items():
                 # as the metrics files are
                 write_output(tmp / name, "".join(dumps(r) + "\n" for r in rows))
-            seal(tmp, {**asdict(state), "run": run_math, "ema": ema is not None,
-                       "num_processes": accelerator.num_processes})
+            seal(
+                tmp,
+                {
+                    **asdict(state),
+                    "run": run_math,
+                    "ema": ema is not None,
+                    "num_processes": accelerator.num_processes,
+                },
+            )
     agree()  # every rank's files are in tmp
     if writer:
         if final.exists():  # same step saved twice (epoch end == step checkpoint): the new one wins
@@ -225,8 +277,9 @@ def save_checkpoint(accelerator, output_dir, state: TrainState, run_math: dict, 
         newer = [p for p in own if int(p.name.split("_")[1]) > state.step]
         for old in newer + [p for p in own if p not in newer][:-keep]:
             if old in newer:
-                logging.getLogger("accel_train").info(f"deleting {old}: abandoned by the resume "
-                                                      "from an older step")
+                logging.getLogger("accel_train").info(
+                    f"deleting {old}: abandoned by the resume from an older step"
+                )
             shutil.rmtree(old, ignore_errors=True)
         # --overwrite's earlier run, now that this run has a complete checkpoint
         delete_set_aside(root)
@@ -253,9 +306,14 @@ class _Attempt:
     def __exit__(self, kind, error, tb):
         # a write that failed: OSError, safetensors' error, or torch.save's RuntimeError about the
         # file (an out-of-memory or device error keeps its traceback)
-        written = isinstance(error, OSError) or type(error).__name__ == "SafetensorError" or (
-            type(error) is RuntimeError
-            and re.search(r"write|unexpected pos|No space|PytorchStreamWriter", str(error)))
+        written = (
+            isinstance(error, OSError)
+            or type(error).__name__ == "SafetensorError"
+            or (
+                type(error) is RuntimeError
+                and re.search(r"write|unexpected pos|No space|PytorchStreamWriter", str(error))
+            )
+        )
         if error is None or not written:
             return False
         if self.error is not None:
@@ -276,8 +334,9 @@ class _Attempt:
         return True
 
 
-def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output_dir,
-           run_id: str) -> None:
+def _agree(
+    accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output_dir, run_id: str
+) -> None:
     """Every rank: gather each rank's write failure; if any, the writers remove the partial
     checkpoint and every rank raises the same one-line error (printed by the main process)."""
     failed = [(rank, error) for rank, error in enumerate(gather_object([attempt.error])) if error]
@@ -288,12 +347,17 @@ def _agree(accelerator, attempt: _Attempt, tmp: Path | None, final: Path, output
     accelerator.wait_for_everyone()  # the partial checkpoint is gone before anyone reports
     rank, error = failed[0]
     newest = checkpoint_dirs(output_dir, run_id)
-    where = (f"the newest complete checkpoint is {newest[-1]}" if newest
-             else "there is no complete checkpoint yet")
-    e = CheckpointWriteError(f"cannot write checkpoint {final.name} in {final.parent} (rank "
-                             f"{rank}: {error}); the partial checkpoint was removed and {where}; "
-                             "free space (or pass another --output_dir) and continue with "
-                             "--resume auto")
+    where = (
+        f"the newest complete checkpoint is {newest[-1]}"
+        if newest
+        else "there is no complete checkpoint yet"
+    )
+    e = CheckpointWriteError(
+        f"cannot write checkpoint {final.name} in {final.parent} (rank "
+        f"{rank}: {error}); the partial checkpoint was removed and {where}; "
+        "free space (or pass another --output_dir) and continue with "
+        "--resume auto"
+    )
     e.quiet = not accelerator.is_main_process
     raise e
 
@@ -303,33 +367,44 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     function of the step and the current flags (see docs/outputs_and_resume.md: resume)."""
     meta = json.loads((path / STATE_FILE).read_text())
     if changed := swapped(path):
-        raise ConfigError(f"checkpoint {path}: {', '.join(changed)} is not the file sealed at step "
-                          f"{meta['step']} of run {meta.get('run_id', '?')} (its SHA-256 differs "
-                          f"from {STATE_FILE}'s): it was replaced or changed since; resume from "
-                          "another checkpoint (--resume PATH) or start a fresh run")
+        raise ConfigError(
+            f"checkpoint {path}: {', '.join(changed)} is not the file sealed at step "
+            f"{meta['step']} of run {meta.get('run_id', '?')} (its SHA-256 differs "
+            f"from {STATE_FILE}'s): it was replaced or changed since; resume from "
+            "another checkpoint (--resume PATH) or start a fresh run"
+        )
     rng = path / f"{RNG_PREFIX}{accelerator.process_index}.pkl"
     # said once, by the rank it concerns ([RANK n]), whatever --log_all_ranks says
     if not rng.is_file():
         get_logger("accel_train").info(
             f"{path} has no RNG state for rank {accelerator.process_index} (it was written by "
             f"{meta.get('num_processes', '?')} processes); harmless: training's random draws are a "
-            "function of (seed, step, rank)", main_process_only=False)
+            "function of (seed, step, rank)",
+            main_process_only=False,
+        )
     try:
         # (the optimizers prepare() wrapped)
         with quiet_rng_load(), settings_from_flags(accelerator._optimizers):
             accelerator.load_state(str(path))
     except Exception as e:  # safetensors, pickle, torch and json each raise their own kinds
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"checkpoint {path} is corrupt or incompatible ({first}); pass another "
-                          "one to --resume or delete it") from None
+        raise ConfigError(
+            f"checkpoint {path} is corrupt or incompatible ({first}); pass another "
+            "one to --resume or delete it"
+        ) from None
     # load_state restored each rank's micro-step counter (none where a rank had no RNG file);
     # checkpoints are taken at optimizer steps, so every rank starts a new accumulation window:
     # count from 0 alike
     accelerator.step = 0
-    return TrainState(epoch=meta["epoch"], step=meta["step"], batch_in_epoch=meta["batch_in_epoch"],
-                      run_id=meta.get("run_id", "legacy"), epoch_train=meta.get("epoch_train"),
-                      schedule_since=meta.get("schedule_since", meta["step"]),
-                      epoch_sums=meta.get("epoch_sums"))
+    return TrainState(
+        epoch=meta["epoch"],
+        step=meta["step"],
+        batch_in_epoch=meta["batch_in_epoch"],
+        run_id=meta.get("run_id", "legacy"),
+        epoch_train=meta.get("epoch_train"),
+        schedule_since=meta.get("schedule_since", meta["step"]),
+        epoch_sums=meta.get("epoch_sums"),
+    )
 
 
 class _DropRngLoadNotice(logging.Filter):
@@ -367,6 +442,7 @@ def load_ema(ema, path: Path) -> bool:
     try:
         ema.module.load_state_dict(load_file(path / EMA_FILE))
     except Exception as e:
-        raise ConfigError(f"checkpoint {path}: {EMA_FILE} does not fit the model "
-                          f"({str(e).splitlines()[0][:160]})") from None
+        raise ConfigError(
+            f"checkpoint {path}: {EMA_FILE} does not fit the model ({str(e).splitlines()[0][:160]})"
+        ) from None
     return True

@@ -18,15 +18,37 @@ from pathlib import Path
 
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
-from ..files import (CKPT_DIR, LOCK_FILE, MODEL_FILE, ORIGIN_FILE, SET_ASIDE, STATE_FILE,
-                     checkpoint_dirs, link_refused, planted_links)
+from ..files import (
+    CKPT_DIR,
+    LOCK_FILE,
+    MODEL_FILE,
+    ORIGIN_FILE,
+    SET_ASIDE,
+    STATE_FILE,
+    checkpoint_dirs,
+    link_refused,
+    planted_links,
+)
 from ..config.recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule);
 # the input size, normalisation and augmentation too. An automatic value (--stem auto, no
 # --image_size/--mean/--std) takes the checkpoint's.
-RUN_MATH = ("model", "stem", "model_kwargs", "seed", "data", "image_size", "mean", "std", "augment",
-            "hflip", "freeze", "val_split", *RECIPE_FLAGS)
+RUN_MATH = (
+    "model",
+    "stem",
+    "model_kwargs",
+    "seed",
+    "data",
+    "image_size",
+    "mean",
+    "std",
+    "augment",
+    "hflip",
+    "freeze",
+    "val_split",
+    *RECIPE_FLAGS,
+)
 AUTOMATIC = (None, "auto")
 RUN_ID_ENV = "ACCEL_TRAIN_RUN_ID"  # launch.sh's run id, the same for every attempt of one launch
 # output dir -> (the open lock file of this process, whether this process made it)
@@ -49,19 +71,25 @@ def refuse_fresh_run(reports: list[dict], shared: bool) -> None:
     # the user's own finished run, the same command run again
     if holder["alike"] and len(holder["alike"]) > 2:
         step, reached, _ = holder["alike"]
-        raise ConfigError(f"{where} holds your finished run with these settings ({MODEL_FILE} "
-                          f"written, last checkpoint step {step}, {reached}); to train it longer "
-                          "pass --resume auto with a larger --epochs, to train it again from the "
-                          "start --overwrite true (or another --output_dir)")
+        raise ConfigError(
+            f"{where} holds your finished run with these settings ({MODEL_FILE} "
+            f"written, last checkpoint step {step}, {reached}); to train it longer "
+            "pass --resume auto with a larger --epochs, to train it again from the "
+            "start --overwrite true (or another --output_dir)"
+        )
     # most often the user's own interrupted run, started again with the same command
     if holder["alike"]:
         step, reached = holder["alike"]
-        raise ConfigError(f"{where} holds an unfinished run with these settings (newest "
-                          f"checkpoint: step {step}, {reached}); continue it with --resume auto "
-                          "(or start over: --overwrite true deletes its checkpoints, or another "
-                          "--output_dir)")
-    raise ConfigError(f"{where} already holds checkpoints of another run; pass --resume auto to "
-                      "continue it, another --output_dir, or --overwrite true to delete them")
+        raise ConfigError(
+            f"{where} holds an unfinished run with these settings (newest "
+            f"checkpoint: step {step}, {reached}); continue it with --resume auto "
+            "(or start over: --overwrite true deletes its checkpoints, or another "
+            "--output_dir)"
+        )
+    raise ConfigError(
+        f"{where} already holds checkpoints of another run; pass --resume auto to "
+        "continue it, another --output_dir, or --overwrite true to delete them"
+    )
 
 
 def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
@@ -74,12 +102,15 @@ def unfinished_alike(cfg: TrainConfig, out: Path) -> dict | None:
     try:
         meta = json.loads((found[-1] / STATE_FILE).read_text())
         old = meta.get("run") or {}
-        now = {key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
-               for key in RUN_MATH}
+        now = {
+            key: cfg.model_kwargs_dict() if key == "model_kwargs" else getattr(cfg, key)
+            for key in RUN_MATH
+        }
         # (auto: whatever it was)
         alike = all(old.get(k, v) == v for k, v in now.items() if v not in AUTOMATIC)
-        return ({**meta, "finished": (out / MODEL_FILE).is_file()} if alike and "step" in meta
-                else None)
+        return (
+            {**meta, "finished": (out / MODEL_FILE).is_file()} if alike and "step" in meta else None
+        )
     except (OSError, ValueError, TypeError, AttributeError):
         return None
 
@@ -99,35 +130,46 @@ def start_branch(output_dir, decision, keep_origin: bool) -> None:
     if not decision.writer:
         return
     set_aside(decision.overwritten, "--overwrite", "of an earlier run")
-    set_aside(decision.abandoned, f"--resume {Path(str(decision.origin)).name}",
-              "of the branch this resume from an older step abandons")
+    set_aside(
+        decision.abandoned,
+        f"--resume {Path(str(decision.origin)).name}",
+        "of the branch this resume from an older step abandons",
+    )
     record = Path(output_dir) / CKPT_DIR / ORIGIN_FILE
     if decision.origin is not None:
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps({"path": str(decision.origin.resolve()),
-                                      "launch": os.environ.get(RUN_ID_ENV)}))
+        record.write_text(
+            json.dumps(
+                {"path": str(decision.origin.resolve()), "launch": os.environ.get(RUN_ID_ENV)}
+            )
+        )
     elif not keep_origin:
         record.unlink(missing_ok=True)
 
 
 def set_aside(paths: list[Path], flag: str, why: str) -> None:
     for path in paths:
-        logging.getLogger("accel_train").info(f"{flag}: setting {path} {why} aside; it is deleted "
-                                              "once this run has saved a checkpoint")
+        logging.getLogger("accel_train").info(
+            f"{flag}: setting {path} {why} aside; it is deleted "
+            "once this run has saved a checkpoint"
+        )
         aside = path.with_name(SET_ASIDE + path.name)
         try:
             # (one set aside before whose deletion did not happen)
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(path, aside)
         except OSError as e:
-            raise ConfigError(f"cannot rename {path} ({e}) to set it aside; delete it by hand, or "
-                              "another --output_dir")
+            raise ConfigError(
+                f"cannot rename {path} ({e}) to set it aside; delete it by hand, or "
+                "another --output_dir"
+            )
 
 
 def delete_set_aside(root: Path) -> None:
     for path in sorted(root.glob(SET_ASIDE + "step_*")):
-        logging.getLogger("accel_train").info(f"deleting {path}, set aside at the start of "
-                                              "this run")
+        logging.getLogger("accel_train").info(
+            f"deleting {path}, set aside at the start of this run"
+        )
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -156,9 +198,11 @@ def hold_output_dir(out: Path) -> None:
     if key in HELD:
         return
     if links := planted_links(out):
-        raise ConfigError(f"--output_dir {out} holds {', '.join(links)}: accel_train never writes "
-                          "through a link it did not make; remove the link(s), or pass another "
-                          "--output_dir")
+        raise ConfigError(
+            f"--output_dir {out} holds {', '.join(links)}: accel_train never writes "
+            "through a link it did not make; remove the link(s), or pass another "
+            "--output_dir"
+        )
     path = out / LOCK_FILE
     while True:
         fd, made = open_lock_file(path)
@@ -188,11 +232,16 @@ def refuse(out: Path, fd: int) -> None:
         except ValueError:
             time.sleep(0.05)
     os.close(fd)
-    since = "?" if "since" not in holder else \
-        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
-    raise ConfigError(f"--output_dir {out} is being written by another job (host "
-                      f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}); "
-                      "wait for it to end or stop it, or pass another --output_dir") from None
+    since = (
+        "?"
+        if "since" not in holder
+        else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since"]))
+    )
+    raise ConfigError(
+        f"--output_dir {out} is being written by another job (host "
+        f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {since}); "
+        "wait for it to end or stop it, or pass another --output_dir"
+    ) from None
 
 
 def open_lock_file(path: Path) -> tuple[int | None, bool]:

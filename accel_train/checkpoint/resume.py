@@ -56,11 +56,11 @@ PROBE = ".accel_train-probe-"
 
 @dataclass
 class Decision:
-    writer: bool                 # this process writes checkpoints to its disk
-    shared: bool                 # one --output_dir seen by every machine
+    writer: bool  # this process writes checkpoints to its disk
+    shared: bool  # one --output_dir seen by every machine
     num_machines: int
-    resume_from: Path | None     # a complete checkpoint on this process's own disk
-    meta: dict | None            # its trainer_state.json
+    resume_from: Path | None  # a complete checkpoint on this process's own disk
+    meta: dict | None  # its trainer_state.json
     run_id: str
     # --overwrite: an earlier run's checkpoints, to delete
     overwritten: list[Path] = field(default_factory=list)
@@ -81,8 +81,11 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # --resume PATH; for --resume auto, the one that started this run (files.resumed_from)
     explicit, given = None, None
     if cfg.resume:
-        given = Path(cfg.resume) if cfg.resume != "auto" else \
-            resumed_from(out, (os.environ.get(RUN_ID_ENV) or "") if cfg.overwrite else None)
+        given = (
+            Path(cfg.resume)
+            if cfg.resume != "auto"
+            else resumed_from(out, (os.environ.get(RUN_ID_ENV) or "") if cfg.overwrite else None)
+        )
     if given is not None:
         p = given
         if complete(p) and (p / MODEL_FILE).is_file():
@@ -91,8 +94,11 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
                 explicit = (meta["step"], meta.get("run_id", "legacy"))
             except (OSError, ValueError, KeyError, TypeError):
                 explicit = None
-    probes = sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}{job}-*")) \
-        if accelerator.is_local_main_process else None
+    probes = (
+        sorted(int(p.name.rsplit("-", 1)[1]) for p in out.glob(f"{PROBE}{job}-*"))
+        if accelerator.is_local_main_process
+        else None
+    )
     flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
     taken = getattr(cfg, "from_run", None)
     # the resume mode must agree (the path itself may be each machine's own), and so must
@@ -103,15 +109,23 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
     # what this disk's checkpoints are, said by the machine that holds them (a fresh run is
     # refused with it)
     alike = unfinished_alike(cfg, out) if listing and not cfg.resume and not cfg.overwrite else None
-    return {"rank": accelerator.process_index, "local_main": accelerator.is_local_main_process,
-            "flags": flags, "listing": listing, "damaged": damaged(out), "explicit": explicit,
-            "given": given and str(given), "probes": probes, "out": str(out),
-            "alike": alike and (alike["step"], reached(alike),
-                                *([True] if alike["finished"] else [])),
-            "launch": os.environ.get(RUN_ID_ENV) or None,
-            # what this machine's command line took from the run's record (None: it read none)
-            "from_run": None if taken is None else {k: v for k, v in taken.items()
-                                                    if k not in PER_MACHINE}}
+    return {
+        "rank": accelerator.process_index,
+        "local_main": accelerator.is_local_main_process,
+        "flags": flags,
+        "listing": listing,
+        "damaged": damaged(out),
+        "explicit": explicit,
+        "given": given and str(given),
+        "probes": probes,
+        "out": str(out),
+        "alike": alike and (alike["step"], reached(alike), *([True] if alike["finished"] else [])),
+        "launch": os.environ.get(RUN_ID_ENV) or None,
+        # what this machine's command line took from the run's record (None: it read none)
+        "from_run": (
+            None if taken is None else {k: v for k, v in taken.items() if k not in PER_MACHINE}
+        ),
+    }
 
 
 def reached(meta: dict) -> str:
@@ -135,10 +149,13 @@ def say_damaged(reports: list[dict], out: Path, step: int | None, log) -> None:
     """--resume auto takes the newest complete checkpoint: one line for each newer one it skips."""
     skipped = {(s, why) for r in reports for s, why in r["damaged"] if step is None or s > step}
     for s, why in sorted(skipped):
-        then = (f"resuming from {step_dir(out, step).name}" if step is not None
-                else "none is complete")
-        log(f"--resume auto: skipping checkpoint {step_dir(out, s)}: damaged ({why}); {then} (a "
-            "save of that step replaces the folder)")
+        then = (
+            f"resuming from {step_dir(out, step).name}" if step is not None else "none is complete"
+        )
+        log(
+            f"--resume auto: skipping checkpoint {step_dir(out, s)}: damaged ({why}); {then} (a "
+            "save of that step replaces the folder)"
+        )
 
 
 def share_the_record(cfg: TrainConfig, reports: list[dict], rank: int, log) -> None:
@@ -157,8 +174,10 @@ def share_the_record(cfg: TrainConfig, reports: list[dict], rank: int, log) -> N
         for key, value in donor["from_run"].items():
             setattr(cfg, key, value)
         cfg.validate()
-        log(f"resume: this machine has no record of the run; rank {donor['rank']}'s: "
-            + " ".join(f"--{k} {v}" for k, v in donor["from_run"].items()))
+        log(
+            f"resume: this machine has no record of the run; rank {donor['rank']}'s: "
+            + " ".join(f"--{k} {v}" for k, v in donor["from_run"].items())
+        )
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -166,9 +185,11 @@ def _check_flags(reports: list[dict]) -> None:
     for r in reports[1:]:
         for key, value in r["flags"].items():
             if first.get(key) != value:
-                raise ConfigError(f"the machines were started with different flags: --{key} is "
-                                  f"{first.get(key)!r} on rank 0 but {value!r} on rank "
-                                  f"{r['rank']}; pass the same training flags on every machine")
+                raise ConfigError(
+                    f"the machines were started with different flags: --{key} is "
+                    f"{first.get(key)!r} on rank 0 but {value!r} on rank "
+                    f"{r['rank']}; pass the same training flags on every machine"
+                )
 
 
 def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
@@ -180,8 +201,10 @@ def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
     elif all(r["probes"] == [r["rank"]] for r in mains):
         shared = False
     else:
-        raise ConfigError("--output_dir is shared by some machines but not all; give every machine "
-                          "its own directory or one that all of them share")
+        raise ConfigError(
+            "--output_dir is shared by some machines but not all; give every machine "
+            "its own directory or one that all of them share"
+        )
     me = reports[rank]
     writer = rank == 0 if shared else me["local_main"]
     return writer, shared or len(mains) == 1, len(mains)
@@ -195,31 +218,39 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
         return None, runs
     # launch.sh's relaunch of an --overwrite run: that run's only
     if cfg.resume == "auto" and cfg.overwrite:
-        ours = ({r["launch"] for r in reports}
-                | {r["explicit"][1] for r in reports if r.get("explicit")})
+        ours = {r["launch"] for r in reports} | {
+            r["explicit"][1] for r in reports if r.get("explicit")
+        }
         # (this launch's run id, or the run of the checkpoint its --resume PATH started from)
         ours -= {None}
         if not ours:
-            raise ConfigError("--overwrite true starts a new run (setting the checkpoints in "
-                              "--output_dir aside), --resume auto continues one: pass one of them "
-                              "(launch.sh --max_restarts relaunches an --overwrite run with both "
-                              "and resumes only that run's own checkpoints)")
-        found = [e for r in reports for e in [*r["listing"], r.get("explicit")]
-                 if e and e[1] in ours]
+            raise ConfigError(
+                "--overwrite true starts a new run (setting the checkpoints in "
+                "--output_dir aside), --resume auto continues one: pass one of them "
+                "(launch.sh --max_restarts relaunches an --overwrite run with both "
+                "and resumes only that run's own checkpoints)"
+            )
+        found = [
+            e for r in reports for e in [*r["listing"], r.get("explicit")] if e and e[1] in ours
+        ]
         return (max(found) if found else None), runs
     if cfg.resume == "auto":
         if len(runs) > 1:
-            raise ConfigError(f"--output_dir holds checkpoints of {len(runs)} different runs "
-                              f"({', '.join(sorted(runs))}); keep one run per output directory "
-                              "(move the others away)")
+            raise ConfigError(
+                f"--output_dir holds checkpoints of {len(runs)} different runs "
+                f"({', '.join(sorted(runs))}); keep one run per output directory "
+                "(move the others away)"
+            )
         # (own, or its start)
         found = [entry for r in reports for entry in [*r["listing"], r.get("explicit")] if entry]
         return (max(found) if found else None), runs
     held = [r["explicit"] for r in reports if r["explicit"]]
     if not held:
-        raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint on any machine (no "
-                          f"{STATE_FILE} / {MODEL_FILE}, or a file shorter than it recorded); pass "
-                          f"a {CKPT_DIR}/step_N directory or --resume auto")
+        raise ConfigError(
+            f"--resume {cfg.resume}: not a complete checkpoint on any machine (no "
+            f"{STATE_FILE} / {MODEL_FILE}, or a file shorter than it recorded); pass "
+            f"a {CKPT_DIR}/step_N directory or --resume auto"
+        )
     return held[0], runs
 
 
@@ -254,37 +285,51 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         if runs and not cfg.overwrite:
             refuse_fresh_run(reports, shared)
         run_id = reports[0]["launch"] or rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)
-        return Decision(writer, shared, machines, None, None, run_id,
-                        others(out, run_id) if runs and writer else [])
+        return Decision(
+            writer,
+            shared,
+            machines,
+            None,
+            None,
+            run_id,
+            others(out, run_id) if runs and writer else [],
+        )
 
     step, run_id = target
     # (launch.sh's relaunch: the other runs are set aside)
     replacing = cfg.overwrite and cfg.resume == "auto"
     if replacing:
-        log("--overwrite with --resume auto (launch.sh's relaunch): resuming the new run "
-            f"{run_id}; the checkpoints of other runs are set aside")
+        log(
+            "--overwrite with --resume auto (launch.sh's relaunch): resuming the new run "
+            f"{run_id}; the checkpoints of other runs are set aside"
+        )
     elif runs - {run_id}:
-        raise ConfigError(f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but "
-                          f"{out}/{CKPT_DIR} holds checkpoints of run(s) "
-                          f"{', '.join(sorted(runs - {run_id}))}; resume into that run's "
-                          "--output_dir or an empty one")
+        raise ConfigError(
+            f"--resume {cfg.resume}: the checkpoint belongs to run {run_id} but "
+            f"{out}/{CKPT_DIR} holds checkpoints of run(s) "
+            f"{', '.join(sorted(runs - {run_id}))}; resume into that run's "
+            "--output_dir or an empty one"
+        )
     explicit = cfg.resume != "auto"
     newer = sorted({s for r in reports for s, run in r["listing"] if run == run_id and s > step})
     # (--resume auto takes the newest: only a checkpoint path can leave newer ones behind)
     if newer:
-        log(f"--resume {cfg.resume}: this run's newer checkpoint(s) "
+        log(
+            f"--resume {cfg.resume}: this run's newer checkpoint(s) "
             f"{', '.join(step_dir(out, s).name for s in newer)} belong to the branch this resume "
-            "abandons; they are set aside now and deleted when it saves its first checkpoint")
+            "abandons; they are set aside now and deleted when it saves its first checkpoint"
+        )
     # a rank reads the checkpoint from --resume PATH (or the one that started the run) if its
     # machine has it, else from its output dir
     at_path = [r["explicit"] == target for r in reports]
     in_out = [target in r["listing"] for r in reports]
     needs = [not a and not o for a, o in zip(at_path, in_out)]
-    local = (Path(reports[rank]["given"]) if at_path[rank] and not in_out[rank]
-             else step_dir(out, step))
+    local = (
+        Path(reports[rank]["given"]) if at_path[rank] and not in_out[rank] else step_dir(out, step)
+    )
     if shared:  # one storage: its writer (rank 0) writes the copy if any rank needs it there
         missing = [0] if any(needs) else []
-    else:       # each machine's writer (its local main process) for its own ranks
+    else:  # each machine's writer (its local main process) for its own ranks
         missing = [r["rank"] for r, need in zip(reports, needs) if need and r["local_main"]]
     if missing:
         source = next(r for r in range(len(reports)) if at_path[r] or in_out[r])
@@ -292,9 +337,17 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         send_checkpoint(accelerator, source, local, missing, step_dir(out, step))
     meta = json.loads((local / STATE_FILE).read_text())
     abandoned = [p for p in map(partial(step_dir, out), newer) if p.is_dir()] if writer else []
-    return Decision(writer, shared, machines, local, meta, run_id,
-                    others(out, run_id) if replacing and writer else [], abandoned,
-                    local if explicit else None)
+    return Decision(
+        writer,
+        shared,
+        machines,
+        local,
+        meta,
+        run_id,
+        others(out, run_id) if replacing and writer else [],
+        abandoned,
+        local if explicit else None,
+    )
 
 
 def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
@@ -305,45 +358,59 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
     old = meta.get("run")
     if not old:  # a checkpoint of an older accel_train: only its process count was recorded
         if meta.get("num_processes", num_processes) != num_processes:
-            raise ConfigError("the checkpoint was written by an older accel_train on "
-                              f"{meta['num_processes']} processes and records no global batch; "
-                              f"resume it on {meta['num_processes']} processes")
+            raise ConfigError(
+                "the checkpoint was written by an older accel_train on "
+                f"{meta['num_processes']} processes and records no global batch; "
+                f"resume it on {meta['num_processes']} processes"
+            )
         cfg.batch_size = cfg.batch_size or BATCH_SIZE  # (its default then)
         return
     if cfg.grad_accum != old["grad_accum"]:
-        raise ConfigError(f"--grad_accum {cfg.grad_accum} differs from the checkpoint's "
-                          f"{old['grad_accum']}; resume with --grad_accum {old['grad_accum']} (the "
-                          "per-process batch follows the process count)")
+        raise ConfigError(
+            f"--grad_accum {cfg.grad_accum} differs from the checkpoint's "
+            f"{old['grad_accum']}; resume with --grad_accum {old['grad_accum']} (the "
+            "per-process batch follows the process count)"
+        )
     keep_run_math(old, cfg)
     check_changes(old.get("settings") or {}, cfg)
     glob = old["global_batch"]
     if num_processes != old["num_processes"] or cfg.batch_size is None:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)
         if rest or per < 1:
-            works = [n for n in range(1, glob // cfg.grad_accum + 1)
-                     if (glob // cfg.grad_accum) % n == 0][:12]
-            raise ConfigError(f"the checkpoint's global batch {glob} cannot be split over "
-                              f"{num_processes} processes x --grad_accum {cfg.grad_accum}; resume "
-                              f"on one of {works} processes")
+            works = [
+                n for n in range(1, glob // cfg.grad_accum + 1) if (glob // cfg.grad_accum) % n == 0
+            ][:12]
+            raise ConfigError(
+                f"the checkpoint's global batch {glob} cannot be split over "
+                f"{num_processes} processes x --grad_accum {cfg.grad_accum}; resume "
+                f"on one of {works} processes"
+            )
         if num_processes != old["num_processes"] and per != cfg.batch_size:
-            log(f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process "
+            log(
+                f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process "
                 f"batch {cfg.batch_size or old['batch_size']} -> {per} keeps the checkpoint's "
-                f"global batch {glob}")
+                f"global batch {glob}"
+            )
         cfg.batch_size = per
     elif cfg.batch_size * num_processes * cfg.grad_accum != glob:
-        raise ConfigError(f"--batch_size {cfg.batch_size} x {num_processes} processes x "
-                          f"--grad_accum {cfg.grad_accum} changes the checkpoint's global batch "
-                          f"{glob}; resume with --batch_size "
-                          f"{glob // (num_processes * cfg.grad_accum)} (or start a fresh run)")
+        raise ConfigError(
+            f"--batch_size {cfg.batch_size} x {num_processes} processes x "
+            f"--grad_accum {cfg.grad_accum} changes the checkpoint's global batch "
+            f"{glob}; resume with --batch_size "
+            f"{glob // (num_processes * cfg.grad_accum)} (or start a fresh run)"
+        )
     if cfg.epochs != old["epochs"]:
-        log(f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for "
-            f"{cfg.epochs} epochs and continues from the current step on it")
+        log(
+            f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for "
+            f"{cfg.epochs} epochs and continues from the current step on it"
+        )
 
 
 def _flag_value(key: str, value):
     """A run-math value as a flag spells it (mean/std: 'R,G,B')."""
-    return (",".join(f"{v:g}" for v in value) if key in ("mean", "std") and value is not None
-            else value)
+    return (
+        ",".join(f"{v:g}" for v in value) if key in ("mean", "std") and value is not None else value
+    )
 
 
 def keep_run_math(old: dict, cfg: TrainConfig) -> None:
@@ -354,17 +421,27 @@ def keep_run_math(old: dict, cfg: TrainConfig) -> None:
     for key in RUN_MATH:
         if key not in old:  # a checkpoint of an older accel_train
             continue
-        now = (cfg.model_kwargs_dict() if key == "model_kwargs"
-               else mean_std[key] if key in mean_std else getattr(cfg, key))
+        now = (
+            cfg.model_kwargs_dict()
+            if key == "model_kwargs"
+            else mean_std[key]
+            if key in mean_std
+            else getattr(cfg, key)
+        )
         then = tuple(old[key]) if key in mean_std and old[key] is not None else old[key]
         if now in AUTOMATIC:
             setattr(cfg, key, _flag_value(key, then))
         elif now != then and not (key == "model" and same_callable(now, then)):
-            raise ConfigError(f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
-                              f"{_flag_value(key, then)!r}: resuming would change the run; resume "
-                              + (f"with --{key} {_flag_value(key, then)}" if then is not None
-                                 else f"without --{key}")
-                              + " or start a fresh run in another --output_dir")
+            raise ConfigError(
+                f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
+                f"{_flag_value(key, then)!r}: resuming would change the run; resume "
+                + (
+                    f"with --{key} {_flag_value(key, then)}"
+                    if then is not None
+                    else f"without --{key}"
+                )
+                + " or start a fresh run in another --output_dir"
+            )
 
 
 def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
@@ -373,8 +450,12 @@ def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:
     old = meta.get("run")
     if not old:
         return meta["batch_in_epoch"]
-    return (meta["batch_in_epoch"] * old["batch_size"] * old["num_processes"]
-            // (batch_size * num_processes))
+    return (
+        meta["batch_in_epoch"]
+        * old["batch_size"]
+        * old["num_processes"]
+        // (batch_size * num_processes)
+    )
 
 
 def check_data(meta: dict, train_size: int, classes=None, checkpoint: Path | None = None) -> None:
@@ -382,15 +463,19 @@ def check_data(meta: dict, train_size: int, classes=None, checkpoint: Path | Non
     are the run's."""
     old = (meta.get("run") or {}).get("train_size")
     if old is not None and old != train_size:
-        raise ConfigError(f"the checkpoint was trained on {old} training samples, this data has "
-                          f"{train_size}; resume with the same data (--train_samples / --data_dir) "
-                          "or start a fresh run")
+        raise ConfigError(
+            f"the checkpoint was trained on {old} training samples, this data has "
+            f"{train_size}; resume with the same data (--train_samples / --data_dir) "
+            "or start a fresh run"
+        )
     try:
         facts = json.loads((checkpoint / MODEL_CONFIG_FILE).read_text()) if checkpoint else {}
         then = facts["classes"]
     except (OSError, ValueError, KeyError, TypeError):
         then = None
     if classes is not None and then is not None and list(classes) != list(then):
-        raise ConfigError(f"the data's classes ({', '.join(classes)}) differ from the "
-                          f"checkpoint's ({', '.join(then)}); resume with the run's --data_dir or "
-                          "start a fresh run")
+        raise ConfigError(
+            f"the data's classes ({', '.join(classes)}) differ from the "
+            f"checkpoint's ({', '.join(then)}); resume with the run's --data_dir or "
+            "start a fresh run"
+        )

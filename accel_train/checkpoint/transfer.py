@@ -30,10 +30,12 @@ def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], fi
             sent = (None, _failure(e), str(here))
     files, error, there = broadcast_object_list([sent], from_process=source)[0]
     if error:
-        raise ConfigError(f"rank {source} cannot read checkpoint {there} to send it to rank(s) "
-                          f"{missing}, whose disk lacks it ({error}); nothing was written; repair "
-                          "or remove that checkpoint (--resume auto then takes the newest one "
-                          "left) or pass --resume with another one")
+        raise ConfigError(
+            f"rank {source} cannot read checkpoint {there} to send it to rank(s) "
+            f"{missing}, whose disk lacks it ({error}); nothing was written; repair "
+            "or remove that checkpoint (--resume auto then takes the newest one "
+            "left) or pass --resume with another one"
+        )
     tmp, error = final.parent / f".tmp-{final.name}", None
     if rank in missing:
         try:
@@ -42,15 +44,20 @@ def send_checkpoint(accelerator, source: int, here: Path, missing: list[int], fi
             error = _failure(e)
             shutil.rmtree(tmp, ignore_errors=True)
     del files
-    failed = [(r, where, e)
-              for r, (where, e) in enumerate(gather_object([(str(final.parent), error)])) if e]
+    failed = [
+        (r, where, e)
+        for r, (where, e) in enumerate(gather_object([(str(final.parent), error)]))
+        if e
+    ]
     accelerator.wait_for_everyone()  # (every partial copy is gone before anyone reports)
     if failed:
         r, where, error = failed[0]
-        raise ConfigError(f"rank {r} cannot store the copy of checkpoint {final.name} it was sent "
-                          f"in {where} ({error}); the partial copy was removed; free space on that "
-                          "machine (or give it another --output_dir) and relaunch with "
-                          "--resume auto")
+        raise ConfigError(
+            f"rank {r} cannot store the copy of checkpoint {final.name} it was sent "
+            f"in {where} ({error}); the partial copy was removed; free space on that "
+            "machine (or give it another --output_dir) and relaunch with "
+            "--resume auto"
+        )
 
 
 def _failure(e: OSError) -> str:

@@ -48,12 +48,14 @@ def outgoing_interface(ip: str) -> str | None:
             local = s.getsockname()[0]
         import fcntl
         import struct
+
         for _, name in socket.if_nameindex():
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 try:
                     # SIOCGIFADDR
-                    packed = fcntl.ioctl(s.fileno(), 0x8915,
-                                         struct.pack("256s", name.encode()[:15]))
+                    packed = fcntl.ioctl(
+                        s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15])
+                    )
                 except OSError:
                     continue
             if socket.inet_ntoa(packed[20:24]) == local:
@@ -71,12 +73,16 @@ def check_port_free(ip: str, port: int) -> str | None:
             s.bind((ip, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                return (f"port {port} is already in use on this rank-0 host; stop what holds it or "
-                        "choose another MASTER_PORT / --main_process_port")
+                return (
+                    f"port {port} is already in use on this rank-0 host; stop what holds it or "
+                    "choose another MASTER_PORT / --main_process_port"
+                )
             if e.errno == errno.EADDRNOTAVAIL:
-                return (f"{ip} is not an address of this machine, but this node has rank 0; "
-                        "set MASTER_ADDR (or VC_WORKER_HOSTS / --init_method) to this node's own "
-                        "address")
+                return (
+                    f"{ip} is not an address of this machine, but this node has rank 0; "
+                    "set MASTER_ADDR (or VC_WORKER_HOSTS / --init_method) to this node's own "
+                    "address"
+                )
             return f"cannot bind {ip}:{port} ({e.strerror})"
     return None
 
@@ -96,18 +102,25 @@ def check_reachable(ip: str, port: int, deadline: float) -> str | None:
             except socket.timeout:
                 last = "timed out (firewall, or a wrong address)"
             except OSError as e:
-                last = {errno.ECONNREFUSED: "connection refused (nothing listens there yet: "
-                                            "is rank 0 up?)",
-                        errno.EHOSTUNREACH: "host unreachable (no route)",
-                        errno.ENETUNREACH: "network unreachable (no route)",
-                        }.get(e.errno, e.strerror or str(e))
+                last = {
+                    errno.ECONNREFUSED: (
+                        "connection refused (nothing listens there yet: is rank 0 up?)"
+                    ),
+                    errno.EHOSTUNREACH: "host unreachable (no route)",
+                    errno.ENETUNREACH: "network unreachable (no route)",
+                }.get(e.errno, e.strerror or str(e))
         time.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
     iface = outgoing_interface(ip) if family == socket.AF_INET else None
-    hint = (f"; traffic to {ip} leaves by {iface}: "
-            f"set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={iface}" if iface else "")
-    return (f"cannot reach rank 0 at {ip}:{port}: {last}; check that rank 0 is running, that the "
-            f"firewall or security group opens port {port} between the nodes, and "
-            f"MASTER_ADDR{hint}")
+    hint = (
+        f"; traffic to {ip} leaves by {iface}: set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={iface}"
+        if iface
+        else ""
+    )
+    return (
+        f"cannot reach rank 0 at {ip}:{port}: {last}; check that rank 0 is running, that the "
+        f"firewall or security group opens port {port} between the nodes, and "
+        f"MASTER_ADDR{hint}"
+    )
 
 
 def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> list[str]:
@@ -123,8 +136,10 @@ def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> lis
             break
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
     if not addresses:
-        return [f"rank-0 host {host!r} does not resolve within {timeout:.0f}s; set MASTER_ADDR to "
-                "an address or a name in DNS or /etc/hosts"]
+        return [
+            f"rank-0 host {host!r} does not resolve within {timeout:.0f}s; set MASTER_ADDR to "
+            "an address or a name in DNS or /etc/hosts"
+        ]
     ip = next((a for a in addresses if ":" not in a), addresses[0])
     log(f"preflight: {host} resolves to {ip}")
     if rank == 0:
@@ -139,9 +154,13 @@ def preflight(host: str, port: int, rank: int, timeout: float, log=print) -> lis
 
 
 def main_preflight(argv: list[str]) -> int:
-    p = Parser(prog="accel-train preflight",
-               description="Check, within a time bound, that the rank-0 host resolves and its "
-                           "rendezvous port is usable (rank 0) or reachable (other nodes).")
+    p = Parser(
+        prog="accel-train preflight",
+        description=(
+            "Check, within a time bound, that the rank-0 host resolves and its "
+            "rendezvous port is usable (rank 0) or reachable (other nodes)."
+        ),
+    )
     p.add_argument("--host", required=True, help="rank-0 host (MASTER_ADDR)")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port (MASTER_PORT)")
     p.add_argument("--rank", type=int, default=0, help="this node's rank (NODE_RANK)")

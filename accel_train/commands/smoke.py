@@ -36,6 +36,7 @@ INDEX_RE = re.compile(r"^Process index: (\d+)\s*$", re.M)
 
 def test_script() -> Path:
     import accelerate
+
     return Path(accelerate.__file__).resolve().parent / "test_utils" / "scripts" / "test_script.py"
 
 
@@ -48,18 +49,25 @@ def check(output: str, returncode: int, total: int, indices: range) -> list[str]
     sizes = [int(n) for n in NUM_RE.findall(output)]
     seen = sorted(int(i) for i in INDEX_RE.findall(output))
     if len(sizes) != len(indices) or any(n != total for n in sizes):
-        problems.append(f"expected {len(indices)} process(es) here each reporting "
-                        f"'Num processes: {total}', got {', '.join(map(str, sizes)) or 'none'}: "
-                        f"the ranks did not join one group of {total}"
-                        + (" (one process was started: a config with distributed_type NO, as "
-                           "`accelerate config default` writes it, or MULTI_CPU without an MPI "
-                           "hostfile runs one whatever --num_processes says; use "
-                           "accelerate_configs/2proc_cpu.yaml for CPU ranks or 1node_gpu.yaml "
-                           "for GPUs)"
-                           if total > 1 and sizes == [1] else ""))
+        problems.append(
+            f"expected {len(indices)} process(es) here each reporting "
+            f"'Num processes: {total}', got {', '.join(map(str, sizes)) or 'none'}: "
+            f"the ranks did not join one group of {total}"
+            + (
+                " (one process was started: a config with distributed_type NO, as "
+                "`accelerate config default` writes it, or MULTI_CPU without an MPI "
+                "hostfile runs one whatever --num_processes says; use "
+                "accelerate_configs/2proc_cpu.yaml for CPU ranks or 1node_gpu.yaml "
+                "for GPUs)"
+                if total > 1 and sizes == [1]
+                else ""
+            )
+        )
     if seen != list(indices):
-        problems.append(f"expected process indices {indices.start}..{indices.stop - 1} here, got "
-                        f"{', '.join(map(str, seen)) or 'none'}")
+        problems.append(
+            f"expected process indices {indices.start}..{indices.stop - 1} here, got "
+            f"{', '.join(map(str, seen)) or 'none'}"
+        )
     return problems
 
 
@@ -79,27 +87,36 @@ def layout(argv: list[str]) -> tuple[str, int, int, int, bool]:
     except SystemExit:
         raise ConfigError("bad accelerate launch options (see accel-train smoke --help)") from None
     if not known.config_file:
-        raise ConfigError("--config_file is required: name the accelerate config to check, e.g. "
-                          "accelerate_configs/2proc_cpu.yaml")
+        raise ConfigError(
+            "--config_file is required: name the accelerate config to check, e.g. "
+            "accelerate_configs/2proc_cpu.yaml"
+        )
     if not Path(known.config_file).is_file():
         raise ConfigError(f"--config_file {known.config_file}: no such file")
     from accelerate.commands.config.config_args import load_config_from_file
+
     try:
         cfg = load_config_from_file(known.config_file)
     except Exception as e:  # accelerate raises ValueError/TypeError/yaml errors for a bad file
-        raise ConfigError(f"accelerate config {known.config_file} does not load: "
-                          f"{str(e).strip()[:200]}") from None
+        raise ConfigError(
+            f"accelerate config {known.config_file} does not load: {str(e).strip()[:200]}"
+        ) from None
     total = known.num_processes or cfg.num_processes or 1
     machines = known.num_machines or cfg.num_machines or 1
     rank = known.machine_rank if known.machine_rank is not None else (cfg.machine_rank or 0)
     if total % machines:
-        raise ConfigError(f"{total} processes cannot be split evenly over {machines} machines; "
-                          "fix num_processes")
+        raise ConfigError(
+            f"{total} processes cannot be split evenly over {machines} machines; fix num_processes"
+        )
     if not 0 <= rank < machines:
         raise ConfigError(f"machine_rank {rank} is not below the number of machines {machines}")
     dist = str(getattr(cfg.distributed_type, "value", cfg.distributed_type))
-    cpu = (known.cpu or bool(getattr(cfg, "use_cpu", False)) or dist == "MULTI_CPU"
-           or not has_accelerator())
+    cpu = (
+        known.cpu
+        or bool(getattr(cfg, "use_cpu", False))
+        or dist == "MULTI_CPU"
+        or not has_accelerator()
+    )
     return known.config_file, total, machines, rank, cpu
 
 
@@ -131,6 +148,7 @@ def stop_tree(pid: int) -> None:
     elastic starts each worker in a session of its own, out of reach of the launcher's process
     group: the workers are found through /proc while the launcher, stopped first so that it starts
     nothing new, is still their parent."""
+
     def kill(how, target, sig):
         try:
             how(target, sig)
@@ -160,8 +178,14 @@ def main_smoke(argv: list[str]) -> int:
         env["ACCELERATE_USE_CPU"] = "1"  # without it, ranks on a CPU host never join one group
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(test_script())]
     print(f"smoke: {' '.join(cmd)}{' (ACCELERATE_USE_CPU=1)' if cpu else ''}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=copy_lines, args=(proc.stdout, lines), daemon=True)
     reader.start()
@@ -181,15 +205,21 @@ def main_smoke(argv: list[str]) -> int:
     sys.stdout.flush()
     problems = check("".join(lines), returncode, total, here)
     if timed_out:
-        problems = [f"no result within --timeout {own.timeout:.0f}s (a rendezvous that never "
-                    "completed, or a rank stuck in a collective?); the launcher and its workers "
-                    "were stopped",
-                    *(p for p in problems if not p.startswith("Accelerate's test script exited"))]
+        problems = [
+            (
+                f"no result within --timeout {own.timeout:.0f}s (a rendezvous that never "
+                "completed, or a rank stuck in a collective?); the launcher and its workers "
+                "were stopped"
+            ),
+            *(p for p in problems if not p.startswith("Accelerate's test script exited")),
+        ]
     name = Path(config_file).name
     if problems:
         print(f"smoke: FAILED for {name}: " + "; ".join(problems), file=sys.stderr, flush=True)
         return 1
-    print(f"smoke: ok: {name}: {per_machine} process(es) here (indices "
-          f"{here.start}..{here.stop - 1}) in one group of {total} over {machines} machine(s)",
-          flush=True)
+    print(
+        f"smoke: ok: {name}: {per_machine} process(es) here (indices "
+        f"{here.start}..{here.stop - 1}) in one group of {total} over {machines} machine(s)",
+        flush=True,
+    )
     return 0

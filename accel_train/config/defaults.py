@@ -18,13 +18,13 @@ from ..errors import ConfigError
 # The cifar stem keeps the full resolution into the first block: at 224 px that is ~49x the compute
 # of timm's own stem (7x7/2 conv + maxpool, 4x smaller each side), so it is the default only for
 # small images.
-CIFAR_STEM_MAX = 64    # largest --image_size that --stem auto trains through the cifar stem
+CIFAR_STEM_MAX = 64  # largest --image_size that --stem auto trains through the cifar stem
 
 # the recipe's per-process batch, kept wherever the data has MIN_STEPS global batches of it
 BATCH_SIZE = 128
 # the default batch gives an epoch at least this many steps: under 1/MIN_STEPS of samples dropped
 MIN_STEPS = 10
-MAX_DROP = 0.1    # a given --batch_size that leaves more than this share out of every epoch is said
+MAX_DROP = 0.1  # a given --batch_size that leaves more than this share out of every epoch is said
 # BatchNorm needs 2 samples per process in training: a smaller data set is refused, not run at 1
 MIN_BATCH = 2
 
@@ -52,10 +52,15 @@ def auto_batch_said(samples: int, batch: int, replicas: int) -> str:
         return f"--batch_size {batch}"
     steps, full = samples // (batch * replicas), samples // (BATCH_SIZE * replicas)
     lost = dropped(samples, BATCH_SIZE * replicas)
-    instead = (f"{BATCH_SIZE} would give {full} step{'s' * (full != 1)} and drop {lost}" if full
-               else f"{BATCH_SIZE} would not fill one batch")
-    return (f"--batch_size {batch} ({samples} training samples: {steps} step{'s' * (steps != 1)} "
-            f"an epoch, {dropped(samples, batch * replicas) or 'none'} dropped; {instead})")
+    instead = (
+        f"{BATCH_SIZE} would give {full} step{'s' * (full != 1)} and drop {lost}"
+        if full
+        else f"{BATCH_SIZE} would not fill one batch"
+    )
+    return (
+        f"--batch_size {batch} ({samples} training samples: {steps} step{'s' * (steps != 1)} "
+        f"an epoch, {dropped(samples, batch * replicas) or 'none'} dropped; {instead})"
+    )
 
 
 def resolve_batch(cfg, train_size: int | None, num_processes: int) -> str | None:
@@ -76,20 +81,26 @@ def dropped_note(cfg, samples: int, num_processes: int) -> str | None:
     if lost <= MAX_DROP * samples:
         return None
     better = auto_batch(samples, replicas)
-    return (f"--batch_size {cfg.batch_size} leaves {lost} of the {samples} training samples "
-            f"({lost / samples:.0%}) out of every epoch (an epoch is whole global batches of "
-            f"{cfg.batch_size * replicas}); --batch_size {better} (the default for this data) "
-            f"drops {dropped(samples, better * replicas) or 'none'}")
+    return (
+        f"--batch_size {cfg.batch_size} leaves {lost} of the {samples} training samples "
+        f"({lost / samples:.0%}) out of every epoch (an epoch is whole global batches of "
+        f"{cfg.batch_size * replicas}); --batch_size {better} (the default for this data) "
+        f"drops {dropped(samples, better * replicas) or 'none'}"
+    )
 
 
 def auto_stem_said(model: str) -> str:
     """The resolved-defaults entry for --stem auto at a small size on a model the cifar stem does
     not fit."""
     if ":" in model:  # your own model (model/own_model.py)
-        return (f"--stem imagenet ({model}, your own model, unchanged; --stem cifar replaces a "
-                "ResNet conv1 + maxpool)")
-    return (f"--stem imagenet ({model} has no ResNet conv1 + maxpool for the cifar stem to "
-            "replace: timm's stem unchanged; --stem cifar fits resnet18-style models)")
+        return (
+            f"--stem imagenet ({model}, your own model, unchanged; --stem cifar replaces a "
+            "ResNet conv1 + maxpool)"
+        )
+    return (
+        f"--stem imagenet ({model} has no ResNet conv1 + maxpool for the cifar stem to "
+        "replace: timm's stem unchanged; --stem cifar fits resnet18-style models)"
+    )
 
 
 def infer_data(data_dir: str, default_dir: bool) -> str:
@@ -102,16 +113,20 @@ def infer_data(data_dir: str, default_dir: bool) -> str:
     root = Path(data_dir)
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
-        raise ConfigError(f"--data_dir {data_dir} {what}; pass the folder that holds "
-                          "cifar-10-batches-py/ or train/<class>/, or --data random (random data "
-                          "reads no folder)")
+        raise ConfigError(
+            f"--data_dir {data_dir} {what}; pass the folder that holds "
+            "cifar-10-batches-py/ or train/<class>/, or --data random (random data "
+            "reads no folder)"
+        )
     if (root / "cifar-10-batches-py").is_dir():
         return "cifar10"
     if (root / "train").is_dir():
         return "imagefolder"
-    raise ConfigError(f"--data_dir {data_dir} holds neither cifar-10-batches-py/ (cifar10) nor "
-                      "train/<class>/ (imagefolder): point it at the folder that holds one of "
-                      "them, or pass --data to say which (--data random reads no folder)")
+    raise ConfigError(
+        f"--data_dir {data_dir} holds neither cifar-10-batches-py/ (cifar10) nor "
+        "train/<class>/ (imagefolder): point it at the folder that holds one of "
+        "them, or pass --data to say which (--data random reads no folder)"
+    )
 
 
 # --opt's defaults when --lr_base / --weight_decay are not given: (lr per 256 images of global
@@ -137,10 +152,38 @@ OPTIMIZER_DEFAULTS = {
 }
 # timm names (their cautious c-, bnb-, fused- and 8bit variants too) -> a row above; others: adamw
 OPTIMIZER_FAMILY = {
-    **dict.fromkeys(("sgd", "sgdw", "sgdp", "sgdc", "momentum", "nesterov", "nesterovw", "lars",
-                     "larc", "nlars", "nlarc"), "sgd"),
-    **dict.fromkeys(("adam", "nadam", "radam", "adamax", "nadamlegacy", "radamlegacy", "adabelief",
-                     "radabelief", "rmsprop", "rmsproptf", "adagrad"), "adam"),
+    **dict.fromkeys(
+        (
+            "sgd",
+            "sgdw",
+            "sgdp",
+            "sgdc",
+            "momentum",
+            "nesterov",
+            "nesterovw",
+            "lars",
+            "larc",
+            "nlars",
+            "nlarc",
+        ),
+        "sgd",
+    ),
+    **dict.fromkeys(
+        (
+            "adam",
+            "nadam",
+            "radam",
+            "adamax",
+            "nadamlegacy",
+            "radamlegacy",
+            "adabelief",
+            "radabelief",
+            "rmsprop",
+            "rmsproptf",
+            "adagrad",
+        ),
+        "adam",
+    ),
     **dict.fromkeys(("lamb", "lambc", "lambw", "lambcw", "lambcd"), "lamb"),
     **dict.fromkeys(("lion", "lionc"), "lion"),
 }
@@ -158,30 +201,45 @@ def optimizer_family(name: str) -> str:
     return "adamw"
 
 
-def resolve_auto(cfg, info, pipeline: str, cifar_fits: bool = True, train_size: int | None = None,
-                 num_processes: int = 1) -> str:
+def resolve_auto(
+    cfg,
+    info,
+    pipeline: str,
+    cifar_fits: bool = True,
+    train_size: int | None = None,
+    num_processes: int = 1,
+) -> str:
     """The one place where automatic values become the run's: 'auto'/None replaced by what the data
     (its DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen)
     gave, so the log, config.yaml, model_config.json and the checkpoints all say the values the run
     used. Returns the log line."""
-    auto = ([name for name in ("image_size", "stem", "mean", "std", "pipeline", "train_crop")
-             if getattr(cfg, name) in (None, "auto")]
-            + (["crop_pct"] if cfg.crop_pct is None and cfg.data == "imagefolder" else []))
-    why = {"stem": auto_stem_said(cfg.model)} if cfg.stem == "auto" and not cifar_fits \
-        and info.image_size <= CIFAR_STEM_MAX else {}
+    auto = [
+        name
+        for name in ("image_size", "stem", "mean", "std", "pipeline", "train_crop")
+        if getattr(cfg, name) in (None, "auto")
+    ] + (["crop_pct"] if cfg.crop_pct is None and cfg.data == "imagefolder" else [])
+    why = (
+        {"stem": auto_stem_said(cfg.model)}
+        if cfg.stem == "auto" and not cifar_fits and info.image_size <= CIFAR_STEM_MAX
+        else {}
+    )
     cfg.image_size = info.image_size
     cfg.stem = cfg.stem_for(info.image_size, cifar_fits)
     if info.mean is not None:  # (None: your own Dataset's, not seen: config.yaml keeps null)
-        cfg.mean, cfg.std = (",".join(repr(float(v)) for v in values)
-                             for values in (info.mean, info.std))
+        cfg.mean, cfg.std = (
+            ",".join(repr(float(v)) for v in values) for values in (info.mean, info.std)
+        )
     cfg.pipeline = pipeline
     cfg.train_crop = recipes.train_crop(cfg)
     cfg.crop_pct = info.crop_pct if cfg.data == "imagefolder" else None
     # workers had nothing to do; config.yaml must load again (see validate)
     if pipeline == "device":
         cfg.num_workers = 0
-    said = [why.get(name, f"--{name} {getattr(cfg, name)}") for name in auto
-            if getattr(cfg, name) is not None]
+    said = [
+        why.get(name, f"--{name} {getattr(cfg, name)}")
+        for name in auto
+        if getattr(cfg, name) is not None
+    ]
     # (None: given, or no data size to follow)
     said.append(resolve_batch(cfg, train_size, num_processes))
     return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")

@@ -28,15 +28,18 @@ def check_types_and_choices(cfg) -> None:
         else:
             ok = isinstance(value, kind)
         if not ok:
-            raise ConfigError(f"--{f.name} must be "
-                              f"{'true or false' if kind is bool else 'a ' + kind.__name__}, "
-                              f"got {value!r}")
+            raise ConfigError(
+                f"--{f.name} must be "
+                f"{'true or false' if kind is bool else 'a ' + kind.__name__}, "
+                f"got {value!r}"
+            )
         if kind is float and not math.isfinite(value):
             raise ConfigError(f"--{f.name} must be a finite number, got {value}")
         choices = f.metadata.get("choices")
         if choices and value not in choices:
-            raise ConfigError(f"--{f.name} {value!r}: invalid choice; pick one of "
-                              f"{', '.join(choices)}")
+            raise ConfigError(
+                f"--{f.name} {value!r}: invalid choice; pick one of {', '.join(choices)}"
+            )
 
 
 def optional(tp) -> bool:
@@ -46,8 +49,9 @@ def optional(tp) -> bool:
 def base_type(tp):
     """int | None -> int; bool -> bool."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return (args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
-            else tp)
+    return (
+        args[0] if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else tp
+    )
 
 
 def json_kwargs(cfg, name: str) -> dict:
@@ -57,8 +61,9 @@ def json_kwargs(cfg, name: str) -> dict:
     try:
         value = json.loads(getattr(cfg, name))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--{name} is not valid JSON ({e.msg}); write it like "
-                          "'{\"drop_rate\": 0.1}'") from None
+        raise ConfigError(
+            f"--{name} is not valid JSON ({e.msg}); write it like '{{\"drop_rate\": 0.1}}'"
+        ) from None
     if not isinstance(value, dict):
         raise ConfigError(f"--{name} must be a JSON object, like '{{\"drop_rate\": 0.1}}'")
     return value
@@ -79,11 +84,13 @@ def rgb(cfg, name: str, low: float) -> tuple[float, ...] | None:
     if text is None:
         return None
     try:
-        values = tuple(float(v) for v in (text if isinstance(text, (list, tuple))
-                                          else str(text).split(",")))
+        values = tuple(
+            float(v) for v in (text if isinstance(text, (list, tuple)) else str(text).split(","))
+        )
     except (TypeError, ValueError):
         values = ()
     if len(values) != 3 or not all(low <= v <= 1 for v in values):
-        raise ConfigError(f"--{name} must be three numbers in [{low:g}, 1] like 0.5,0.5,0.5; "
-                          f"got {text!r}")
+        raise ConfigError(
+            f"--{name} must be three numbers in [{low:g}, 1] like 0.5,0.5,0.5; got {text!r}"
+        )
     return values

@@ -14,8 +14,16 @@ from fractions import Fraction
 
 from ..errors import ConfigError
 
-RECIPE_FLAGS = ("train_crop", "scale", "ratio", "train_interpolation", "color_jitter", "aa",
-                "reprob")  # run math
+# run math
+RECIPE_FLAGS = (
+    "train_crop",
+    "scale",
+    "ratio",
+    "train_interpolation",
+    "color_jitter",
+    "aa",
+    "reprob",
+)
 # timm's PIL transforms: DataLoader workers only (cpu, cache)
 PER_SAMPLE = ("color_jitter", "aa", "reprob")
 # --aa trivial: torchvision's TrivialAugmentWide (timm parses no TrivialAugment string)
@@ -33,8 +41,10 @@ def parse_pair(name: str, text, low: float, high: float | None = None) -> tuple[
         a = b = None
     if a is None or not (low < a <= b) or (high is not None and b > high):
         top = f", B <= {high:g}" if high is not None else ""
-        raise ConfigError(f"--{name} must be two numbers A,B with {low:g} < A <= B{top}, like "
-                          f"{'0.08,1' if name == 'scale' else '3/4,4/3'}; got {text!r}")
+        raise ConfigError(
+            f"--{name} must be two numbers A,B with {low:g} < A <= B{top}, like "
+            f"{'0.08,1' if name == 'scale' else '3/4,4/3'}; got {text!r}"
+        )
     return a, b
 
 
@@ -53,12 +63,14 @@ def default_crop_pct(cfg) -> float:
         return cfg.crop_pct
     if getattr(cfg, "init_from", None):
         from ..model.create import init_facts
+
         facts = init_facts(cfg.init_from)
         if facts.get("data") == "imagefolder" and isinstance(facts.get("crop_pct"), (int, float)):
             return float(facts["crop_pct"])
     if getattr(cfg, "pretrained", False) and ":" not in cfg.model:
         try:
             from timm.models import get_pretrained_cfg
+
             found = get_pretrained_cfg(cfg.model)
             if found is not None and found.crop_pct:
                 return float(found.crop_pct)
@@ -81,8 +93,10 @@ def check(cfg) -> None:
     if cfg.crop_pct is not None and not 0 < cfg.crop_pct <= 1:
         raise ConfigError(f"--crop_pct must be in (0, 1], got {cfg.crop_pct}")
     if cfg.crop_pct is not None and cfg.data != "imagefolder":
-        raise ConfigError(f"--crop_pct resizes image folders for evaluation; {cfg.data} is "
-                          "evaluated as it is: drop --crop_pct")
+        raise ConfigError(
+            f"--crop_pct resizes image folders for evaluation; {cfg.data} is "
+            "evaluated as it is: drop --crop_pct"
+        )
     if not cfg.color_jitter >= 0:
         raise ConfigError(f"--color_jitter must be >= 0, got {cfg.color_jitter}")
     if not 0 <= cfg.reprob <= 1:
@@ -90,16 +104,21 @@ def check(cfg) -> None:
     if cfg.aa and cfg.aa != TRIVIAL:
         try:
             from timm.data.transforms_factory import transforms_imagenet_train
+
             transforms_imagenet_train(32, auto_augment=cfg.aa)
         # timm asserts, or fails in its parsing (KeyError, ValueError, IndexError, ...)
         except Exception as e:
-            raise ConfigError(f"--aa {cfg.aa!r} is not an augmentation string timm parses "
-                              f"({type(e).__name__}{': ' + str(e) if str(e) else ''}); e.g. "
-                              "rand-m9-mstd0.5-inc1 (RandAugment), v0 or original (AutoAugment), "
-                              "augmix-m5-w4-d2, trivial (torchvision's "
-                              "TrivialAugmentWide)") from None
+            raise ConfigError(
+                f"--aa {cfg.aa!r} is not an augmentation string timm parses "
+                f"({type(e).__name__}{': ' + str(e) if str(e) else ''}); e.g. "
+                "rand-m9-mstd0.5-inc1 (RandAugment), v0 or original (AutoAugment), "
+                "augmix-m5-w4-d2, trivial (torchvision's "
+                "TrivialAugmentWide)"
+            ) from None
     asked = per_sample(cfg)
     if asked and cfg.pipeline == "device":
-        raise ConfigError(f"--pipeline device cannot apply {', '.join(asked)} (timm's per-sample "
-                          "transforms on PIL images, which DataLoader workers run): use --pipeline "
-                          "cpu (or cache for an image folder), or auto, which picks one")
+        raise ConfigError(
+            f"--pipeline device cannot apply {', '.join(asked)} (timm's per-sample "
+            "transforms on PIL images, which DataLoader workers run): use --pipeline "
+            "cpu (or cache for an image folder), or auto, which picks one"
+        )

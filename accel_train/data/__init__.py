@@ -15,6 +15,22 @@ from .load import device_budget
 from .pipeline import Data, build_data, set_loader_epoch
 from .synthetic import random_data
 
-__all__ = ["CIFAR10", "Data", "DataError", "DataInfo", "build_data", "check_images", "crop_flip",
-           "crop_flip_params", "decode_all", "decode_image", "device_budget", "given_data",
-           "native_size", "random_data", "read_batch", "read_cifar10", "set_loader_epoch"]
+__all__ = [
+    "CIFAR10",
+    "Data",
+    "DataError",
+    "DataInfo",
+    "build_data",
+    "check_images",
+    "crop_flip",
+    "crop_flip_params",
+    "decode_all",
+    "decode_image",
+    "device_budget",
+    "given_data",
+    "native_size",
+    "random_data",
+    "read_batch",
+    "read_cifar10",
+    "set_loader_epoch",
+]

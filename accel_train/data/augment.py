@@ -19,8 +19,9 @@ from .info import CIFAR10
 def sample_hash(idx: torch.Tensor, epoch: int, seed: int) -> torch.Tensor:
     """A 32-bit hash per (seed, epoch, sample index), computed on idx's device (int64, no
     overflow)."""
-    return mix32((idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31)
-                 & 0xFFFFFFFF)
+    return mix32(
+        (idx.long() * 2654435761 + (epoch * 40503 + seed * 97531 + 12345) % 2**31) & 0xFFFFFFFF
+    )
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -32,8 +33,9 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def crop_flip_params(idx: torch.Tensor, epoch: int, seed: int, pad: int = 4,
-                     hflip: bool = True) -> tuple[torch.Tensor, ...]:
+def crop_flip_params(
+    idx: torch.Tensor, epoch: int, seed: int, pad: int = 4, hflip: bool = True
+) -> tuple[torch.Tensor, ...]:
     """Per-sample crop offsets (0..2*pad, top and left in the padded image) and flips (0/1)."""
     h = sample_hash(idx, epoch, seed)
     top = h % (2 * pad + 1)
@@ -42,32 +44,40 @@ def crop_flip_params(idx: torch.Tensor, epoch: int, seed: int, pad: int = 4,
     return top, left, flip
 
 
-def crop_flip(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-              pad: int = 4) -> torch.Tensor:
+def crop_flip(
+    images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor, pad: int = 4
+) -> torch.Tensor:
     """Batched RandomCrop(size, padding=pad) then RandomHorizontalFlip, as one gather on the
     device."""
     n, c, h, w = images.shape
     padded = F.pad(images, (pad, pad, pad, pad))
     ar_h = torch.arange(h, device=images.device)
     ar_w = torch.arange(w, device=images.device)
-    rows = top[:, None] + ar_h                                                     # n, h
+    rows = top[:, None] + ar_h  # n, h
     cols = left[:, None] + torch.where(flip[:, None].bool(), w - 1 - ar_w, ar_w)  # n, w
     batch = torch.arange(n, device=images.device)[:, None, None, None]
     chans = torch.arange(c, device=images.device)[None, :, None, None]
     return padded[batch, chans, rows[:, None, :, None], cols[:, None, None, :]]
 
 
-def crop_flip_each(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, flip: torch.Tensor,
-                   pad: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+def crop_flip_each(
+    images: torch.Tensor,
+    top: torch.Tensor,
+    left: torch.Tensor,
+    flip: torch.Tensor,
+    pad: int = 4,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """crop_flip's result, made sample by sample with slice copies: on a CPU several times faster
     than its gather (what the cpu pipeline's workers run). `out`: zeros of images' shape to write it
     into, in any memory format (channels_last: the same copies transpose), else a new tensor."""
     n, c, h, w = images.shape
     out = torch.zeros_like(images) if out is None else out
-    for k, (dy, dx, f) in enumerate(zip((top - pad).tolist(), (left - pad).tolist(),
-                                        flip.tolist())):
-        crop = out[k, :, max(0, -dy):h - max(0, dy), max(0, -dx):w - max(0, dx)]
-        crop.copy_(images[k, :, max(0, dy):h + min(0, dy), max(0, dx):w + min(0, dx)])
+    for k, (dy, dx, f) in enumerate(
+        zip((top - pad).tolist(), (left - pad).tolist(), flip.tolist())
+    ):
+        crop = out[k, :, max(0, -dy) : h - max(0, dy), max(0, -dx) : w - max(0, dx)]
+        crop.copy_(images[k, :, max(0, dy) : h + min(0, dy), max(0, dx) : w + min(0, dx)])
         if f:
             out[k] = out[k].flip(-1)
     return out

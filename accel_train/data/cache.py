@@ -31,20 +31,20 @@ import torch
 from ..errors import Preempted
 from ..files import cache_dir
 from ..hang import PROGRESS
-from .images import (Decode, as_decode, channel_stats, check_images, decode_all, never,
-                     squash_kernel)
+from .images import Decode, as_decode, channel_stats, check_images, decode_all, never, squash_kernel
 
-VERSION = 4             # of the decode (decode_image) and the file's layout (H x W x 3 rows): a
-                        # new one re-caches under a new name, never over a file a rank may map
-CHUNK = 512             # most images decoded (a thread pool) per write
-PIECE_S = 0.5           # seconds of decoding per write: a stop is answered within about a second
-ROOM = 1.1, 2**30       # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
-STATS = ".stats.json"   # beside a cache: its images' mean/std (cache_stats)
-ASPECTS = ".aspects"    # beside a cache of whole images: their aspect ratios (cache_aspects)
+VERSION = 4  # of the decode (decode_image) and the file's layout (H x W x 3 rows): a
+# new one re-caches under a new name, never over a file a rank may map
+CHUNK = 512  # most images decoded (a thread pool) per write
+PIECE_S = 0.5  # seconds of decoding per write: a stop is answered within about a second
+ROOM = 1.1, 2**30  # auto takes the cache where the free disk holds 1.1 x its size + 1 GiB
+STATS = ".stats.json"  # beside a cache: its images' mean/std (cache_stats)
+ASPECTS = ".aspects"  # beside a cache of whole images: their aspect ratios (cache_aspects)
 
 
-def cache_path(files: list[Path], size: int | Decode, samples: int | None = None,
-               part: str | None = None) -> Path | None:
+def cache_path(
+    files: list[Path], size: int | Decode, samples: int | None = None, part: str | None = None
+) -> Path | None:
     """Where the decoded `files` at `size` px (a Decode: its crop or the whole image) are cached on
     this machine (None: no home for caches). `samples`: the --train_samples/--test_samples that
     chose `files` from a larger folder, part of the name (not only of the key): a subset's cache and
@@ -58,10 +58,12 @@ def cache_path(files: list[Path], size: int | Decode, samples: int | None = None
     if root is None or not files:
         return None
     from PIL import __version__ as pillow
+
     spec = as_decode(size)
     # (Pillow's and torch's kernels decode and resize the stored images: images.squash)
-    key = hashlib.sha256(f"{VERSION} {pillow} {squash_kernel()} {spec.name()} {len(files)}\n"
-                         .encode())
+    key = hashlib.sha256(
+        f"{VERSION} {pillow} {squash_kernel()} {spec.name()} {len(files)}\n".encode()
+    )
     for f in files:
         st = os.stat(f)
         stamp = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}"
@@ -69,8 +71,10 @@ def cache_path(files: list[Path], size: int | Decode, samples: int | None = None
     folder = os.path.abspath(os.path.commonpath([str(f) for f in files]))
     # (not "-": the whole folder's name would be its prefix)
     part = ("" if samples is None else f"_{samples}of") + ("" if part is None else f"_{part}")
-    name = (f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-"
-            f"{spec.name()}{part}")
+    name = (
+        f"{Path(folder).name[:40]}-{hashlib.sha256(folder.encode()).hexdigest()[:8]}-"
+        f"{spec.name()}{part}"
+    )
     return root / f"{name}-{key.hexdigest()[:20]}.npy"
 
 
@@ -99,9 +103,31 @@ def no_room(nbytes: int, mounts: str = "/proc/mounts") -> str | None:
 
 # (prefixes: nfs4, smb3, fuse.sshfs, ...; autofs: an automount point, whose target is a network one
 # nearly always)
-NETWORK_FS = ("nfs", "cifs", "smb", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "fuse", "9p",
-              "afs", "autofs", "virtiofs", "wekafs", "ocfs2", "gfs2", "orangefs", "pvfs2", "panfs",
-              "quobyte", "davfs", "ncpfs", "coda")
+NETWORK_FS = (
+    "nfs",
+    "cifs",
+    "smb",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "ceph",
+    "glusterfs",
+    "fuse",
+    "9p",
+    "afs",
+    "autofs",
+    "virtiofs",
+    "wekafs",
+    "ocfs2",
+    "gfs2",
+    "orangefs",
+    "pvfs2",
+    "panfs",
+    "quobyte",
+    "davfs",
+    "ncpfs",
+    "coda",
+)
 
 
 def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
@@ -114,8 +140,11 @@ def file_system(path: Path, mounts: str = "/proc/mounts") -> str:
     except OSError:
         return ""
     path = os.path.realpath(path)
-    above = [(point, kind) for point, kind in table
-             if path == point or path.startswith(point.rstrip("/") + "/")]
+    above = [
+        (point, kind)
+        for point, kind in table
+        if path == point or path.startswith(point.rstrip("/") + "/")
+    ]
     return max(enumerate(above), key=lambda m: (len(m[1][0]), m[0]))[1][1] if above else ""
 
 
@@ -160,8 +189,12 @@ def remove_abandoned(path: Path, mine: Path | None = None) -> bool:
     for tmp in sorted(path.parent.glob(f".{glob.escape(prefix)}*.tmp")):
         if (match := ours.fullmatch(tmp.name)) is None or _runs(tmp, int(match[1])):
             continue
-        if (not adopted and mine is not None and tmp.name.startswith(f".{path.name}.")
-                and _this_boot(tmp)):
+        if (
+            not adopted
+            and mine is not None
+            and tmp.name.startswith(f".{path.name}.")
+            and _this_boot(tmp)
+        ):
             try:
                 os.rename(tmp, mine)
                 adopted = True
@@ -211,8 +244,9 @@ def _this_boot(tmp: Path) -> bool:
 
 def _header(n: int, size: int) -> bytes:  # (size: the side in px; rows H x W x 3: open_cache)
     out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, {"descr": "|u1", "fortran_order": False,
-                                               "shape": (n, size, size, 3)})
+    np.lib.format.write_array_header_1_0(
+        out, {"descr": "|u1", "fortran_order": False, "shape": (n, size, size, 3)}
+    )
     return out.getvalue()
 
 
@@ -269,9 +303,11 @@ def write_cache(files: list[Path], size: int | Decode, path: Path, should_stop=n
                 if should_stop() is not None:
                     raise Preempted("")
                 if open_cache(path, n, size) is not None:
-                    return (f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another "
-                            f"process: read, {done} of {n} images decoded here")
-                images, rate = decode_all(files[done:done + piece], size, should_stop=should_stop)
+                    return (
+                        f"decoded cache {path} ({mib:.0f} MiB), written meanwhile by another "
+                        f"process: read, {done} of {n} images decoded here"
+                    )
+                images, rate = decode_all(files[done : done + piece], size, should_stop=should_stop)
                 # (H x W x 3 rows: open_cache)
                 f.write(images.permute(0, 2, 3, 1).numpy().tobytes())
                 done += len(images)
@@ -286,19 +322,26 @@ def write_cache(files: list[Path], size: int | Decode, path: Path, should_stop=n
             save_aspects(path, aspects)
     except Preempted:  # (between pieces, or inside one: decode_all)
         keep = True
-        raise Preempted(f"stopped by {should_stop()} while decoding the cache {path} "
-                        f"({done} of {n} images); the next start continues it") from None
+        raise Preempted(
+            f"stopped by {should_stop()} while decoding the cache {path} "
+            f"({done} of {n} images); the next start continues it"
+        ) from None
     finally:
         if not keep:
             tmp.unlink(missing_ok=True)
     prefix = _same_folder_and_size(path)  # a changed folder's older cache (and its statistics)
     for stale in path.parent.iterdir():
-        if stale.name.startswith(prefix) and stale.name.endswith((".npy", STATS, ASPECTS)) \
-                and not stale.name.startswith(path.stem + "."):
+        if (
+            stale.name.startswith(prefix)
+            and stale.name.endswith((".npy", STATS, ASPECTS))
+            and not stale.name.startswith(path.stem + ".")
+        ):
             stale.unlink(missing_ok=True)
     again = f", continued from image {resumed + 1}" if resumed else ""
-    return (f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at "
-            f"{np.median(rates or [0]):.0f} images/s{again} (remove it with rm; docs/speed.md)")
+    return (
+        f"decoded cache {path} ({mib:.0f} MiB) written once for this machine at "
+        f"{np.median(rates or [0]):.0f} images/s{again} (remove it with rm; docs/speed.md)"
+    )
 
 
 def cache_stats(path: Path, images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -339,6 +382,7 @@ def cache_aspects(path: Path | None, files: list[Path]):
     """The aspect ratios (width / height, upright) of `files`: kept beside their cache at `path`,
     else every header read (check_images) and kept there."""
     import torch
+
     if path is not None:
         try:
             kept = np.load(path.with_name(path.stem + ASPECTS))

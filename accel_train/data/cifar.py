@@ -20,8 +20,11 @@ TEST_FILE = "test_batch"
 def _numpy_globals() -> dict:
     core = getattr(np, "_core", None) or np.core
     # _codecs.encode: how Python 3 writes bytes in protocol-2 pickles (a pure data transform)
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               ("_codecs", "encode"): codecs.encode}
+    allowed = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): codecs.encode,
+    }
     for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
         allowed[(module, "_reconstruct")] = core.multiarray._reconstruct
         allowed[(module, "scalar")] = core.multiarray.scalar
@@ -48,13 +51,18 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             obj = RestrictedUnpickler(f, encoding="bytes").load()
     except pickle.UnpicklingError as e:
         if "refused global" in str(e):
-            raise DataError(f"{path} is not a plain CIFAR-10 pickle ({e}); it was not executed - "
-                            "replace it with the original cifar-10-batches-py file") from None
-        raise DataError(f"{path} is truncated or corrupt ({e}); "
-                        "re-extract cifar-10-python.tar.gz") from None
+            raise DataError(
+                f"{path} is not a plain CIFAR-10 pickle ({e}); it was not executed - "
+                "replace it with the original cifar-10-batches-py file"
+            ) from None
+        raise DataError(
+            f"{path} is truncated or corrupt ({e}); re-extract cifar-10-python.tar.gz"
+        ) from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
-        raise DataError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}); "
-                        "re-extract cifar-10-python.tar.gz") from None
+        raise DataError(
+            f"{path} is truncated or corrupt ({type(e).__name__}: {e}); "
+            "re-extract cifar-10-python.tar.gz"
+        ) from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(obj, dict):
@@ -63,37 +71,54 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     labels = obj.get(b"labels", obj.get("labels"))
     if data is None or labels is None:
         raise DataError(f"{path} has no 'data'/'labels' entries; is it a CIFAR-10 python batch?")
-    if (not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2
-            or data.shape[1] != 3072):
+    if (
+        not isinstance(data, np.ndarray)
+        or data.dtype != np.uint8
+        or data.ndim != 2
+        or data.shape[1] != 3072
+    ):
         shape = getattr(data, "shape", None)
         dtype = getattr(data, "dtype", type(data).__name__)
-        raise DataError(f"{path}: data must be an N x 3072 uint8 array, "
-                        f"got shape {shape} dtype {dtype}")
+        raise DataError(
+            f"{path}: data must be an N x 3072 uint8 array, got shape {shape} dtype {dtype}"
+        )
     labels = np.asarray(labels)
-    if (labels.ndim != 1 or labels.shape[0] != data.shape[0]
-            or not np.issubdtype(labels.dtype, np.integer)):
-        raise DataError(f"{path}: expected {data.shape[0]} integer labels, "
-                        f"got shape {labels.shape} dtype {labels.dtype}")
+    if (
+        labels.ndim != 1
+        or labels.shape[0] != data.shape[0]
+        or not np.issubdtype(labels.dtype, np.integer)
+    ):
+        raise DataError(
+            f"{path}: expected {data.shape[0]} integer labels, "
+            f"got shape {labels.shape} dtype {labels.dtype}"
+        )
     if labels.size and (labels.min() < 0 or labels.max() >= CIFAR10.num_classes):
-        raise DataError(f"{path}: labels must be in 0..{CIFAR10.num_classes - 1}, "
-                        f"found {labels.min()}..{labels.max()}")
+        raise DataError(
+            f"{path}: labels must be in 0..{CIFAR10.num_classes - 1}, "
+            f"found {labels.min()}..{labels.max()}"
+        )
     return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
 
 
-def read_cifar10(data_dir, splits=("train", "test")
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_cifar10(
+    data_dir, splits=("train", "test")
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """<data_dir>/cifar-10-batches-py -> {'train': (images u8, labels), 'test': (...)}, only the
     splits asked for."""
     data_dir = Path(data_dir)
     root = data_dir / CIFAR_DIR
     if not data_dir.is_dir():
         what = "is a file, not a folder" if data_dir.exists() else "does not exist"
-        raise DataError(f"data directory {data_dir} {what}; pass --data_dir "
-                        f"(or --data_url) pointing at the folder that holds {CIFAR_DIR}/, "
-                        "or use --data random")
+        raise DataError(
+            f"data directory {data_dir} {what}; pass --data_dir "
+            f"(or --data_url) pointing at the folder that holds {CIFAR_DIR}/, "
+            "or use --data random"
+        )
     if not root.is_dir():
-        raise DataError(f"{data_dir} has no {CIFAR_DIR}/ folder; "
-                        "extract cifar-10-python.tar.gz there, or use --data random")
+        raise DataError(
+            f"{data_dir} has no {CIFAR_DIR}/ folder; "
+            "extract cifar-10-python.tar.gz there, or use --data random"
+        )
     wanted = {"train": TRAIN_FILES, "test": (TEST_FILE,)}
     missing = [name for split in splits for name in wanted[split] if not (root / name).is_file()]
     if missing:

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 
 from .augment import mix32, sample_hash
 
-STORE_SCALE = 1.5   # the stored whole image's side, x the training size (FFCV's ImageNet configs:
-                    # max_res ~1.3-2.5x)
-ATTEMPTS = 10       # timm's and torchvision's RandomResizedCrop
+STORE_SCALE = 1.5  # the stored whole image's side, x the training size (FFCV's ImageNet configs:
+# max_res ~1.3-2.5x)
+ATTEMPTS = 10  # timm's and torchvision's RandomResizedCrop
 
 
 def store_size(image_size: int) -> int:
@@ -54,8 +54,14 @@ def uniforms(idx: torch.Tensor, epoch: int, seed: int, n: int) -> torch.Tensor:
     return mix32(h[:, None] ^ k).double() / 2**32
 
 
-def rrc_boxes(idx: torch.Tensor, epoch: int, seed: int, aspects: torch.Tensor, scale=(0.08, 1.0),
-              ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+def rrc_boxes(
+    idx: torch.Tensor,
+    epoch: int,
+    seed: int,
+    aspects: torch.Tensor,
+    scale=(0.08, 1.0),
+    ratio=(3 / 4, 4 / 3),
+) -> torch.Tensor:
     """(len(idx), 4) float64 crops (x0, y0, x1, y1) as fractions of each image's width and height:
     timm's RandomResizedCrop parameters for images of `aspects` (width / height), drawn from the
     hash of (seed, epoch, idx)."""
@@ -98,9 +104,14 @@ def pixel_boxes(boxes: torch.Tensor, hgt: int, wid: int) -> torch.Tensor:
     return torch.cat([px[:, :2], torch.maximum(px[:, 2:], px[:, :2] + 1)], 1)
 
 
-def resized_crop(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor, size: int,
-                 interpolation: str = "bilinear", bicubic: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def resized_crop(
+    images: torch.Tensor,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    size: int,
+    interpolation: str = "bilinear",
+    bicubic: torch.Tensor | None = None,
+) -> torch.Tensor:
     """uint8 (N, 3, L, L) stores -> uint8 (N, 3, size, size): each box (fractions, rrc_boxes)
     resampled to size x size and mirrored where flips says, on images' device: the device
     pipeline's. Bilinear: one batched roi_align, no host sync; bicubic: per image; random: bicubic
@@ -112,24 +123,32 @@ def resized_crop(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor,
         out = torch.empty((n, images.shape[1], size, size), device=images.device)
     else:
         from torchvision.ops import roi_align
+
         px = pixel_boxes(boxes.to(images.device), hgt, wid)
-        rois = torch.cat([torch.arange(n, device=images.device, dtype=torch.float32)[:, None],
-                          px], 1)
+        rois = torch.cat(
+            [torch.arange(n, device=images.device, dtype=torch.float32)[:, None], px], 1
+        )
         out = roi_align(images.float(), rois, output_size=size, sampling_ratio=-1, aligned=True)
     if each is not None and each.any():
         host = pixel_boxes(boxes.cpu(), hgt, wid).long()
         for k in each.nonzero().flatten().tolist():
             x0, y0, x1, y1 = host[k].tolist()
-            crop = images[k:k + 1, :, y0:y1, x0:x1].float()
-            out[k:k + 1] = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True,
-                                         align_corners=False)
+            crop = images[k : k + 1, :, y0:y1, x0:x1].float()
+            out[k : k + 1] = F.interpolate(
+                crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False
+            )
     out = torch.where(flips.to(images.device).view(-1, 1, 1, 1).bool(), out.flip(-1), out)
     return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
-def resized_crop_each(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Tensor,
-                      out: torch.Tensor, interpolation: str = "bilinear",
-                      bicubic: torch.Tensor | None = None) -> torch.Tensor:
+def resized_crop_each(
+    images: torch.Tensor,
+    boxes: torch.Tensor,
+    flips: torch.Tensor,
+    out: torch.Tensor,
+    interpolation: str = "bilinear",
+    bicubic: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The cpu and cache pipelines' resized_crop: uint8 stores (N, 3, L, L; a mapped array's rows
     too) on a CPU -> `out`, uint8 (N, 3, S, S) in any memory format, each crop resized by itself on
     uint8 and written into its row, mirrored where flips says. The same boxes and interpolation as
@@ -141,13 +160,21 @@ def resized_crop_each(images: torch.Tensor, boxes: torch.Tensor, flips: torch.Te
     n, _, hgt, wid = images.shape
     size = tuple(out.shape[-2:])
     each = _bicubic_each(n, interpolation, bicubic)
-    modes = (["bilinear"] * n if each is None
-             else ["bicubic" if b else "bilinear" for b in each.tolist()])
+    modes = (
+        ["bilinear"] * n
+        if each is None
+        else ["bicubic" if b else "bilinear" for b in each.tolist()]
+    )
     host = pixel_boxes(boxes.cpu(), hgt, wid).long().tolist()
     for k, ((x0, y0, x1, y1), flip, mode) in enumerate(zip(host, flips.tolist(), modes)):
-        crop = F.interpolate(images[k:k + 1, :, y0:y1, x0:x1], size=size, mode=mode, antialias=True,
-                             align_corners=False)
-        out[k:k + 1].copy_(crop.flip(-1) if flip else crop)
+        crop = F.interpolate(
+            images[k : k + 1, :, y0:y1, x0:x1],
+            size=size,
+            mode=mode,
+            antialias=True,
+            align_corners=False,
+        )
+        out[k : k + 1].copy_(crop.flip(-1) if flip else crop)
     return out
 
 
@@ -158,6 +185,7 @@ def _bicubic_each(n: int, interpolation: str, bicubic: torch.Tensor | None) -> t
     if interpolation == "bicubic":
         return torch.ones(n, dtype=torch.bool)
     if bicubic is None:
-        raise ValueError(f"interpolation {interpolation!r} needs its per-sample choice "
-                         "(rrc_bicubic)")
+        raise ValueError(
+            f"interpolation {interpolation!r} needs its per-sample choice (rrc_bicubic)"
+        )
     return bicubic.bool().cpu()

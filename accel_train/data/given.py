@@ -22,7 +22,6 @@ from .info import DataError, DataInfo
 from .pipeline import Data
 from .workers import loader_kwargs
 
-
 # items checked at start, evenly spaced (0 and the last among them); the rest as each batch is built
 SAMPLE = 8
 
@@ -35,8 +34,11 @@ def check_item(dataset, name: str) -> torch.Tensor:
         size = len(dataset)
         first = dataset[0]
     except Exception as e:
-        raise DataError(f"{name}: len() and [0] of a map-style Dataset failed ({type(e).__name__}: "
-                        + " ".join(str(e).split())[:200] + ")") from None
+        raise DataError(
+            f"{name}: len() and [0] of a map-style Dataset failed ({type(e).__name__}: "
+            + " ".join(str(e).split())[:200]
+            + ")"
+        ) from None
     if size < 1 or (problem := item_problem(first)):
         raise DataError(f"{name}[0] is {problem or 'an empty Dataset'}; {EACH}")
     for i in sample(size)[1:]:
@@ -57,18 +59,28 @@ def read(dataset, name: str, i: int):
     try:
         return dataset[i]
     except Exception as e:
-        raise DataError(f"{name}[{i}] failed ({type(e).__name__}: "
-                        + " ".join(str(e).split())[:200] + ")") from None
+        raise DataError(
+            f"{name}[{i}] failed ({type(e).__name__}: " + " ".join(str(e).split())[:200] + ")"
+        ) from None
 
 
 def item_problem(item, shape: tuple | None = None, classes: int | None = None) -> str:
     """What is wrong with one item ("" if nothing): not (image float tensor (C, H, W), int label),
     an image of another shape than `shape`, a label outside 0..classes-1."""
-    ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor) \
-        and item[0].ndim == 3 and item[0].is_floating_point() and is_label(item[1])
+    ok = (
+        isinstance(item, (tuple, list))
+        and len(item) == 2
+        and isinstance(item[0], torch.Tensor)
+        and item[0].ndim == 3
+        and item[0].is_floating_point()
+        and is_label(item[1])
+    )
     if not ok:
-        return ("(" + ", ".join(describe(v) for v in item) + ")" if isinstance(item, (tuple, list))
-                else describe(item))
+        return (
+            "(" + ", ".join(describe(v) for v in item) + ")"
+            if isinstance(item, (tuple, list))
+            else describe(item)
+        )
     if shape is not None and tuple(item[0].shape) != shape:
         return f"an image of shape {tuple(item[0].shape)}, not {shape} (item 0's)"
     if classes is not None and not 0 <= int(item[1]) < classes:
@@ -122,8 +134,11 @@ def describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     kind = type(value)
-    return (f"a {kind.__name__}" if kind.__module__ == "builtins"
-            else f"a {kind.__module__}.{kind.__qualname__}")
+    return (
+        f"a {kind.__name__}"
+        if kind.__module__ == "builtins"
+        else f"a {kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def class_names(dataset, classes=None) -> tuple[str, ...]:
@@ -134,11 +149,15 @@ def class_names(dataset, classes=None) -> tuple[str, ...]:
         labels = getattr(dataset, "targets", None)
         labels = labels if labels is not None else [int(dataset[i][1]) for i in range(len(dataset))]
         classes = int(max(int(v) for v in labels)) + 1
-    names = (tuple(str(i) for i in range(classes)) if isinstance(classes, int)
-             else tuple(map(str, classes)))
+    names = (
+        tuple(str(i) for i in range(classes))
+        if isinstance(classes, int)
+        else tuple(map(str, classes))
+    )
     if len(names) < 2:
-        raise DataError(f"the data has {len(names)} class(es); "
-                        "a classifier needs at least 2 (pass classes=)")
+        raise DataError(
+            f"the data has {len(names)} class(es); a classifier needs at least 2 (pass classes=)"
+        )
     return names
 
 
@@ -160,11 +179,15 @@ def check_labels(dataset, name: str, classes) -> None:
             found = [(label, f"{name}[{i}]")]
             break
     if found:
-        (label, where), some = (found[0],
-                                ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else ""))
-        raise DataError(f"{name} has label {label}, but there are {len(classes)} classes ({some}): "
-                        f"labels are 0..{len(classes) - 1} ({where} is {label}); "
-                        "pass classes= with every class")
+        (label, where), some = (
+            found[0],
+            ", ".join(classes[:4]) + (", ..." if len(classes) > 4 else ""),
+        )
+        raise DataError(
+            f"{name} has label {label}, but there are {len(classes)} classes ({some}): "
+            f"labels are 0..{len(classes) - 1} ({where} is {label}); "
+            "pass classes= with every class"
+        )
 
 
 def seen_normalisation(dataset) -> tuple[tuple, tuple, str] | None:
@@ -178,17 +201,34 @@ def seen_normalisation(dataset) -> tuple[tuple, tuple, str] | None:
         dataset = dataset.dataset
     steps = flatten(getattr(dataset, "transform", None))
     names = [type(t).__name__ for t in steps]
-    known = {"Normalize", "ToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "PILToTensor",
-             "Resize", "CenterCrop", "RandomResizedCrop", "RandomCrop", "RandomHorizontalFlip",
-             "Grayscale", "Pad"}
+    known = {
+        "Normalize",
+        "ToTensor",
+        "ToImage",
+        "ToDtype",
+        "ConvertImageDtype",
+        "PILToTensor",
+        "Resize",
+        "CenterCrop",
+        "RandomResizedCrop",
+        "RandomCrop",
+        "RandomHorizontalFlip",
+        "Grayscale",
+        "Pad",
+    }
     if not steps or not set(names) <= known or names.count("Normalize") > 1:
         return None
     if "Normalize" in names:
         t = steps[names.index("Normalize")]
-        return (tuple(map(float, t.mean)), tuple(map(float, t.std)),
-                "the Normalize in train_set's transform")
-    if any(n in ("ToTensor", "ConvertImageDtype") or (n == "ToDtype" and getattr(t, "scale", False))
-           for n, t in zip(names, steps)):
+        return (
+            tuple(map(float, t.mean)),
+            tuple(map(float, t.std)),
+            "the Normalize in train_set's transform",
+        )
+    if any(
+        n in ("ToTensor", "ConvertImageDtype") or (n == "ToDtype" and getattr(t, "scale", False))
+        for n, t in zip(names, steps)
+    ):
         return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), "train_set's transform (to [0, 1], no Normalize)"
     return None
 
@@ -197,8 +237,11 @@ def flatten(transform) -> list:
     if transform is None:
         return []
     inner = getattr(transform, "transforms", None)  # Compose (v1, v2)
-    return ([t for step in inner for t in flatten(step)] if isinstance(inner, (list, tuple))
-            else [transform])
+    return (
+        [t for step in inner for t in flatten(step)]
+        if isinstance(inner, (list, tuple))
+        else [transform]
+    )
 
 
 def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
@@ -206,19 +249,30 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     Dataset's tensors go to the model as they are): --mean/--std, else what the Dataset's transform
     shows (seen_normalisation), else unknown (None: evaluate and predict of raw files then ask for
     --mean/--std)."""
-    asked = per_sample(cfg) + (["--train_crop random_resized"] if cfg.train_crop == "random_resized"
-                               else [])
+    asked = per_sample(cfg) + (
+        ["--train_crop random_resized"] if cfg.train_crop == "random_resized" else []
+    )
     if asked:
-        raise ConfigError(f"{', '.join(asked)}: your Datasets are loaded as they are, the trainer "
-                          "augments none; augment in your Dataset "
-                          "(e.g. timm.data.create_transform(..., is_training=True))")
-    image, test_image = (check_item(given.train_set, "train_set"),
-                         check_item(given.test_set, "test_set"))
+        raise ConfigError(
+            f"{', '.join(asked)}: your Datasets are loaded as they are, the trainer "
+            "augments none; augment in your Dataset "
+            "(e.g. timm.data.create_transform(..., is_training=True))"
+        )
+    image, test_image = (
+        check_item(given.train_set, "train_set"),
+        check_item(given.test_set, "test_set"),
+    )
     mean, std = cfg.normalisation()
     seen = seen_normalisation(given.train_set) or (None, None, "")
-    info = DataInfo("dataset", class_names(given.train_set, given.classes), mean or seen[0],
-                    std or seen[1], int(image.shape[-1]), dataset=type(given.train_set).__name__,
-                    normalised_by=seen[2])
+    info = DataInfo(
+        "dataset",
+        class_names(given.train_set, given.classes),
+        mean or seen[0],
+        std or seen[1],
+        int(image.shape[-1]),
+        dataset=type(given.train_set).__name__,
+        normalised_by=seen[2],
+    )
     for dataset, name in ((given.train_set, "train_set"), (given.test_set, "test_set")):
         check_labels(dataset, name, info.classes)
     batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
@@ -226,32 +280,54 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     common = dict(batch_size=batch, **loader_kwargs(cfg, device, workers))
     # training workers start anew each epoch: your Dataset's set_epoch (if any) reaches them
     classes = info.num_classes
-    train_loader = DataLoader(Checked(given.train_set, "train_set", tuple(image.shape), classes),
-                              shuffle=True, drop_last=True,
-                              **{**common, "persistent_workers": False})
-    test_loader = DataLoader(Checked(given.test_set, "test_set", tuple(test_image.shape), classes),
-                             shuffle=False, drop_last=False, **common)
+    train_loader = DataLoader(
+        Checked(given.train_set, "train_set", tuple(image.shape), classes),
+        shuffle=True,
+        drop_last=True,
+        **{**common, "persistent_workers": False},
+    )
+    test_loader = DataLoader(
+        Checked(given.test_set, "test_set", tuple(test_image.shape), classes),
+        shuffle=False,
+        drop_last=False,
+        **common,
+    )
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    notes = [f"your Datasets ({info.dataset}), as they are; {why}",
-             said_normalisation(info, mean is not None)]
-    return Data(train_loader, test_loader, cpu_inputs(memory_format), len(given.train_set),
-                len(given.test_set), info, "cpu", notes)
+    notes = [
+        f"your Datasets ({info.dataset}), as they are; {why}",
+        said_normalisation(info, mean is not None),
+    ]
+    return Data(
+        train_loader,
+        test_loader,
+        cpu_inputs(memory_format),
+        len(given.train_set),
+        len(given.test_set),
+        info,
+        "cpu",
+        notes,
+    )
 
 
 def said_normalisation(info: DataInfo, flags: bool) -> str:
     if info.mean is None or info.std is None:
-        return ("mean/std not seen in your Dataset (no torchvision Normalize/ToTensor transform): "
-                "recorded as unknown; pass --mean/--std to record what it applies "
-                "(evaluate/predict of image files need them)")
+        return (
+            "mean/std not seen in your Dataset (no torchvision Normalize/ToTensor transform): "
+            "recorded as unknown; pass --mean/--std to record what it applies "
+            "(evaluate/predict of image files need them)"
+        )
     return f"mean/std {list(info.mean)} / {list(info.std)} recorded, from " + (
-        "--mean/--std" if flags else info.normalised_by)
+        "--mean/--std" if flags else info.normalised_by
+    )
 
 
 def cpu_inputs(memory_format):
     """A batch of your Dataset's (images, labels) -> the model's inputs. Labels as int64, the class
     indices the loss takes: int32 / numpy int32 labels collate to an int32 tensor, which
     cross_entropy refuses."""
+
     def inputs(batch, train, epoch=0):
         x, y = batch
         return x.contiguous(memory_format=memory_format), y.long()
+
     return inputs

@@ -28,9 +28,15 @@ class UnreadableImage(DataError):
     it has neither."""
 
     def __init__(self, path, reason: str | None = None):
-        super().__init__(str(path) if reason is None
-                         else f"{path} does not exist; check the path" if reason == MISSING
-                         else f"{path} is not a readable image ({reason}); replace or remove it")
+        super().__init__(
+            str(path)
+            if reason is None
+            else (
+                f"{path} does not exist; check the path"
+                if reason == MISSING
+                else f"{path} is not a readable image ({reason}); replace or remove it"
+            )
+        )
         self.path, self.reason = (None, None) if reason is None else (path, reason)
 
 
@@ -46,9 +52,12 @@ def too_large(path, img) -> None:
     w, h = img.size
     least = 64 if img.format == "JPEG" and getattr(img, "decoderconfig", ()) == () else 1
     if w * h / least > MAX_DECODED_PIXELS:
-        raise UnreadableImage(path, f"{w}x{h}, {w * h / 1e6:.0f} M pixels to decode, over "
-                              f"accel_train's limit of {MAX_DECODED_PIXELS // 1_000_000} M: "
-                              "downscale it")
+        raise UnreadableImage(
+            path,
+            f"{w}x{h}, {w * h / 1e6:.0f} M pixels to decode, over "
+            f"accel_train's limit of {MAX_DECODED_PIXELS // 1_000_000} M: "
+            "downscale it",
+        )
 
 
 MISSING = "no such file"
@@ -77,11 +86,14 @@ def unreadable_images(errors: list[UnreadableImage]) -> DataError:
         return errors[0]
     errors = sorted(errors, key=lambda e: str(e.path))
     # (no 2nd path)
-    named = ", ".join(f"{e.path} ({' '.join(e.reason.replace(repr(str(e.path)), '').split())})"
-                      for e in errors[:NAMED_BAD_IMAGES])
+    named = ", ".join(
+        f"{e.path} ({' '.join(e.reason.replace(repr(str(e.path)), '').split())})"
+        for e in errors[:NAMED_BAD_IMAGES]
+    )
     more = f" and {len(errors) - NAMED_BAD_IMAGES} more" if len(errors) > NAMED_BAD_IMAGES else ""
-    return DataError(f"{len(errors)} files are not readable images: {named}{more}; "
-                     "replace or remove them")
+    return DataError(
+        f"{len(errors)} files are not readable images: {named}{more}; replace or remove them"
+    )
 
 
 # 16-bit grayscale PNG/TIFF (I: older Pillow, int TIFF)
@@ -93,11 +105,13 @@ def to_rgb(img):
     0..65535 and clipped there): Pillow's own convert clips at 255 and turns most of such an image
     white."""
     from PIL import Image
+
     if img.mode in SIXTEEN_BIT:
         values = np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8
         return Image.fromarray(values.astype(np.uint8)).convert("RGB")
-    return (img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA")
-            else img.convert("RGB"))
+    return (
+        img.convert("RGBA").convert("RGB") if img.mode in ("P", "PA", "LA") else img.convert("RGB")
+    )
 
 
 @dataclass(frozen=True)
@@ -106,22 +120,30 @@ class Decode:
     size / crop_pct (timm's eval transform: floor(size / crop_pct)) and the centre cropped, or
     (`whole`) the whole image squashed to size x size, the RandomResizedCrop store (crops.py). A
     bare int where one is asked: Decode(int)."""
+
     size: int
     crop_pct: float = 1.0
     whole: bool = False
 
     def name(self) -> str:
         """Its part of a decoded cache's file name (the crop_pct 1 decode keeps the older name)."""
-        return f"{self.size}px" + ("_whole" if self.whole else "" if self.crop_pct == 1
-                                   else f"_crop{self.crop_pct:g}")
+        return f"{self.size}px" + (
+            "_whole" if self.whole else "" if self.crop_pct == 1 else f"_crop{self.crop_pct:g}"
+        )
 
 
 def as_decode(size) -> Decode:
     return size if isinstance(size, Decode) else Decode(int(size))
 
 
-def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: list | None = None,
-                 channels_last: bool = False) -> torch.Tensor:
+def decode_image(
+    path,
+    size,
+    crop_pct: float = 1.0,
+    whole: bool = False,
+    small: list | None = None,
+    channels_last: bool = False,
+) -> torch.Tensor:
     """An image file (any mode Pillow reads) -> 3 x size x size uint8: turned upright as its EXIF
     orientation says (phone photos), RGB, shorter side resized to floor(size / crop_pct) (bilinear,
     antialiased), centre crop; or (`whole`) the whole image resized to size x size. Training,
@@ -129,6 +151,7 @@ def decode_image(path, size, crop_pct: float = 1.0, whole: bool = False, small: 
     then). `channels_last`: the decoded H x W x 3 pixels seen as 3 x H x W, for a crop that is
     resized next (crops.resized_crop_each)."""
     from PIL import Image, ImageOps
+
     if isinstance(size, Decode):
         size, crop_pct, whole = size.size, size.crop_pct, size.whole
     short = size if whole else max(size, math.floor(size / crop_pct))
@@ -187,13 +210,15 @@ def squash(img, size: int) -> torch.Tensor:
     resize, from its own buffer, where squash_kernel says so or the image is large (no copies of
     its full-size pixels)."""
     from PIL import Image
+
     w, h = img.size
     if (w, h) != (size, size) and (squash_kernel() != "torch" or w * h > SQUASH_PIXELS * size**2):
         img = img.resize((size, size), Image.BILINEAR)
     image = torch.from_numpy(np.array(img, dtype=np.uint8))[None].permute(0, 3, 1, 2)
     if image.shape[-2:] != (size, size):
-        image = torch.nn.functional.interpolate(image, size=(size, size), mode="bilinear",
-                                                antialias=True, align_corners=False)
+        image = torch.nn.functional.interpolate(
+            image, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        )
     return image[0]
 
 
@@ -202,8 +227,9 @@ def never() -> str | None:
     return None
 
 
-def decode_all(files: list[Path], size, say_small: bool = False,
-               should_stop: Callable[[], str | None] = never) -> tuple[torch.Tensor, float]:
+def decode_all(
+    files: list[Path], size, say_small: bool = False, should_stop: Callable[[], str | None] = never
+) -> tuple[torch.Tensor, float]:
     """Decode every file once (a thread pool: Pillow releases the GIL) -> (N x 3 x size x size
     uint8, images/s); `size`: an int or a Decode. `should_stop` names a stop that the caller
     received meanwhile (the trainer's: a stop signal), or None: a name ends the decode at once,
@@ -238,9 +264,11 @@ def native_size(files: list[Path], limit: int = SIZE_SAMPLE) -> int | None:
     only, no decoding; the same files on every rank). None if none is readable (the decode or check
     names them)."""
     from PIL import Image
+
     sides = []
-    for i in (np.linspace(0, len(files) - 1, min(limit, len(files))).round().astype(int)
-              if files else ()):
+    for i in (
+        np.linspace(0, len(files) - 1, min(limit, len(files))).round().astype(int) if files else ()
+    ):
         try:
             with Image.open(files[i]) as img:
                 sides.append(min(img.size))
@@ -257,6 +285,7 @@ def check_images(files: list[Path], size=None) -> torch.Tensor:
     float64, what RandomResizedCrop needs (crops.py). `size` (an int or a Decode): the size they are
     decoded at, for note_small."""
     from PIL import Image
+
     small = []
 
     def one(path):
@@ -297,7 +326,8 @@ def note_small(small: list[tuple], n: int, size) -> None:
             f"{counted(len(small), 'image')} of {n} are far smaller than the {side} px they are "
             f"decoded at (shorter side under {side / SMALL:g} px; the smallest: {path}, {w}x{h}): "
             "upscaled, with little detail to learn from; remove them, or pass a smaller "
-            "--image_size")
+            "--image_size"
+        )
 
 
 def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -305,9 +335,10 @@ def channel_stats(images) -> tuple[tuple[float, ...], tuple[float, ...]]:
     cache's mapped array: the same sums in the same order, the same numbers)."""
     total, squares = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     for start in range(0, len(images), 256):
-        chunk = images[start:start + 256]
-        c = (chunk if isinstance(chunk, torch.Tensor)
-             else torch.from_numpy(np.array(chunk))).double()
+        chunk = images[start : start + 256]
+        c = (
+            chunk if isinstance(chunk, torch.Tensor) else torch.from_numpy(np.array(chunk))
+        ).double()
         total += c.sum((0, 2, 3))
         squares += (c * c).sum((0, 2, 3))
     n = int(np.prod(images.shape)) / 3

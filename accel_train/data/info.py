@@ -28,6 +28,7 @@ class DataError(ConfigError):
 @dataclass(frozen=True)
 class DataInfo:
     """The facts of a data set that the model, the export, evaluate and predict share."""
+
     name: str
     classes: tuple[str, ...]
     # None: unknown (your own Dataset's, not seen in its transform)
@@ -54,14 +55,28 @@ class DataInfo:
         (timm.data.resolve_data_config(pretrained_cfg= ...): input size, mean/std, bilinear,
         crop_pct = the shorter side resized to image_size / crop_pct, centre crop); none where the
         mean/std are unknown (your own Dataset's)."""
-        data = {"input_size": [3, self.image_size, self.image_size], "interpolation": "bilinear",
-                "mean": listed(self.mean), "std": listed(self.std), "crop_pct": self.crop_pct,
-                "crop_mode": "center"}
-        timm_cfg = ({"pretrained_cfg": {**data, "num_classes": self.num_classes}}
-                    if self.mean is not None else {})
-        return {"data": self.name, **({"dataset": self.dataset} if self.dataset else {}),
-                "num_classes": self.num_classes, **data, "classes": list(self.classes),
-                "resize": "shorter side, then centre crop", **timm_cfg}
+        data = {
+            "input_size": [3, self.image_size, self.image_size],
+            "interpolation": "bilinear",
+            "mean": listed(self.mean),
+            "std": listed(self.std),
+            "crop_pct": self.crop_pct,
+            "crop_mode": "center",
+        }
+        timm_cfg = (
+            {"pretrained_cfg": {**data, "num_classes": self.num_classes}}
+            if self.mean is not None
+            else {}
+        )
+        return {
+            "data": self.name,
+            **({"dataset": self.dataset} if self.dataset else {}),
+            "num_classes": self.num_classes,
+            **data,
+            "classes": list(self.classes),
+            "resize": "shorter side, then centre crop",
+            **timm_cfg,
+        }
 
     @classmethod
     def from_model_config(cls, meta: dict, mean=None, std=None) -> "DataInfo":
@@ -70,13 +85,21 @@ class DataInfo:
         scaled at random."""
         mean, std = mean or meta.get("mean"), std or meta.get("std")
         if mean is None or std is None:
-            raise ConfigError(f"the model was trained on your own Dataset "
-                              f"({meta.get('dataset', 'train()')}) whose normalisation was not "
-                              "recorded; pass --mean R,G,B --std R,G,B (what its transform "
-                              "applied to [0, 1] images)")
-        return cls(meta.get("data", "cifar10"), tuple(meta["classes"]), tuple(mean), tuple(std),
-                   int(meta["input_size"][-1]), float(meta.get("crop_pct", 1.0)),
-                   meta.get("dataset"))
+            raise ConfigError(
+                "the model was trained on your own Dataset "
+                f"({meta.get('dataset', 'train()')}) whose normalisation was not "
+                "recorded; pass --mean R,G,B --std R,G,B (what its transform "
+                "applied to [0, 1] images)"
+            )
+        return cls(
+            meta.get("data", "cifar10"),
+            tuple(meta["classes"]),
+            tuple(mean),
+            tuple(std),
+            int(meta["input_size"][-1]),
+            float(meta.get("crop_pct", 1.0)),
+            meta.get("dataset"),
+        )
 
 
 def listed(values) -> list | None:
@@ -84,6 +107,10 @@ def listed(values) -> list | None:
 
 
 # CIFAR-10: channel statistics computed on the 50,000 training images; random data borrows them.
-CIFAR10 = DataInfo("cifar10", ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
-                               "horse", "ship", "truck"),
-                   (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 32)
+CIFAR10 = DataInfo(
+    "cifar10",
+    ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+    (0.4914, 0.4822, 0.4465),
+    (0.2470, 0.2435, 0.2616),
+    32,
+)

@@ -47,8 +47,9 @@ class IndexDataset(Dataset):
     here on the CPU (crops.rrc_boxes: the cpu pipeline's float64 math) for the device to resample
     (bilinear: no host sync there). `aspects`: the images' width / height."""
 
-    def __init__(self, n: int, augment: TrainAugment | None = None,
-                 aspects: torch.Tensor | None = None):
+    def __init__(
+        self, n: int, augment: TrainAugment | None = None, aspects: torch.Tensor | None = None
+    ):
         self.n, self.augment, self.aspects, self.epoch = n, augment, aspects, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -88,10 +89,19 @@ class TransformDataset(Dataset):
     TrainAugment (crop, flip, timm's per-sample transforms), or None for none.
     """
 
-    def __init__(self, split: Split, size: int, augment: TrainAugment | None = None,
-                 memory_format=torch.contiguous_format):
+    def __init__(
+        self,
+        split: Split,
+        size: int,
+        augment: TrainAugment | None = None,
+        memory_format=torch.contiguous_format,
+    ):
         self.split, self.size, self.augment, self.memory_format = (
-            split, size, augment, memory_format)
+            split,
+            size,
+            augment,
+            memory_format,
+        )
         self._epoch = torch.zeros((), dtype=torch.long).share_memory_()
         # the decoded cache, mapped in each process on first use (never pickled)
         self._mapped = None
@@ -117,13 +127,15 @@ class TransformDataset(Dataset):
             mapped = open_cache(s.cache, len(s), s.decode or self.size) if s.cache else None
             self._mapped = False if mapped is None else mapped  # (False: decode)
             if s.cache and self._mapped is False:  # (its writer said why on its own rank)
-                logger.warning(f"the decoded cache {s.cache} cannot be read here: "
-                               "decoding per sample")
+                logger.warning(
+                    f"the decoded cache {s.cache} cannot be read here: decoding per sample"
+                )
         if self._mapped is not False:
             return as_images(self._mapped[np.asarray(indices)])
         # (as decoded, H x W x 3: channels-last, as the cache's rows, for the crop's uint8 resize)
-        decoded = [decode_image(s.files[i], s.decode or self.size, channels_last=True)
-                   for i in indices]
+        decoded = [
+            decode_image(s.files[i], s.decode or self.size, channels_last=True) for i in indices
+        ]
         return torch.stack([image.permute(1, 2, 0) for image in decoded]).permute(0, 3, 1, 2)
 
     def __getitems__(self, indices):
@@ -131,8 +143,9 @@ class TransformDataset(Dataset):
         idx = torch.as_tensor(indices, dtype=torch.long)
         out = _batch_zeros((len(idx), 3, self.size, self.size), self.memory_format)
         if self.augment is not None:
-            self.augment.crop_batch(images, idx, self.epoch, self.split.aspects, out=out,
-                                    per_image=True)
+            self.augment.crop_batch(
+                images, idx, self.epoch, self.split.aspects, out=out, per_image=True
+            )
             if self.augment.per_sample is not None:
                 self.augment.per_sample(out, idx, self.epoch, self.augment.seed)
         else:
@@ -155,7 +168,8 @@ def _batch_zeros(shape, memory_format) -> torch.Tensor:
         out = torch.zeros(dims, dtype=torch.uint8)
     else:
         out = torch.empty(0, dtype=torch.uint8).set_(
-            torch.UntypedStorage._new_shared(math.prod(dims)), 0, dims)
+            torch.UntypedStorage._new_shared(math.prod(dims)), 0, dims
+        )
     return out.permute(0, 3, 1, 2) if memory_format == torch.channels_last else out
 
 
@@ -172,11 +186,17 @@ class Finish:
         self.rows = {}  # (width, device) -> the constants of one NHWC row, made once
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        scale, shift = (self.normalize.scale.to(images.device),
-                        self.normalize.shift.to(images.device))
+        scale, shift = (
+            self.normalize.scale.to(images.device),
+            self.normalize.shift.to(images.device),
+        )
         if self.memory_format != torch.channels_last:
-            return (torch.empty(images.shape, device=images.device).copy_(images)
-                    .mul_(scale).add_(shift))
+            return (
+                torch.empty(images.shape, device=images.device)
+                .copy_(images)
+                .mul_(scale)
+                .add_(shift)
+            )
         # (no copy when the workers made it channels_last)
         nhwc = images.permute(0, 2, 3, 1).contiguous()
         n, h, w, c = nhwc.shape
@@ -222,14 +242,23 @@ class Data:
 
     def describe(self) -> str:
         name = f"your Dataset {self.info.dataset}" if self.info.dataset else self.info.name
-        return (f"data {name}: {counted(self.info.num_classes, 'class')} at "
-                f"{self.info.image_size}x{self.info.image_size}; pipeline {self.pipeline}: "
-                + "; ".join(self.notes))
+        return (
+            f"data {name}: {counted(self.info.num_classes, 'class')} at "
+            f"{self.info.image_size}x{self.info.image_size}; pipeline {self.pipeline}: "
+            + "; ".join(self.notes)
+        )
 
 
-def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = None,
-               eval_only: bool = False, budget: int | None = None, processes: int = 1,
-               should_stop=never) -> Data:
+def build_data(
+    cfg: TrainConfig,
+    device,
+    splits=None,
+    info: DataInfo | None = None,
+    eval_only: bool = False,
+    budget: int | None = None,
+    processes: int = 1,
+    should_stop=never,
+) -> Data:
     """The loaders. `splits` ({'train'|'test': (uint8 images, labels)}) replaces reading from disk
     (tests); `budget`: bytes the device pipeline may use (rank 0's measure under several ranks, see
     device_budget); `processes`: the ranks the training set is sharded over (an automatic
@@ -239,32 +268,39 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
         info, splits, pipeline, notes = load_data(cfg, device, info, eval_only, budget, should_stop)
     else:
         splits = {k: Split(y, images=x) for k, (x, y) in splits.items()}
-        info, pipeline, notes = (info or CIFAR10,
-                                 ("cpu" if cfg.pipeline in ("cpu", "cache") or per_sample(cfg)
-                                  else "device"),
-                                 "given tensors")
+        info, pipeline, notes = (
+            info or CIFAR10,
+            ("cpu" if cfg.pipeline in ("cpu", "cache") or per_sample(cfg) else "device"),
+            "given tensors",
+        )
     notes = notes if isinstance(notes, list) else [notes]
     train, test = splits.get("train"), splits["test"]
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
     normalize = Normalize(device, info.mean, info.std)
     augment = plan(cfg, info)
     if pipeline == "device":
-        train_x, train_y = ((train.images.to(device), train.labels.to(device)) if train is not None
-                            else (None, None))
+        train_x, train_y = (
+            (train.images.to(device), train.labels.to(device))
+            if train is not None
+            else (None, None)
+        )
         test_x, test_y = test.images.to(device), test.labels.to(device)
         train_aspects = train.aspects if train is not None else None
 
         def inputs(batch, train, epoch=0):
-            idx, boxes = ((batch[0], batch[1:]) if isinstance(batch, (tuple, list))
-                          else (batch, None))
+            idx, boxes = (
+                (batch[0], batch[1:]) if isinstance(batch, (tuple, list)) else (batch, None)
+            )
             images = (train_x if train else test_x)[idx]
             # (the crops made by IndexDataset on the CPU)
             if train and augment is not None and augment.resized:
                 images = augment.crop_batch(images, idx, epoch, train_aspects, boxes=boxes or None)
             elif train and augment is not None:
-                images = crop_flip(images,
-                                   *crop_flip_params(idx, epoch, cfg.seed, info.pad, cfg.hflip),
-                                   pad=info.pad)
+                images = crop_flip(
+                    images,
+                    *crop_flip_params(idx, epoch, cfg.seed, info.pad, cfg.hflip),
+                    pad=info.pad,
+                )
             x = normalize(images).contiguous(memory_format=memory_format)
             return x, (train_y if train else test_y)[idx]
 
@@ -278,17 +314,31 @@ def build_data(cfg: TrainConfig, device, splits=None, info: DataInfo | None = No
             x, y = batch
             return finish(x), y
 
-        train_ds = (TransformDataset(train, info.image_size, augment, memory_format)
-                    if train is not None else None)
+        train_ds = (
+            TransformDataset(train, info.image_size, augment, memory_format)
+            if train is not None
+            else None
+        )
         test_ds = TransformDataset(test, info.image_size, None, memory_format)
         workers, why = worker_count(cfg)
         notes.append(why)
 
-    batch = cfg.batch_size or (BATCH_SIZE if train is None
-                               else auto_batch(len(train), processes * cfg.grad_accum))
+    batch = cfg.batch_size or (
+        BATCH_SIZE if train is None else auto_batch(len(train), processes * cfg.grad_accum)
+    )
     common = dict(batch_size=batch, collate_fn=_identity, **loader_kwargs(cfg, device, workers))
-    train_loader = (DataLoader(train_ds, shuffle=True, drop_last=True, **common)
-                    if train is not None else None)
+    train_loader = (
+        DataLoader(train_ds, shuffle=True, drop_last=True, **common) if train is not None else None
+    )
     test_loader = DataLoader(test_ds, shuffle=False, drop_last=False, **common)
-    return Data(train_loader, test_loader, inputs, len(train) if train is not None else 0,
-                len(test), info, pipeline, notes, normalize)
+    return Data(
+        train_loader,
+        test_loader,
+        inputs,
+        len(train) if train is not None else 0,
+        len(test),
+        info,
+        pipeline,
+        notes,
+        normalize,
+    )

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def random_data(train_samples: int, test_samples: int, seed: int, size: int = 32,
-                num_classes: int = 10, splits=("train", "test")
-                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def random_data(
+    train_samples: int,
+    test_samples: int,
+    seed: int,
+    size: int = 32,
+    num_classes: int = 10,
+    splits=("train", "test"),
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Uniform random uint8 images and labels, the same for the same seed on every rank."""
     out = {}
     for i, (split, n) in enumerate((("train", train_samples), ("test", test_samples))):

@@ -53,8 +53,16 @@ class SampleTransforms:
     on the normalised image: here the uint8 image is normalised, erased, and returned to uint8 (the
     noise clipped to 0..255). Built in each process on first use (not pickled)."""
 
-    def __init__(self, size: int, color_jitter: float, aa: str | None, reprob: float, mean, std,
-                 interpolation: str = "bilinear"):
+    def __init__(
+        self,
+        size: int,
+        color_jitter: float,
+        aa: str | None,
+        reprob: float,
+        mean,
+        std,
+        interpolation: str = "bilinear",
+    ):
         self.size, self.color_jitter, self.aa, self.reprob = size, color_jitter, aa, reprob
         self.mean, self.std, self.interpolation = tuple(mean), tuple(std), interpolation
         self._built = None
@@ -64,24 +72,34 @@ class SampleTransforms:
 
     def build(self):
         from timm.data.transforms_factory import transforms_imagenet_train
+
         trivial = self.aa == TRIVIAL
         _, secondary, final = transforms_imagenet_train(
-            self.size, auto_augment=None if trivial else self.aa,
+            self.size,
+            auto_augment=None if trivial else self.aa,
             color_jitter=None if trivial else self.color_jitter or None,
-            interpolation=self.interpolation, mean=self.mean, std=self.std,
-            re_prob=self.reprob, re_mode="pixel", separate=True)
+            interpolation=self.interpolation,
+            mean=self.mean,
+            std=self.std,
+            re_prob=self.reprob,
+            re_mode="pixel",
+            separate=True,
+        )
         if trivial:
             from torchvision.transforms import InterpolationMode, TrivialAugmentWide
+
             # (one mode: torchvision's)
             mode = "bilinear" if self.interpolation == "random" else self.interpolation
             secondary.transforms.append(TrivialAugmentWide(interpolation=InterpolationMode(mode)))
         erase = final.transforms[-1] if self.reprob > 0 else None
         return secondary if secondary.transforms else None, erase
 
-    def __call__(self, images: torch.Tensor, idx: torch.Tensor, epoch: int, seed: int
-                 ) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, idx: torch.Tensor, epoch: int, seed: int
+    ) -> torch.Tensor:
         """uint8 (N, 3, S, S) images of samples `idx` (epoch `epoch`), transformed in place."""
         from PIL import Image
+
         if self._built is None:
             self._built = self.build()
         pil, erase = self._built
@@ -104,6 +122,7 @@ class SampleTransforms:
 class TrainAugment:
     """The run's training augmentation (see the module's text). `pad`: the pad crop's padding;
     `per_sample`: timm's transforms, or None."""
+
     seed: int
     hflip: bool
     crop: str = "pad"  # 'pad' | 'random_resized'
@@ -118,19 +137,30 @@ class TrainAugment:
     def resized(self) -> bool:
         return self.crop == "random_resized"
 
-    def boxes(self, idx: torch.Tensor, epoch: int, aspects: torch.Tensor | None
-              ) -> tuple[torch.Tensor, ...]:
+    def boxes(
+        self, idx: torch.Tensor, epoch: int, aspects: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
         """RandomResizedCrop's (boxes as float32 fractions, flips, bicubic) for samples `idx`, on
         the CPU (aspects: of the whole data set, width / height; None: square images; bicubic:
         --train_interpolation random's choice)."""
         idx = idx.cpu()
         a = torch.ones(len(idx), dtype=torch.float64) if aspects is None else aspects[idx]
-        return (rrc_boxes(idx, epoch, self.seed, a, self.scale, self.ratio).float(),
-                rrc_flips(idx, epoch, self.seed, self.hflip), rrc_bicubic(idx, epoch, self.seed))
+        return (
+            rrc_boxes(idx, epoch, self.seed, a, self.scale, self.ratio).float(),
+            rrc_flips(idx, epoch, self.seed, self.hflip),
+            rrc_bicubic(idx, epoch, self.seed),
+        )
 
-    def crop_batch(self, images: torch.Tensor, idx: torch.Tensor, epoch: int, aspects=None,
-                   boxes=None, out: torch.Tensor | None = None, per_image: bool = False
-                   ) -> torch.Tensor:
+    def crop_batch(
+        self,
+        images: torch.Tensor,
+        idx: torch.Tensor,
+        epoch: int,
+        aspects=None,
+        boxes=None,
+        out: torch.Tensor | None = None,
+        per_image: bool = False,
+    ) -> torch.Tensor:
         """uint8 stores (whole images, or the images themselves for 'pad') -> uint8 crops of `size`,
         into `out` (zeros of that shape, any memory format) where given. `boxes`: this batch's from
         .boxes, where already made. RandomResizedCrop: one batched resample on the images' device
@@ -142,8 +172,9 @@ class TrainAugment:
             boxes, flips, bicubic = boxes if boxes is not None else self.boxes(idx, epoch, aspects)
             if per_image or images.device.type == "cpu":
                 if out is None:  # (channels-last: the uint8 resize's own; the caller normalises)
-                    out = torch.empty((len(images), self.size, self.size, 3),
-                                      dtype=torch.uint8).permute(0, 3, 1, 2)
+                    out = torch.empty(
+                        (len(images), self.size, self.size, 3), dtype=torch.uint8
+                    ).permute(0, 3, 1, 2)
                 return resized_crop_each(images, boxes, flips, out, self.interpolation, bicubic)
             crops = resized_crop(images, boxes, flips, self.size, self.interpolation, bicubic)
             return crops if out is None else out.copy_(crops)
@@ -155,9 +186,27 @@ def plan(cfg, info, pad: int | None = None) -> TrainAugment | None:
     """The run's TrainAugment from its flags and data (None: --augment false)."""
     if not cfg.augment:
         return None
-    per_sample = (SampleTransforms(info.image_size, cfg.color_jitter, cfg.aa, cfg.reprob, info.mean,
-                                   info.std, cfg.train_interpolation)
-                  if (cfg.color_jitter or cfg.aa or cfg.reprob) else None)
-    return TrainAugment(cfg.seed, cfg.hflip, train_crop(cfg), info.image_size,
-                        info.pad if pad is None else pad, parse_pair("scale", cfg.scale, 0, 1),
-                        parse_pair("ratio", cfg.ratio, 0), cfg.train_interpolation, per_sample)
+    per_sample = (
+        SampleTransforms(
+            info.image_size,
+            cfg.color_jitter,
+            cfg.aa,
+            cfg.reprob,
+            info.mean,
+            info.std,
+            cfg.train_interpolation,
+        )
+        if (cfg.color_jitter or cfg.aa or cfg.reprob)
+        else None
+    )
+    return TrainAugment(
+        cfg.seed,
+        cfg.hflip,
+        train_crop(cfg),
+        info.image_size,
+        info.pad if pad is None else pad,
+        parse_pair("scale", cfg.scale, 0, 1),
+        parse_pair("ratio", cfg.ratio, 0),
+        cfg.train_interpolation,
+        per_sample,
+    )

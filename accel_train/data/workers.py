@@ -30,11 +30,14 @@ def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
     if workers and not _ends_workers_at_exit:
         atexit.register(end_workers)
         _ends_workers_at_exit.append(True)
-    return dict(num_workers=workers, persistent_workers=workers > 0,
-                prefetch_factor=PREFETCH if workers else None,
-                worker_init_fn=_leave_signals_to_the_trainer if workers else None,
-                multiprocessing_context=worker_context() if workers else None,
-                pin_memory=torch.device(device).type != "cpu")
+    return dict(
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=PREFETCH if workers else None,
+        worker_init_fn=_leave_signals_to_the_trainer if workers else None,
+        multiprocessing_context=worker_context() if workers else None,
+        pin_memory=torch.device(device).type != "cpu",
+    )
 
 
 # A process that exits with a loader's iterator alive (an uncaught exception in your script: its
@@ -52,6 +55,7 @@ def _leave_signals_to_the_trainer(worker_id: int) -> None:
     multiprocessing at exit) end a worker that did not stop by itself. A forked worker inherits the
     trainer's wakeup fd (survivor.py's signal watch): its signals must not reach it."""
     import signal
+
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -60,4 +64,5 @@ def _leave_signals_to_the_trainer(worker_id: int) -> None:
 
 def _end_at_the_second_sigterm(signum, frame) -> None:
     import signal
+
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

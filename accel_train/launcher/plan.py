@@ -90,12 +90,10 @@ class Plan:
         n_npu = devices.limit(n_npu, devices.visible(env, "ASCEND_RT_VISIBLE_DEVICES"))
         device, found = ("gpu", n_gpu) if n_gpu > 0 else ("npu", n_npu) if n_npu > 0 else ("cpu", 1)
         nproc = layout.nproc
-        if (
-            layout.nproc_word and not nproc
-        ):  # as torchrun: the visible devices, but one process on a CPU node
-            if (
-                layout.nproc_word == "cpu"
-            ):  # (torchrun starts one per CPU core: they would compete for the cores)
+        if layout.nproc_word and not nproc:
+            # as torchrun: the visible devices, but one process on a CPU node
+            if layout.nproc_word == "cpu":
+                # (torchrun starts one per CPU core: they would compete for the cores)
                 device, found = "cpu", 1  # a CPU job, even where GPUs are visible
             elif layout.nproc_word == "gpu" and n_gpu <= 0:
                 raise LaunchError(
@@ -157,9 +155,8 @@ class Plan:
         if port and (not options.is_uint(port) or not 1 <= int(port) <= 65535):
             raise LaunchError(f"MASTER_PORT must be a port number, got '{port}'")
         self.master_addr, self.rank0_at = layout.master_addr, ""
-        if (
-            self.nnodes > 1
-        ):  # (one machine needs no rendezvous address, and ModelArts gives it no port)
+        if self.nnodes > 1:
+            # (one machine needs no rendezvous address, and ModelArts gives it no port)
             if not self.master_addr:
                 raise LaunchError(
                     f"{self.nnodes} machines but no rank-0 host: set MASTER_ADDR (or "
@@ -214,9 +211,8 @@ class Plan:
             )
             self.launch_args += more_args
             self.env_vars.update(more_env)
-        if (
-            opts.smoke_test
-        ):  # Accelerate's test script on the same launch arguments, checked for the group size
+        if opts.smoke_test:
+            # Accelerate's test script on the same launch arguments, checked for the group size
             self.cmd = [self.python, "-m", "accel_train", "smoke", *self.launch_args]
         else:
             # `accelerate launch` itself, run by the same Python as the probes (not whichever

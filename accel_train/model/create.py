@@ -24,29 +24,41 @@ def apply_cifar_stem(model: nn.Module) -> nn.Module:
     """
     conv1, maxpool = getattr(model, "conv1", None), getattr(model, "maxpool", None)
     if not isinstance(conv1, nn.Conv2d) or maxpool is None:
-        raise ConfigError(f"--stem cifar needs a ResNet-style model with a conv1/maxpool stem; "
-                          f"{type(model).__name__} has none: use --stem imagenet")
-    model.conv1 = nn.Conv2d(conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1,
-                            padding=1, bias=False)
+        raise ConfigError(
+            "--stem cifar needs a ResNet-style model with a conv1/maxpool stem; "
+            f"{type(model).__name__} has none: use --stem imagenet"
+        )
+    model.conv1 = nn.Conv2d(
+        conv1.in_channels, conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False
+    )
     model.maxpool = nn.Identity()
     return model
 
 
-def create_model(name: str, stem: str = "cifar", num_classes: int = 10,
-                 image_size: int | None = None, factory=None, **kwargs) -> nn.Module:
+def create_model(
+    name: str,
+    stem: str = "cifar",
+    num_classes: int = 10,
+    image_size: int | None = None,
+    factory=None,
+    **kwargs,
+) -> nn.Module:
     """`num_classes`: the data set's (DataInfo.num_classes); 10 is CIFAR-10's. `image_size`: the
     run's; a model built for one size (a ViT's patch grid and position embeddings) is built for this
     one through timm's `img_size`. `name`: a timm name, or an import path module.path:callable
     (user.py), or (`factory`) a module or factory given to train() under that name."""
     if is_import_path(name) or factory is not None:
-        model = build(factory if factory is not None else import_callable(name), num_classes,
-                      kwargs, name)
+        model = build(
+            factory if factory is not None else import_callable(name), num_classes, kwargs, name
+        )
         return apply_cifar_stem(model) if stem == "cifar" else model
     if not timm.is_model(name):
         near = difflib.get_close_matches(name, timm.list_models(), n=3, cutoff=0.6)
-        raise ConfigError(f"unknown timm model {name!r}; "
-                          + (f"did you mean {', '.join(near)}? " if near else "")
-                          + "timm.list_models() lists them all, e.g. resnet18")
+        raise ConfigError(
+            f"unknown timm model {name!r}; "
+            + (f"did you mean {', '.join(near)}? " if near else "")
+            + "timm.list_models() lists them all, e.g. resnet18"
+        )
     fixed = fixed_input_size(name)
     resized = bool(image_size and fixed and fixed != image_size and "img_size" not in kwargs)
     size = {"img_size": image_size} if resized else {}
@@ -55,17 +67,24 @@ def create_model(name: str, stem: str = "cifar", num_classes: int = 10,
     except (RuntimeError, OSError) as e:
         if not kwargs.get("pretrained"):
             raise
-        raise ConfigError(f"--pretrained: timm could not load {name}'s weights "
-                          f"({' '.join(str(e).split())[:200]})") from None
+        raise ConfigError(
+            f"--pretrained: timm could not load {name}'s weights ({' '.join(str(e).split())[:200]})"
+        ) from None
     except (TypeError, ValueError, KeyError, AssertionError) as e:
         if resized:
-            why = "takes no img_size" if isinstance(e, TypeError) and "img_size" in str(e) else \
-                f"timm could not build it for {image_size} px ({e})"
-            raise ConfigError(f"{name} is built for {fixed} px and {why}; train it with "
-                              f"--image_size {fixed}, or pick a model without a fixed input size "
-                              "(e.g. resnet18)") from None
-        raise ConfigError(f"timm could not build {name!r} with {kwargs} ({e}); check "
-                          "--model_kwargs") from None
+            why = (
+                "takes no img_size"
+                if isinstance(e, TypeError) and "img_size" in str(e)
+                else f"timm could not build it for {image_size} px ({e})"
+            )
+            raise ConfigError(
+                f"{name} is built for {fixed} px and {why}; train it with "
+                f"--image_size {fixed}, or pick a model without a fixed input size "
+                "(e.g. resnet18)"
+            ) from None
+        raise ConfigError(
+            f"timm could not build {name!r} with {kwargs} ({e}); check --model_kwargs"
+        ) from None
     return apply_cifar_stem(model) if stem == "cifar" else model
 
 
@@ -74,8 +93,9 @@ def fixed_input_size(name: str) -> int | None:
     pretrained_cfg `fixed_input_size`: ViTs, Swin, ... whose patch grid is fixed at creation), else
     None."""
     cfg = timm.models.get_pretrained_cfg(name) if timm.is_model(name) else None
-    return (cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size and cfg.input_size
-            else None)
+    return (
+        cfg.input_size[-1] if cfg is not None and cfg.fixed_input_size and cfg.input_size else None
+    )
 
 
 def _names(keys: list[str], limit: int = 4) -> str:
@@ -96,18 +116,28 @@ def load_init_weights(model: nn.Module, path) -> str:
     head = getattr(model, "pretrained_cfg", {}).get("classifier") or "fc"
     head_keys = [k for k in own if k.startswith(head + ".")]
     unexpected = [k for k in weights if k not in own]
-    wrong = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in own
-             if k in weights and k not in head_keys and weights[k].shape != own[k].shape]
+    wrong = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and k not in head_keys and weights[k].shape != own[k].shape
+    ]
     if unexpected or wrong or not set(weights) & set(own):
-        detail = (f"shape mismatch {_names(wrong)}" if wrong
-                  else f"tensors the model lacks: {_names(unexpected)}")
-        raise ConfigError(f"--init_from {path} does not fit this model ({detail}); check --model, "
-                          "--stem and --model_kwargs against the run that wrote it")
+        detail = (
+            f"shape mismatch {_names(wrong)}"
+            if wrong
+            else f"tensors the model lacks: {_names(unexpected)}"
+        )
+        raise ConfigError(
+            f"--init_from {path} does not fit this model ({detail}); check --model, "
+            "--stem and --model_kwargs against the run that wrote it"
+        )
     reset = [k for k in head_keys if k in weights and weights[k].shape != own[k].shape]
     if reset and not hasattr(model, "reset_classifier"):
-        raise ConfigError(f"--init_from {path}: its classifier {_names(reset)} has another class "
-                          f"count, and {type(model).__name__} has no reset_classifier() to make a "
-                          "new one; train on the same classes")
+        raise ConfigError(
+            f"--init_from {path}: its classifier {_names(reset)} has another class "
+            f"count, and {type(model).__name__} has no reset_classifier() to make a "
+            "new one; train on the same classes"
+        )
     if reset:
         model.reset_classifier(model.num_classes)  # a fresh head of the data set's class count
         own = model.state_dict()
@@ -116,8 +146,10 @@ def load_init_weights(model: nn.Module, path) -> str:
     model.load_state_dict({**own, **loaded})
     line = f"--init_from {path}: loaded {len(loaded)} tensors"
     if reset:
-        line += (f"; re-initialised {_names(reset)} ({weights[reset[0]].shape[0]} classes in the "
-                 f"file, {model.num_classes} here)")
+        line += (
+            f"; re-initialised {_names(reset)} ({weights[reset[0]].shape[0]} classes in the "
+            f"file, {model.num_classes} here)"
+        )
     return line + (f"; missing (kept at init) {_names(missing)}" if missing else "; none missing")
 
 
@@ -131,34 +163,48 @@ def read_weights(path: Path) -> dict:
     prepared model's prefixes."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
     if not path.is_file():
-        raise ConfigError(f"--init_from {path}: no such file; pass a model.safetensors (an earlier "
-                          "run's export or timm weights on disk), a .pth state dict, or a folder "
-                          "holding a model.safetensors")
+        raise ConfigError(
+            f"--init_from {path}: no such file; pass a model.safetensors (an earlier "
+            "run's export or timm weights on disk), a .pth state dict, or a folder "
+            "holding a model.safetensors"
+        )
     if path.suffix in TORCH_SUFFIXES:
         try:
             weights = torch.load(path, map_location="cpu", weights_only=True)
         # pickle, zipfile and torch raise their own kinds; a pickled object is refused
         except Exception as e:
-            raise ConfigError(f"--init_from {path} does not load as a state dict of tensors with "
-                              f"weights_only=True ({' '.join(str(e).split())[:160]}); save "
-                              "model.state_dict() with torch.save") from None
+            raise ConfigError(
+                f"--init_from {path} does not load as a state dict of tensors with "
+                f"weights_only=True ({' '.join(str(e).split())[:160]}); save "
+                "model.state_dict() with torch.save"
+            ) from None
         for key in ("state_dict", "model", "state_dict_ema"):
-            weights = (weights[key]
-                       if isinstance(weights, dict) and isinstance(weights.get(key), dict)
-                       else weights)
-        tensors = ({k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
-                   if isinstance(weights, dict) else {})
+            weights = (
+                weights[key]
+                if isinstance(weights, dict) and isinstance(weights.get(key), dict)
+                else weights
+            )
+        tensors = (
+            {k: v for k, v in weights.items() if isinstance(v, torch.Tensor)}
+            if isinstance(weights, dict)
+            else {}
+        )
         if not tensors:
-            raise ConfigError(f"--init_from {path} holds no tensors by name; save "
-                              "model.state_dict() with torch.save")
+            raise ConfigError(
+                f"--init_from {path} holds no tensors by name; save "
+                "model.state_dict() with torch.save"
+            )
         return plain_state_dict(tensors)
     try:
         return plain_state_dict(load_file(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"--init_from {path} is not a safetensors file "
-                          f"({str(e).splitlines()[0][:120]}); pass a {MODEL_FILE} or a .pth state "
-                          "dict") from None
+        raise ConfigError(
+            f"--init_from {path} is not a safetensors file "
+            f"({str(e).splitlines()[0][:120]}); pass a {MODEL_FILE} or a .pth state "
+            "dict"
+        ) from None
 
 
 def weights_file(path) -> Path:
@@ -204,6 +250,7 @@ def init_stem(path) -> str | None:
 def init_facts(path) -> dict:
     """The model_config.json beside the --init_from weights ({} if none or unreadable)."""
     import json
+
     beside = weights_file(path).parent / MODEL_CONFIG_FILE
     try:
         facts = json.loads(beside.read_text()) if beside.is_file() else {}
@@ -219,14 +266,17 @@ def init_model_code(cfg) -> str | None:
     import json
 
     from .own_model import allow_import
+
     arch = init_facts(cfg.init_from).get("architecture")
     if not is_import_path(arch) or is_import_path(cfg.model):
         return None
     allow_import(arch, cfg.trust_model_code, None, f"--init_from {cfg.init_from}")
     kwargs = init_facts(cfg.init_from).get("model_kwargs") or {}
     cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(kwargs)
-    return (f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were "
-            "trained (--trust_model_code)")
+    return (
+        f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were "
+        "trained (--trust_model_code)"
+    )
 
 
 def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | None, str]:
@@ -237,6 +287,7 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
     import json
 
     from safetensors import safe_open
+
     path = weights_file(path)
     beside = path.parent / MODEL_CONFIG_FILE
     try:
@@ -246,8 +297,11 @@ def init_normalisation(path, model_name: str) -> tuple[tuple | None, tuple | Non
         with safe_open(str(path), "pt") as f:
             header = f.metadata() or {}
         if json.loads(header.get("mean", "null")) and json.loads(header.get("std", "null")):
-            return (tuple(json.loads(header["mean"])), tuple(json.loads(header["std"])),
-                    f"{path}'s metadata")
+            return (
+                tuple(json.loads(header["mean"])),
+                tuple(json.loads(header["std"])),
+                f"{path}'s metadata",
+            )
     except Exception:  # not readable here: load_init_weights names the problem
         return None, None, "unreadable"
     cfg = timm.models.get_pretrained_cfg(model_name)
@@ -269,5 +323,8 @@ def bare_model(accelerator, model) -> torch.nn.Module:
 def wrappers(model) -> str:
     """The wrapping order prepare() produced, e.g. "OptimizedModule(DDP wrapper(ResNet))"."""
     inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-    return (f"{type(model).__name__}({wrappers(inner)})" if isinstance(inner, torch.nn.Module)
-            else type(model).__name__)
+    return (
+        f"{type(model).__name__}({wrappers(inner)})"
+        if isinstance(inner, torch.nn.Module)
+        else type(model).__name__
+    )

@@ -28,10 +28,13 @@ def frozen_norm_class(cls: type) -> type:
     fixed); the state dict, the forward and the class's own extras (timm's BatchNormAct2d
     activation) are the class's."""
     if cls not in _FROZEN_CLASSES:
+
         def train(self, mode: bool = True):
             return cls.train(self, False)
-        _FROZEN_CLASSES[cls] = type(f"Frozen{cls.__name__}", (cls,),
-                                    {"train": train, "__module__": cls.__module__})
+
+        _FROZEN_CLASSES[cls] = type(
+            f"Frozen{cls.__name__}", (cls,), {"train": train, "__module__": cls.__module__}
+        )
     return _FROZEN_CLASSES[cls]
 
 
@@ -41,22 +44,28 @@ def frozen_names(model: nn.Module, spec: str) -> list[str]:
     if spec == BACKBONE:
         head = model.get_classifier() if callable(getattr(model, "get_classifier", None)) else None
         if not isinstance(head, nn.Module) or not any(True for _ in head.parameters()):
-            raise ConfigError(f"--freeze backbone needs the model's classifier (timm's "
-                              f"get_classifier()); {type(model).__name__} names none: pass "
-                              "--freeze with the last module to freeze (one of "
-                              f"{_children(model)})")
+            raise ConfigError(
+                "--freeze backbone needs the model's classifier (timm's "
+                f"get_classifier()); {type(model).__name__} names none: pass "
+                "--freeze with the last module to freeze (one of "
+                f"{_children(model)})"
+            )
         keep = {id(p) for p in head.parameters()}
         return [n for n, p in model.named_parameters() if id(p) not in keep]
     inside = [i for i, n in enumerate(names) if n.startswith(spec + ".")]
     if not inside:
-        raise ConfigError(f"--freeze {spec}: {type(model).__name__} has no module {spec!r} with "
-                          "parameters; pass 'backbone' or a module name such as "
-                          f"{_children(model)}")
+        raise ConfigError(
+            f"--freeze {spec}: {type(model).__name__} has no module {spec!r} with "
+            "parameters; pass 'backbone' or a module name such as "
+            f"{_children(model)}"
+        )
     if inside[-1] == len(names) - 1:
-        raise ConfigError(f"--freeze {spec} would freeze every parameter (it holds the last ones, "
-                          "the classifier's); name an earlier module, or --freeze backbone for a "
-                          "linear probe")
-    return names[:inside[-1] + 1]
+        raise ConfigError(
+            f"--freeze {spec} would freeze every parameter (it holds the last ones, "
+            "the classifier's); name an earlier module, or --freeze backbone for a "
+            "linear probe"
+        )
+    return names[: inside[-1] + 1]
 
 
 def freeze(model: nn.Module, spec: str) -> str:
@@ -69,17 +78,23 @@ def freeze(model: nn.Module, spec: str) -> str:
     norms = 0
     for module in model.modules():
         own = list(module.parameters(recurse=False))
-        if (isinstance(module, nn.modules.batchnorm._BatchNorm) and own
-                and not any(p.requires_grad for p in own)):
+        if (
+            isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and own
+            and not any(p.requires_grad for p in own)
+        ):
             module.__class__ = frozen_norm_class(type(module))
             norms += 1
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return (f"--freeze {spec}: {len(names)} of {len(params)} parameter tensors frozen ({norms} "
-            f"BatchNorm layers with their running statistics); {trained:,} of {total:,} weights "
-            "train")
+    return (
+        f"--freeze {spec}: {len(names)} of {len(params)} parameter tensors frozen ({norms} "
+        f"BatchNorm layers with their running statistics); {trained:,} of {total:,} weights "
+        "train"
+    )
 
 
 def _children(model: nn.Module) -> str:
-    return ", ".join(n for n, m in model.named_children()
-                     if any(True for _ in m.parameters()))[:200]
+    return ", ".join(n for n, m in model.named_children() if any(True for _ in m.parameters()))[
+        :200
+    ]

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 class Given:
     """What a script passed to `accel_train.train()`: a module or a factory (None: --model), its own
     Datasets (None: --data) and, optionally, the class names (or count) of those."""
+
     model: object = None
     train_set: object = None
     test_set: object = None
@@ -85,8 +86,13 @@ def search_code_dir(folder: str | None) -> None:
 def same_callable(named: str | None, recorded: str | None) -> bool:
     """`--model mod:f` names the model that model_config.json records as `__main__:f` (written by
     an earlier accel_train from a script run as __main__)."""
-    return bool(named and recorded and recorded.startswith("__main__:") and is_import_path(named)
-                and named.partition(":")[2] == recorded.partition(":")[2])
+    return bool(
+        named
+        and recorded
+        and recorded.startswith("__main__:")
+        and is_import_path(named)
+        and named.partition(":")[2] == recorded.partition(":")[2]
+    )
 
 
 def code_digest(name, model: nn.Module | None = None) -> str | None:
@@ -101,10 +107,11 @@ def code_digest(name, model: nn.Module | None = None) -> str | None:
         modules |= {sys.modules.get(c.__module__) for m in model.modules() for c in type(m).__mro__}
     # one level: what your own files import
     for mod in [m for m in modules if m is not None and is_local(m)]:
-        modules |= {v if inspect.ismodule(v)
-                    else sys.modules.get(getattr(v, "__module__", None) or "")
-                    for v in vars(mod).values()
-                    if inspect.ismodule(v) or inspect.isfunction(v) or inspect.isclass(v)}
+        modules |= {
+            v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", None) or "")
+            for v in vars(mod).values()
+            if inspect.ismodule(v) or inspect.isfunction(v) or inspect.isclass(v)
+        }
     digest, read = hashlib.sha256(), False
     for mod in sorted((m for m in modules if m is not None), key=lambda m: m.__name__):
         try:
@@ -119,8 +126,9 @@ def is_local(module) -> bool:
     """A module of your own files: not the standard library's or an installed package's."""
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     path = getattr(module, "__file__", None)
-    return bool(path) and not any(os.path.abspath(path).startswith(os.path.abspath(p) + os.sep)
-                                  for p in installed)
+    return bool(path) and not any(
+        os.path.abspath(path).startswith(os.path.abspath(p) + os.sep) for p in installed
+    )
 
 
 def structure_digest(model: nn.Module) -> str:
@@ -141,37 +149,56 @@ def import_callable(path: str):
     `python -m` does (and `accelerate launch -m` / launch.sh on every rank), then PYTHONPATH and the
     installed packages."""
     module_name, _, attr = path.partition(":")
-    if not module_name or not attr or not all(part.isidentifier()
-                                              for part in (*module_name.split("."), attr)):
-        raise ConfigError(f"--model {path!r} is neither a timm name nor an import path "
-                          "module.path:callable (e.g. my_models:build)")
+    if (
+        not module_name
+        or not attr
+        or not all(part.isidentifier() for part in (*module_name.split("."), attr))
+    ):
+        raise ConfigError(
+            f"--model {path!r} is neither a timm name nor an import path "
+            "module.path:callable (e.g. my_models:build)"
+        )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            searched = [os.getcwd(),
-                        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-            raise ConfigError(f"--model {path}: no module named {e.name!r} (searched the working "
-                              f"directory and PYTHONPATH: {', '.join(dict.fromkeys(searched))}, "
-                              "then the installed packages); run from the folder that holds it or "
-                              "add that folder to PYTHONPATH") from None
-        raise ConfigError(f"--model {path}: importing {module_name} failed "
-                          f"({one_line(e)})") from None
+            searched = [
+                os.getcwd(),
+                *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+            ]
+            raise ConfigError(
+                f"--model {path}: no module named {e.name!r} (searched the working "
+                f"directory and PYTHONPATH: {', '.join(dict.fromkeys(searched))}, "
+                "then the installed packages); run from the folder that holds it or "
+                "add that folder to PYTHONPATH"
+            ) from None
+        raise ConfigError(
+            f"--model {path}: importing {module_name} failed ({one_line(e)})"
+        ) from None
     except Exception as e:  # the module's own code raised (a SyntaxError too)
-        raise ConfigError(f"--model {path}: importing {module_name} failed "
-                          f"({one_line(e)})") from None
+        raise ConfigError(
+            f"--model {path}: importing {module_name} failed ({one_line(e)})"
+        ) from None
     factory = getattr(module, attr, None)
     if factory is None:
-        have = sorted(k for k, v in vars(module).items()  # what the module itself defines
-                      if callable(v) and not k.startswith("_")
-                      and getattr(v, "__module__", None) == module_name)[:8]
-        raise ConfigError(f"--model {path}: {module_name} ({getattr(module, '__file__', '?')}) has "
-                          f"no {attr!r}" + (f"; it has {', '.join(have)}" if have else ""))
+        have = sorted(
+            k
+            for k, v in vars(module).items()  # what the module itself defines
+            if callable(v)
+            and not k.startswith("_")
+            and getattr(v, "__module__", None) == module_name
+        )[:8]
+        raise ConfigError(
+            f"--model {path}: {module_name} ({getattr(module, '__file__', '?')}) has no {attr!r}"
+            + (f"; it has {', '.join(have)}" if have else "")
+        )
     if not callable(factory):
-        raise ConfigError(f"--model {path}: {attr} is a {type(factory).__name__}, not a callable "
-                          "that returns an nn.Module")
+        raise ConfigError(
+            f"--model {path}: {attr} is a {type(factory).__name__}, not a callable "
+            "that returns an nn.Module"
+        )
     return factory
 
 
@@ -184,16 +211,22 @@ def build(factory, num_classes: int, kwargs: dict, name: str) -> nn.Module:
         try:
             model = factory(num_classes=num_classes, **kwargs)
         except Exception as e:
-            call = ", ".join([f"num_classes={num_classes}",
-                              *(f"{k}={v!r}" for k, v in kwargs.items())])
-            raise ConfigError(f"--model {name}: {name.split(':')[-1]}({call}) raised {one_line(e)}"
-                              + ("; check --model_kwargs" if kwargs else "")) from None
+            call = ", ".join(
+                [f"num_classes={num_classes}", *(f"{k}={v!r}" for k, v in kwargs.items())]
+            )
+            raise ConfigError(
+                f"--model {name}: {name.split(':')[-1]}({call}) raised {one_line(e)}"
+                + ("; check --model_kwargs" if kwargs else "")
+            ) from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch "
-                          "nn.Module")
+        raise ConfigError(
+            f"--model {name} returned a {type(model).__name__}, not a torch nn.Module"
+        )
     if not any(True for _ in model.parameters()):
-        raise ConfigError(f"--model {name}: the {type(model).__name__} it returned has no "
-                          "parameters: nothing to train")
+        raise ConfigError(
+            f"--model {name}: the {type(model).__name__} it returned has no "
+            "parameters: nothing to train"
+        )
     return model
 
 
@@ -209,8 +242,10 @@ def check_forward(model: nn.Module, x: torch.Tensor, num_classes: int, name: str
             with untouched(model), torch.no_grad():
                 out = model.train(training)(x)
         except Exception as e:
-            raise ConfigError(f"--model {name}: its forward failed{mode} on a batch of shape "
-                              f"{tuple(x.shape)} ({one_line(e)})") from None
+            raise ConfigError(
+                f"--model {name}: its forward failed{mode} on a batch of shape "
+                f"{tuple(x.shape)} ({one_line(e)})"
+            ) from None
         check_logits(out, tuple(x.shape), num_classes, name, mode)
 
 
@@ -256,12 +291,16 @@ def unused_parameters(model: nn.Module, x: torch.Tensor) -> list[str]:
 def check_logits(out, shape: tuple, num_classes: int, name: str, mode: str) -> None:
     want = (shape[0], num_classes)
     if not isinstance(out, torch.Tensor):
-        raise ConfigError(f"--model {name}: its forward returns a {type(out).__name__}{mode}; it "
-                          f"must return one tensor of logits {want} (return only the logits)")
+        raise ConfigError(
+            f"--model {name}: its forward returns a {type(out).__name__}{mode}; it "
+            f"must return one tensor of logits {want} (return only the logits)"
+        )
     if tuple(out.shape) != want:
-        raise ConfigError(f"--model {name}: its forward gives shape {tuple(out.shape)}{mode} for a "
-                          f"batch of shape {shape}; it must give logits {want} "
-                          f"(num_classes={num_classes}, the data's)")
+        raise ConfigError(
+            f"--model {name}: its forward gives shape {tuple(out.shape)}{mode} for a "
+            f"batch of shape {shape}; it must give logits {want} "
+            f"(num_classes={num_classes}, the data's)"
+        )
 
 
 def allow_import(path: str, trusted: bool, named: str | None, where: str) -> None:
@@ -269,8 +308,10 @@ def allow_import(path: str, trusted: bool, named: str | None, where: str) -> Non
     --trust_model_code or when the command line names the same path (--model); timm names need
     neither."""
     if is_import_path(path) and not trusted and named != path:
-        raise ConfigError(f"{where} names the model code {path}: importing it runs that code; if "
-                          f"you trust it, pass --trust_model_code (or --model {path})")
+        raise ConfigError(
+            f"{where} names the model code {path}: importing it runs that code; if "
+            f"you trust it, pass --trust_model_code (or --model {path})"
+        )
 
 
 def rebuild_problem(model: nn.Module, rebuild, x: torch.Tensor) -> str | None:
@@ -291,14 +332,21 @@ def rebuild_problem(model: nn.Module, rebuild, x: torch.Tensor) -> str | None:
         return f"it has other tensors ({', '.join(sorted(set(mine) ^ set(theirs))[:3])})"
     for key, value in mine.items():
         if value.shape != theirs[key].shape:
-            return (f"its {key} has shape {tuple(theirs[key].shape)}, the trained model's "
-                    f"{tuple(value.shape)}")
+            return (
+                f"its {key} has shape {tuple(theirs[key].shape)}, the trained model's "
+                f"{tuple(value.shape)}"
+            )
     saved, was_training = {k: v.detach().clone() for k, v in mine.items()}, model.training
     params = {name for name, _ in model.named_parameters()}
     seed = torch.Generator().manual_seed(0)
-    weights = {k: torch.randn(v.shape, generator=seed).to(v.dtype)
-               if k in params and v.is_floating_point() else v
-               for k, v in saved.items()}
+    weights = {
+        k: (
+            torch.randn(v.shape, generator=seed).to(v.dtype)
+            if k in params and v.is_floating_point()
+            else v
+        )
+        for k, v in saved.items()
+    }
     device = next(model.parameters()).device
     try:
         model.load_state_dict(weights)
@@ -310,8 +358,9 @@ def rebuild_problem(model: nn.Module, rebuild, x: torch.Tensor) -> str | None:
     finally:
         model.load_state_dict(saved)
         model.train(was_training)
-    if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4,
-                                                atol=1e-5 * max(1.0, a.abs().max().item())):
+    if a.shape != b.shape or not torch.allclose(
+        a, b, rtol=1e-4, atol=1e-5 * max(1.0, a.abs().max().item())
+    ):
         worst = (a - b).abs().max().item() if a.shape == b.shape else float("nan")
         return f"it gives other logits for the same weights (up to {worst:.3g} apart)"
     return None

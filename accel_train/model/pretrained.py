@@ -30,21 +30,31 @@ def create_kwargs(cfg) -> dict:
     """What timm.create_model needs to load the weights."""
     if not wanted(cfg):
         return {}
-    return dict(pretrained=True, **({"pretrained_cfg_overlay": {"file": str(cfg.pretrained_path)}}
-                                    if cfg.pretrained_path else {}))
+    return dict(
+        pretrained=True,
+        **(
+            {"pretrained_cfg_overlay": {"file": str(cfg.pretrained_path)}}
+            if cfg.pretrained_path
+            else {}
+        ),
+    )
 
 
 def source_cfg(name: str):
     """timm's pretrained_cfg of `name` (a tag picks the weights: resnet18.a1_in1k), or a
     ConfigError."""
     if ":" in name:
-        raise ConfigError(f"--pretrained loads timm's weights for a timm model; {name} is your "
-                          "own: use --init_from FILE.safetensors")
+        raise ConfigError(
+            f"--pretrained loads timm's weights for a timm model; {name} is your "
+            "own: use --init_from FILE.safetensors"
+        )
     cfg = timm.models.get_pretrained_cfg(name) if timm.is_model(name) else None
     if cfg is None:
-        raise ConfigError(f"--pretrained: timm knows no pretrained weights for {name!r}; name a "
-                          f"tag timm lists (timm.list_pretrained('{name.split('.')[0]}*')) or pass "
-                          "--pretrained_path FILE")
+        raise ConfigError(
+            f"--pretrained: timm knows no pretrained weights for {name!r}; name a "
+            f"tag timm lists (timm.list_pretrained('{name.split('.')[0]}*')) or pass "
+            "--pretrained_path FILE"
+        )
     return cfg
 
 
@@ -52,15 +62,19 @@ def check_on_disk(cfg) -> str:
     """Where the weights will be read from (the line to log); a ConfigError when they are not on
     disk and may not be downloaded (HF_HUB_OFFLINE=1), or --pretrained_path names no file."""
     if cfg.init_from:
-        raise ConfigError("--pretrained and --init_from both name the starting weights: pass one "
-                          "of them")
+        raise ConfigError(
+            "--pretrained and --init_from both name the starting weights: pass one of them"
+        )
     source = source_cfg(cfg.model)
     if cfg.pretrained_path:
         if not Path(cfg.pretrained_path).is_file():
-            raise ConfigError(f"--pretrained_path {cfg.pretrained_path}: no such file; pass timm's "
-                              f"weights for {cfg.model} (model.safetensors or a .pth state dict)")
+            raise ConfigError(
+                f"--pretrained_path {cfg.pretrained_path}: no such file; pass timm's "
+                f"weights for {cfg.model} (model.safetensors or a .pth state dict)"
+            )
         return f"--pretrained: {cfg.model} weights from {cfg.pretrained_path}"
     from huggingface_hub import constants, try_to_load_from_cache
+
     if source.hf_hub_id:
         repo, _, revision = source.hf_hub_id.partition("@")
         names = (source.hf_hub_filename,) if source.hf_hub_filename else WEIGHT_FILES
@@ -68,22 +82,29 @@ def check_on_disk(cfg) -> str:
             found = try_to_load_from_cache(repo, file, revision=revision or None)
             if isinstance(found, str):
                 return f"--pretrained: {cfg.model} weights from the Hugging Face cache ({found})"
-        where = ("the Hugging Face cache, "
-                 f"{constants.HF_HUB_CACHE}/models--{repo.replace('/', '--')} (`hf download "
-                 f"{repo}` where there is internet, then copy that folder here)")
+        where = (
+            "the Hugging Face cache, "
+            f"{constants.HF_HUB_CACHE}/models--{repo.replace('/', '--')} (`hf download "
+            f"{repo}` where there is internet, then copy that folder here)"
+        )
     elif source.url:
         import torch.hub
+
         cached = Path(torch.hub.get_dir()) / "checkpoints" / source.url.rsplit("/", 1)[-1]
         if cached.is_file():
             return f"--pretrained: {cfg.model} weights from torch.hub's cache ({cached})"
         where = f"torch.hub's cache, {cached} (from {source.url})"
     else:
-        raise ConfigError(f"--pretrained: timm has no source for {cfg.model}'s weights; pass "
-                          "--pretrained_path FILE")
+        raise ConfigError(
+            f"--pretrained: timm has no source for {cfg.model}'s weights; pass "
+            "--pretrained_path FILE"
+        )
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"--pretrained: {cfg.model}'s weights are not on disk and "
-                          f"HF_HUB_OFFLINE=1 downloads nothing; put them in {where}, or pass "
-                          "--pretrained_path FILE")
+        raise ConfigError(
+            f"--pretrained: {cfg.model}'s weights are not on disk and "
+            f"HF_HUB_OFFLINE=1 downloads nothing; put them in {where}, or pass "
+            "--pretrained_path FILE"
+        )
     return f"--pretrained: {cfg.model} weights not on disk: timm downloads them to {where}"
 
 

@@ -24,10 +24,13 @@ def marker(path: str) -> Path | None:
     not cacheable). The loader reads a name ending in .json as JSON, so that is part of the key
     too."""
     from importlib.metadata import version
+
     try:
         digest = hashlib.sha256(Path(path).read_bytes())
-        digest.update(f"\0json {path.endswith('.json')}\0accelerate {version('accelerate')}"
-                      f"\0pyyaml {version('pyyaml')}".encode())
+        digest.update(
+            f"\0json {path.endswith('.json')}\0accelerate {version('accelerate')}"
+            f"\0pyyaml {version('pyyaml')}".encode()
+        )
     except Exception:
         return None
     root = cache_dir("valid_accelerate_configs")
@@ -44,9 +47,11 @@ def problem(path: str) -> str | None:
     try:
         from accelerate.commands.config.config_args import load_config_from_file
     except ImportError as e:  # (the interpreter is named, not the config: it would load elsewhere)
-        raise CannotCheck(f"{sys.executable} cannot import {e.name or 'accelerate'} ({e}): "
-                          "activate the environment accel_train is installed in, or set "
-                          "PYTHON=/path/to/its/python") from None
+        raise CannotCheck(
+            f"{sys.executable} cannot import {e.name or 'accelerate'} ({e}): "
+            "activate the environment accel_train is installed in, or set "
+            "PYTHON=/path/to/its/python"
+        ) from None
     try:
         load_config_from_file(path)
     except Exception as e:

@@ -15,19 +15,39 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import (DataLoaderConfiguration, DistributedDataParallelKwargs,
-                              InitProcessGroupKwargs, LoggerType, ProjectConfiguration,
-                              TorchDynamoPlugin, is_npu_available)
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    LoggerType,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+    is_npu_available,
+)
 
 from ..config.train_config import TrainConfig
 from .cores import intra_op_threads
-from .backend_env import (FAILURE_ENV, HCCL_EXEC_TIMEOUT_MAX, HCCL_TIMEOUTS,  # noqa: F401
-                          MONITOR_ENV, TORCHRUN_DEFAULT, derived_hccl_timeouts, failure_env,
-                          hccl_timeouts, monitor_env)
+from .backend_env import (
+    FAILURE_ENV,
+    HCCL_EXEC_TIMEOUT_MAX,
+    HCCL_TIMEOUTS,  # noqa: F401
+    MONITOR_ENV,
+    TORCHRUN_DEFAULT,
+    derived_hccl_timeouts,
+    failure_env,
+    hccl_timeouts,
+    monitor_env,
+)
 from ..errors import ConfigError
 from ..exits import note_backend
-from .hardware import (DeviceFacts, choose_precision, compile_problem, device_facts, device_kind,
-                       has_accelerator)
+from .hardware import (
+    DeviceFacts,
+    choose_precision,
+    compile_problem,
+    device_facts,
+    device_kind,
+    has_accelerator,
+)
 from .ranks import said_once
 
 logger = get_logger("accel_train")
@@ -63,10 +83,10 @@ def launch_options(cmdline: bytes) -> list[str] | None:
     argv = cmdline.decode(errors="replace").split("\0")
     for i, arg in enumerate(argv):
         name = os.path.basename(arg)
-        if name in LAUNCH_ENTRY or (name == "accelerate" and argv[i + 1:i + 2] == ["launch"]):
-            rest = argv[i + (2 if name == "accelerate" else 1):]
+        if name in LAUNCH_ENTRY or (name == "accelerate" and argv[i + 1 : i + 2] == ["launch"]):
+            rest = argv[i + (2 if name == "accelerate" else 1) :]
             ends = [j for j, a in enumerate(rest) if a in ("-m", "--module") or a.endswith(".py")]
-            return rest[:ends[0] if ends else len(rest)]
+            return rest[: ends[0] if ends else len(rest)]
     return None
 
 
@@ -98,11 +118,13 @@ def config_without_precision(launch: tuple[list[str], Path] | None) -> str | Non
             named = value or (options[i + 1] if i + 1 < len(options) else None)
     if named is None:  # accelerate launch reads its default config then, if there is one
         from accelerate.commands.config import default_config_file
+
         if "--cpu" in options or not os.path.isfile(default_config_file):
             return "accelerate launch without a config file"
         named = default_config_file
     try:
         import yaml
+
         settings = yaml.safe_load((cwd / named).read_text())  # (JSON is YAML too)
     except Exception:
         return None
@@ -122,8 +144,10 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     trackers = cfg.trackers()
     unknown = [t for t in trackers if t not in LoggerType.list()]
     if unknown:
-        raise ConfigError(f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
-                          f"{', '.join(LoggerType.list())}")
+        raise ConfigError(
+            f"--log_with {','.join(unknown)}: not an Accelerate tracker; use one of "
+            f"{', '.join(LoggerType.list())}"
+        )
     facts = facts or device_facts(cpu=True if cpu else None)
     asked, source = asked_precision(cfg)
     # docs/speed.md: Precision and memory format per platform
@@ -134,8 +158,9 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
         mixed_precision="no" if refusal else choice.precision,
         gradient_accumulation_steps=cfg.grad_accum,
         # --compile: Accelerate compiles in prepare(), after the DDP wrap (last, as it advises)
-        dynamo_plugin=(TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile
-                       else None),
+        dynamo_plugin=(
+            TorchDynamoPlugin(backend="inductor", mode=cfg.compile_mode) if cfg.compile else None
+        ),
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir, logging_dir=cfg.output_dir),
         # non_blocking: the batches are pinned
@@ -144,8 +169,10 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
             # the collective timeout on every backend; no backend named (Accelerate forces hccl on
             # NPU and refuses any other name)
             InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s)),
-            DistributedDataParallelKwargs(bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-                                          gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view),
+            DistributedDataParallelKwargs(
+                bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+                gradient_as_bucket_view=cfg.ddp_grad_as_bucket_view,
+            ),
         ],
     )
     with said_once(accelerator):  # the same facts on every rank: one line
@@ -182,20 +209,26 @@ def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> Non
     # torchrun counts ranks
     launched = int(env.get("WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in env else 1
     if launched > 1 and num_processes != launched:
-        raise ConfigError(f"the launcher started {launched} processes but they did not join one "
-                          f"process group (each sees {num_processes}); on a CPU host set use_cpu: "
-                          "true in the accelerate config or ACCELERATE_USE_CPU=1")
+        raise ConfigError(
+            f"the launcher started {launched} processes but they did not join one "
+            f"process group (each sees {num_processes}); on a CPU host set use_cpu: "
+            "true in the accelerate config or ACCELERATE_USE_CPU=1"
+        )
     if (cfg.world_size or 1) > 1 and num_processes == 1:
-        raise ConfigError(f"--world_size {cfg.world_size} (nodes) but this is a single process: "
-                          "start the job with launch.sh (or accelerate launch with a multi-node "
-                          "config), not python directly")
+        raise ConfigError(
+            f"--world_size {cfg.world_size} (nodes) but this is a single process: "
+            "start the job with launch.sh (or accelerate launch with a multi-node "
+            "config), not python directly"
+        )
     asked = asked_processes(env)
     if num_processes == 1 and asked > 1:  # (Accelerate's behaviour, said with its fix)
-        raise ConfigError(f"accelerate launch --num_processes {asked} started one process: its "
-                          "config's distributed_type is NO (as `accelerate config default` writes "
-                          "it), which runs one process whatever --num_processes says; pass "
-                          "--config_file accelerate_configs/2proc_cpu.yaml (CPU ranks) or "
-                          "1node_gpu.yaml (GPUs), or start it with launch.sh")
+        raise ConfigError(
+            f"accelerate launch --num_processes {asked} started one process: its "
+            "config's distributed_type is NO (as `accelerate config default` writes "
+            "it), which runs one process whatever --num_processes says; pass "
+            "--config_file accelerate_configs/2proc_cpu.yaml (CPU ranks) or "
+            "1node_gpu.yaml (GPUs), or start it with launch.sh"
+        )
 
 
 def asked_processes(env=os.environ, parent_cmdline: bytes | None = None) -> int:
@@ -211,8 +244,11 @@ def asked_processes(env=os.environ, parent_cmdline: bytes | None = None) -> int:
             return 1
     argv = parent_cmdline.decode(errors="replace").split("\0")
     for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--num_processes=") else (
-            argv[i + 1] if arg == "--num_processes" and i + 1 < len(argv) else None)
+        value = (
+            arg.split("=", 1)[1]
+            if arg.startswith("--num_processes=")
+            else (argv[i + 1] if arg == "--num_processes" and i + 1 < len(argv) else None)
+        )
         if value is not None and value.isdigit():
             return int(value)
     return 1
@@ -222,18 +258,22 @@ def prepare_output_dir(path) -> Path:
     """Every rank checks it can write there before any work starts."""
     out = Path(path)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--output_dir {out} is a file, not a directory; pass a directory (it is "
-                          "created if missing)")
+        raise ConfigError(
+            f"--output_dir {out} is a file, not a directory; pass a directory (it is "
+            "created if missing)"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create output directory {out} ({e.strerror}); pass a writable "
-                          "--output_dir") from None
+        raise ConfigError(
+            f"cannot create output directory {out} ({e.strerror}); pass a writable --output_dir"
+        ) from None
     try:
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
-        raise ConfigError(f"output directory {out} is not writable ({e.strerror}); pass a writable "
-                          "--output_dir") from None
+        raise ConfigError(
+            f"output directory {out} is not writable ({e.strerror}); pass a writable --output_dir"
+        ) from None
     return out
 
 

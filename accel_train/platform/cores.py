@@ -18,16 +18,22 @@ def usable_cores() -> tuple[int, str, int]:
     the processes as Accelerate's get_cpu_distributed_information counts them (LOCAL_WORLD_SIZE,
     which torchrun sets)."""
     from accelerate.utils.environment import get_cpu_distributed_information
-    affinity = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1)
+
+    affinity = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     cores = min(affinity, cpu_quota() or affinity)
-    where = "in this process's CPU affinity" if cores == affinity else \
-        f"of its cgroup's CPU quota ({affinity} in its CPU affinity)"
+    where = (
+        "in this process's CPU affinity"
+        if cores == affinity
+        else f"of its cgroup's CPU quota ({affinity} in its CPU affinity)"
+    )
     return cores, where, max(1, get_cpu_distributed_information().local_world_size)
 
 
-def intra_op_threads(cfg: TrainConfig, env=os.environ,
-                     load: float | None = None) -> tuple[int | None, str]:
+def intra_op_threads(
+    cfg: TrainConfig, env=os.environ, load: float | None = None
+) -> tuple[int | None, str]:
     """torch's intra-op threads for this process and the line saying why (None: leave torch's own).
     --threads N; else OMP_NUM_THREADS where the launcher or the user set it (torchrun sets 1 per
     rank); else the cores per process, and 1 where the machine was busy as the run started (the
@@ -41,11 +47,21 @@ def intra_op_threads(cfg: TrainConfig, env=os.environ,
     load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else load or 0.0
     n = max(1, cores // local)
     if load >= cores and n > 1:
-        return 1, (f"intra-op threads 1 per process: the machine was busy as the run started (load "
-                   f"{load:.1f} on {cores} cores {where}): more threads than free cores stall each "
-                   "other (--threads N to choose)")
-    return n, (f"intra-op threads {n} per process: {cores} cores {where} / {local} process(es) "
-               "(--threads N to choose)")
+        return (
+            1,
+            (
+                "intra-op threads 1 per process: the machine was busy as the run started (load "
+                f"{load:.1f} on {cores} cores {where}): more threads than free cores stall each "
+                "other (--threads N to choose)"
+            ),
+        )
+    return (
+        n,
+        (
+            f"intra-op threads {n} per process: {cores} cores {where} / {local} process(es) "
+            "(--threads N to choose)"
+        ),
+    )
 
 
 def worker_count(cfg: TrainConfig) -> tuple[int, str]:
@@ -58,8 +74,13 @@ def worker_count(cfg: TrainConfig) -> tuple[int, str]:
     cores, where, local = usable_cores()
     n = max(1, min(MAX_WORKERS, cores // local))
     capped = f", at most {MAX_WORKERS}" if cores // local > MAX_WORKERS else ""
-    return n, (f"{counted(n, 'worker')} per process: {cores} cores {where} / {local} process"
-               f"{'es' if local > 1 else ''} on this machine{capped} (--num_workers N to change)")
+    return (
+        n,
+        (
+            f"{counted(n, 'worker')} per process: {cores} cores {where} / {local} process"
+            f"{'es' if local > 1 else ''} on this machine{capped} (--num_workers N to change)"
+        ),
+    )
 
 
 def cpu_quota(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
@@ -92,8 +113,9 @@ def _quota(folder: Path, v2: bool) -> float | None:
         if v2:
             quota, period = (folder / "cpu.max").read_text().split()[:2]
         else:
-            quota, period = ((folder / f"cpu.cfs_{k}_us").read_text().strip()
-                             for k in ("quota", "period"))
+            quota, period = (
+                (folder / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period")
+            )
         return None if quota in ("max", "-1") else int(quota) / int(period)
     except (OSError, ValueError, ZeroDivisionError):
         return None

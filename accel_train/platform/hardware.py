@@ -34,12 +34,12 @@ CPU_BF16_X86 = ("avx512_bf16", "amx_bf16")
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    kind: str                                   # "cpu", "cuda", "npu", or another torch device type
-    name: str = ""                              # GPU name, NPU SoC name, CPU model
-    capability: tuple[int, int] | None = None   # CUDA: the visible GPUs' lowest compute capability
+    kind: str  # "cpu", "cuda", "npu", or another torch device type
+    name: str = ""  # GPU name, NPU SoC name, CPU model
+    capability: tuple[int, int] | None = None  # CUDA: the visible GPUs' lowest compute capability
     # x86 'flags' / aarch64 'Features' of /proc/cpuinfo
     cpu_flags: frozenset = field(default_factory=frozenset)
-    arch: str = ""                              # platform.machine()
+    arch: str = ""  # platform.machine()
 
     def bf16(self) -> tuple[bool, str]:
         """(native bf16?, the fact that says so)"""
@@ -48,25 +48,42 @@ class DeviceFacts:
                 return False, f"{self.name or 'this GPU'}: compute capability unknown"
             ok = self.capability >= (8, 0)
             cc = "%d.%d" % self.capability
-            return ok, (f"{self.name or 'GPU'} (compute capability {cc}) has bf16 tensor cores"
-                        if ok else
-                        f"{self.name or 'GPU'} (compute capability {cc} < 8.0) has no bf16 "
-                        "convolutions in cuDNN")
+            return ok, (
+                f"{self.name or 'GPU'} (compute capability {cc}) has bf16 tensor cores"
+                if ok
+                else (
+                    f"{self.name or 'GPU'} (compute capability {cc} < 8.0) has no bf16 "
+                    "convolutions in cuDNN"
+                )
+            )
         if self.kind == "npu":
             ok = bool(NPU_BF16.match(self.name))
-            return ok, (f"{self.name} (Ascend A2/A3 series) has bf16" if ok else
-                        f"{self.name or 'this NPU'} has no bf16 (the Ascend A2/A3 series, "
-                        "910B1-B4/910_93xx, has it)")
+            return ok, (
+                f"{self.name} (Ascend A2/A3 series) has bf16"
+                if ok
+                else (
+                    f"{self.name or 'this NPU'} has no bf16 (the Ascend A2/A3 series, "
+                    "910B1-B4/910_93xx, has it)"
+                )
+            )
         if self.kind == "cpu":
             arm = self.arch.lower() in ("aarch64", "arm64")
-            found = ["bf16"] if arm and "bf16" in self.cpu_flags else \
-                [f for f in CPU_BF16_X86 if f in self.cpu_flags]
+            found = (
+                ["bf16"]
+                if arm and "bf16" in self.cpu_flags
+                else [f for f in CPU_BF16_X86 if f in self.cpu_flags]
+            )
             cpu = f"this CPU ({self.name})" if self.name else "this CPU"
             if found:
                 return True, f"{cpu} has native bf16 ({', '.join(found)})"
-            return False, (f"{cpu} has no native bf16 "
-                           f"(no {'bf16 feature' if arm else 'avx512_bf16 or amx_bf16'}): bf16 "
-                           "autocast would run many times slower than fp32")
+            return (
+                False,
+                (
+                    f"{cpu} has no native bf16 "
+                    f"(no {'bf16 feature' if arm else 'avx512_bf16 or amx_bf16'}): bf16 "
+                    "autocast would run many times slower than fp32"
+                ),
+            )
         return False, f"no precision facts for {self.kind} devices"
 
 
@@ -93,13 +110,14 @@ def has(facts: DeviceFacts, precision: str) -> tuple[bool, str]:
 
 @dataclass(frozen=True)
 class Choice:
-    precision: str          # what the run uses: no | fp16 | bf16
-    reason: str             # one line: which and why
+    precision: str  # what the run uses: no | fp16 | bf16
+    reason: str  # one line: which and why
     error: str | None = None  # set when the asked precision is refused (a ConfigError line)
 
 
-def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "",
-                     force: bool = False) -> Choice:
+def choose_precision(
+    facts: DeviceFacts, asked: str | None, source: str = "", force: bool = False
+) -> Choice:
     """The precision a run uses.
 
     asked: None (nothing asked: the best the device has), or no|fp16|bf16 from `source` (a short
@@ -118,17 +136,27 @@ def choose_precision(facts: DeviceFacts, asked: str | None, source: str = "",
         # a fact, not a guess: which precision is faster for this model is not measured by the run
         # (bf16 measures slower on some CPUs), and the line never tells a launch.sh run to start
         # with launch.sh
-        other = (f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure "
-                 "which is faster; bench/bench.py compares them here)"
-                 if asked == "no" and best != "no" else "")
+        other = (
+            f"; {why}, unused: --mixed_precision {best} to use it (this run did not measure "
+            "which is faster; bench/bench.py compares them here)"
+            if asked == "no" and best != "no"
+            else ""
+        )
         return Choice(asked, f"precision {NAMES[asked]}, as {source} asks{other}")
     if force:
-        return Choice(asked, f"precision {NAMES[asked]}, as {source} asks, forced by "
-                             f"--force_precision although {lacks}")
-    return Choice(asked, "", f"{source} asks for {asked}, but {lacks}; use {best} instead "
-                             f"(--mixed_precision {best}, or mixed_precision: '{best}' in the "
-                             "accelerate config; launch.sh picks it by itself), or add "
-                             f"--force_precision to run {asked} anyway")
+        return Choice(
+            asked,
+            f"precision {NAMES[asked]}, as {source} asks, forced by "
+            f"--force_precision although {lacks}",
+        )
+    return Choice(
+        asked,
+        "",
+        f"{source} asks for {asked}, but {lacks}; use {best} instead "
+        f"(--mixed_precision {best}, or mixed_precision: '{best}' in the "
+        "accelerate config; launch.sh picks it by itself), or add "
+        f"--force_precision to run {asked} anyway",
+    )
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset]:
@@ -154,6 +182,7 @@ def has_accelerator() -> bool:
     for the cpu."""
     import torch
     from accelerate.utils import is_npu_available
+
     return torch.accelerator.is_available() or is_npu_available()
 
 
@@ -162,6 +191,7 @@ def device_kind(cpu: bool) -> str:
         return "cpu"
     import torch
     from accelerate.utils import is_npu_available
+
     if is_npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -175,16 +205,23 @@ def facts_from_env(text: str) -> DeviceFacts:
     [7, 0], cpu + cpu_flags and arch): states the facts instead of probing (tests; hosts where the
     probe cannot run)."""
     import json
+
     try:
         d = json.loads(text)
-        return DeviceFacts(str(d["kind"]), str(d.get("name", "")),
-                           tuple(d["capability"]) if d.get("capability") else None,
-                           frozenset(d.get("cpu_flags", ())),
-                           str(d.get("arch", platform.machine())))
+        return DeviceFacts(
+            str(d["kind"]),
+            str(d.get("name", "")),
+            tuple(d["capability"]) if d.get("capability") else None,
+            frozenset(d.get("cpu_flags", ())),
+            str(d.get("arch", platform.machine())),
+        )
     except (ValueError, KeyError, TypeError) as e:
         from ..errors import ConfigError
-        raise ConfigError(f"ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least \"kind\" "
-                          f"({e}); unset it or fix it") from None
+
+        raise ConfigError(
+            'ACCEL_TRAIN_DEVICE_FACTS is not a JSON object with at least "kind" '
+            f"({e}); unset it or fix it"
+        ) from None
 
 
 def device_facts(cpu: bool | None = None, cpuinfo: str = "/proc/cpuinfo") -> DeviceFacts:
@@ -197,11 +234,13 @@ def device_facts(cpu: bool | None = None, cpuinfo: str = "/proc/cpuinfo") -> Dev
     kind = device_kind(cpu)
     if kind == "cuda":
         import torch
+
         caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
         return DeviceFacts("cuda", torch.cuda.get_device_name(0), min(caps))
     if kind == "npu":
         import torch
         import torch_npu  # noqa: F401
+
         # the SoC name, e.g. Ascend910B3
         return DeviceFacts("npu", str(torch.npu.get_device_name(0)))
     if kind == "cpu":
@@ -215,8 +254,13 @@ def channels_last_default(facts_kind: str) -> tuple[bool, str]:
     NVIDIA's and PyTorch's channels_last guidance); off on NPUs and elsewhere until measured."""
     if facts_kind in ("cpu", "cuda"):
         return True, f"channels_last (measured faster on {facts_kind.upper()})"
-    return False, (f"NCHW (channels_last is not measured faster on {facts_kind.upper()}: pass "
-                   "--channels_last to try it)")
+    return (
+        False,
+        (
+            f"NCHW (channels_last is not measured faster on {facts_kind.upper()}: pass "
+            "--channels_last to try it)"
+        ),
+    )
 
 
 def compile_problem(facts_kind: str) -> str | None:
@@ -226,6 +270,7 @@ def compile_problem(facts_kind: str) -> str | None:
     if facts_kind != "npu":
         return None
     import importlib.util
+
     try:
         found = importlib.util.find_spec("torch_npu._inductor") is not None
     except (ImportError, ValueError):
@@ -234,11 +279,14 @@ def compile_problem(facts_kind: str) -> str | None:
         return None
     try:
         from importlib.metadata import version
+
         have = f"torch_npu {version('torch_npu')}"
     except Exception:
         have = "this torch_npu"
-    return (f"--compile: {have} has no Inductor backend for NPUs (torch_npu._inductor, in newer "
-            "releases); drop --compile or install a torch_npu that has it")
+    return (
+        f"--compile: {have} has no Inductor backend for NPUs (torch_npu._inductor, in newer "
+        "releases); drop --compile or install a torch_npu that has it"
+    )
 
 
 def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tuple[str, str]:
@@ -247,17 +295,35 @@ def launcher_choice(facts: DeviceFacts, config_precision: str, keep: bool) -> tu
     states none, which leaves it to the device as launch.sh does for its own configs."""
     best, why = best_precision(facts)
     if not config_precision:
-        return best, f"precision {NAMES[best]}: {why}; the device's fastest: the config states " \
-                     "no mixed_precision"
+        return (
+            best,
+            (
+                f"precision {NAMES[best]}: {why}; the device's fastest: the config states "
+                "no mixed_precision"
+            ),
+        )
     if keep and config_precision in PRECISIONS and has(facts, config_precision)[0]:
-        return config_precision, f"precision {NAMES[config_precision]}, as the config's " \
-                                 f"mixed_precision: '{config_precision}' asks"
+        return (
+            config_precision,
+            (
+                f"precision {NAMES[config_precision]}, as the config's "
+                f"mixed_precision: '{config_precision}' asks"
+            ),
+        )
     if keep and config_precision != best:
-        lacks = (has(facts, config_precision)[1] if config_precision in PRECISIONS
-                 else "unknown precision")
+        lacks = (
+            has(facts, config_precision)[1]
+            if config_precision in PRECISIONS
+            else "unknown precision"
+        )
         return best, f"precision {NAMES[best]}, not the config's {config_precision}: {lacks}"
-    return best, f"precision {NAMES[best]}: {why}; the device's fastest: launch.sh's pick for " \
-                 "its own config"
+    return (
+        best,
+        (
+            f"precision {NAMES[best]}: {why}; the device's fastest: launch.sh's pick for "
+            "its own config"
+        ),
+    )
 
 
 def main(argv=None) -> int:
@@ -265,15 +331,23 @@ def main(argv=None) -> int:
     `<precision> <reason>`, the precision launch.sh passes to accelerate launch (one cheap call: no
     torch import with --cpu)."""
     import argparse
+
     p = argparse.ArgumentParser(prog="python -m accel_train.platform.hardware")
     p.add_argument("--cpu", action="store_true", help="the job runs on the CPU")
-    p.add_argument("--config_precision", default="",
-                   help="the accelerate config's mixed_precision (empty: it states none)")
-    p.add_argument("--keep", action="store_true",
-                   help="the user named the config: keep its precision if the device has it")
+    p.add_argument(
+        "--config_precision",
+        default="",
+        help="the accelerate config's mixed_precision (empty: it states none)",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="the user named the config: keep its precision if the device has it",
+    )
     args = p.parse_args(argv)
-    precision, reason = launcher_choice(device_facts(cpu=True if args.cpu else None),
-                                        args.config_precision, args.keep)
+    precision, reason = launcher_choice(
+        device_facts(cpu=True if args.cpu else None), args.config_precision, args.keep
+    )
     print(f"{precision} {reason}")
     return 0
 

@@ -30,8 +30,9 @@ def on_every_rank(accelerator, check, *args, **kwargs):
         result, error = check(*args, **kwargs), None
     except ConfigError as e:
         result, error = None, str(e)
-    failed = [(rank, msg) for rank, msg in gather_object([(accelerator.process_index, error)])
-              if msg]
+    failed = [
+        (rank, msg) for rank, msg in gather_object([(accelerator.process_index, error)]) if msg
+    ]
     if failed:
         rank, msg = failed[0]
         e = ConfigError(msg if len(failed) == accelerator.num_processes else f"rank {rank}: {msg}")
@@ -45,10 +46,12 @@ def same_everywhere(accelerator, what: str, value) -> None:
     if not."""
     values = gather_object([value])
     if any(v != values[0] for v in values):
-        e = ConfigError(f"the machines disagree on {what}: rank 0 has {values[0]!r}, rank "
-                        f"{next(i for i, v in enumerate(values) if v != values[0])} has "
-                        f"{next(v for v in values if v != values[0])!r}; give every machine the "
-                        "same data")
+        e = ConfigError(
+            f"the machines disagree on {what}: rank 0 has {values[0]!r}, rank "
+            f"{next(i for i, v in enumerate(values) if v != values[0])} has "
+            f"{next(v for v in values if v != values[0])!r}; give every machine the "
+            "same data"
+        )
         e.quiet = not accelerator.is_main_process
         raise e
 
@@ -62,14 +65,18 @@ def main_process_writes(accelerator, write, out):
     """`write()` on the main process; a write that fails there (a full disk, permissions) is one
     line on every rank (exit 2), not a traceback on one rank while the others wait. Returns
     write()'s value on the main process, None elsewhere."""
+
     def attempt():
         if not accelerator.is_main_process:
             return None
         try:
             return write()
         except OSError as e:
-            raise ConfigError(f"cannot write the run's outputs in {out} ({e.strerror or e}); free "
-                              "space or fix the permissions, then run the same command with "
-                              "--resume auto: it continues from the newest checkpoint and writes "
-                              "them") from None
+            raise ConfigError(
+                f"cannot write the run's outputs in {out} ({e.strerror or e}); free "
+                "space or fix the permissions, then run the same command with "
+                "--resume auto: it continues from the newest checkpoint and writes "
+                "them"
+            ) from None
+
     return on_every_rank(accelerator, attempt)

@@ -252,7 +252,7 @@ def measured(check_once) -> Verdict:
 
 
 def size_text(n: float) -> str:
-    return f"{n / 2 ** 30:.1f} GiB" if n >= 2**30 else f"{n / 2 ** 20:.0f} MiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def resident_peak() -> int:
@@ -317,8 +317,10 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     if not v.cached:
         # the ranks' verdict, not this rank's: ranks of one machine share the file
         remember(key, v.to_json())
-    name, shape = NAMES[precision], "x".join(map(str, x.shape)) + (
-        "" if len(x) == cfg.batch_size else f" slice of the {cfg.batch_size}-sample"
+    name, shape = (
+        NAMES[precision],
+        "x".join(map(str, x.shape))
+        + ("" if len(x) == cfg.batch_size else f" slice of the {cfg.batch_size}-sample"),
     )
     cost = (
         "checked on an earlier start (cached)"

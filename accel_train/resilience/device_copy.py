@@ -64,8 +64,10 @@ def state_to_host(state, timeout_s: float = COPY_TIMEOUT_S):
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise DeviceCopyTimeout("copying the training state off the device did not finish within "
-                                f"{timeout_s:g} s: the device is not answering")
+        raise DeviceCopyTimeout(
+            "copying the training state off the device did not finish within "
+            f"{timeout_s:g} s: the device is not answering"
+        )
     if "error" in done:
         raise done["error"]
     return done["state"]

@@ -56,7 +56,9 @@ DH_PRIME = int(
     "0BFF5CB6F406B7EDEE386BFB5A899FA5AE9F24117C4B1FE649286651ECE45B3DC2007CB8A163BF0598DA4836"
     "1C55D39A69163FA8FD24CF5F83655D23DCA3AD961C62F356208552BB9ED529077096966D670C354E4ABC9804"
     "F1746C08CA18217C32905E462E36CE3BE39E772C180E86039B2783A2EC07A28FB5C55DF06F4C52C9DE2BCBF6"
-    "955817183995497CEA956AE515D2261898FA051015728E5A8AACAA68FFFFFFFFFFFFFFFF", 16)
+    "955817183995497CEA956AE515D2261898FA051015728E5A8AACAA68FFFFFFFFFFFFFFFF",
+    16,
+)
 DH_GENERATOR = 2
 DH_SECRET_BITS = 256  # (the exponent: 128-bit security, more than the group's 112)
 MAC_BYTES = 32  # HMAC-SHA256
@@ -142,8 +144,9 @@ class Heartbeat:
                 sock = self.socks[peer] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
                 sock.bind((ip, 0))
                 sock.setblocking(False)
-        self.ports = tuple(self.socks[r].getsockname()[1] if r in self.socks else 0
-                           for r in range(world))
+        self.ports = tuple(
+            self.socks[r].getsockname()[1] if r in self.socks else 0 for r in range(world)
+        )
         self.address = (ip, self.ports)
         self.peers: dict[int, tuple[str, tuple[int, ...], int, bytes]] = {}
         # rank -> when its last heartbeat came (monotonic); ended ranks leave it
@@ -169,8 +172,10 @@ class Heartbeat:
     def start(self, peers: dict[int, tuple[str, tuple[int, ...], int, int]], on_lost) -> None:
         """`peers`: rank -> (ip, ports, pid, public value), as their cards were gathered."""
         self.peers = {rank: peer for rank, peer in peers.items() if rank != self.rank}
-        self.keys = {rank: pair_key(self._secret, peer[3], (self.rank, rank))
-                     for rank, peer in self.peers.items()}
+        self.keys = {
+            rank: pair_key(self._secret, peer[3], (self.rank, rank))
+            for rank, peer in self.peers.items()
+        }
         for rank, sock in list(self.socks.items()):
             if rank in self.peers:  # (from here the kernel takes datagrams from that peer only)
                 ip, ports = self.peers[rank][:2]
@@ -206,11 +211,16 @@ class Heartbeat:
             return None
         rank, pid, seq = int(parts[2]), int(parts[3]), int(parts[4])
         peer = self.peers.get(rank)
-        if (peer is None or rank not in self.last_seq
-                or tuple(sender[:2]) != (peer[0], peer[1][self.rank]) or pid != peer[2]):
+        if (
+            peer is None
+            or rank not in self.last_seq
+            or tuple(sender[:2]) != (peer[0], peer[1][self.rank])
+            or pid != peer[2]
+        ):
             return None  # (not this job's peer, or an earlier attempt's rank under its rank)
-        if not hmac.compare_digest(data[:MAC_BYTES],
-                                   sign(self.keys[rank], data[MAC_BYTES:])[:MAC_BYTES]):
+        if not hmac.compare_digest(
+            data[:MAC_BYTES], sign(self.keys[rank], data[MAC_BYTES:])[:MAC_BYTES]
+        ):
             return None
         if seq <= self.last_seq[rank]:
             return None  # (a replay)
@@ -228,7 +238,7 @@ class Heartbeat:
             except (BlockingIOError, InterruptedError):
                 return
             except ConnectionRefusedError:  # (an ICMP error of an earlier send: the peer's socket
-                continue                    # was not there yet, or is gone)
+                continue  # was not there yet, or is gone)
             except OSError:  # (closed by close())
                 return
             accepted = self.accept(data, sender)
@@ -254,8 +264,12 @@ class Heartbeat:
                 self.send(b"beat")
                 next_beat = now + self.period_s
             try:  # (epoll: no limit on the descriptors' numbers)
-                ready = [key.fileobj for key, _ in
-                         self.selector.select(max(0.0, min(next_beat - now, self.period_s)))]
+                ready = [
+                    key.fileobj
+                    for key, _ in self.selector.select(
+                        max(0.0, min(next_beat - now, self.period_s))
+                    )
+                ]
             except (OSError, ValueError):  # (a socket closed under the select)
                 return
             now = time.monotonic()

@@ -63,8 +63,9 @@ class StopRequest:
         """The stop's exception: a preemption (4), or where a launcher is gone a lost launcher (3:
         relaunched)."""
         e = Preempted(text)
-        e.status = (EXIT_LOST_PEER if self.any_launcher_gone or self.launcher_gone
-                    else EXIT_PREEMPTED)
+        e.status = (
+            EXIT_LOST_PEER if self.any_launcher_gone or self.launcher_gone else EXIT_PREEMPTED
+        )
         e.signal = self.signal
         return e
 
@@ -90,8 +91,10 @@ class StopRequest:
             self.signal, self.since = signum, time.monotonic()
             # seconds may pass before the next agreed check
             if signum == signal.SIGINT and self.notice:
-                say("\naccel-train: Ctrl-C: every rank stops at its next agreed check and saves a "
-                    "checkpoint; Ctrl-C again stops at once, without one\n")
+                say(
+                    "\naccel-train: Ctrl-C: every rank stops at its next agreed check and saves a "
+                    "checkpoint; Ctrl-C again stops at once, without one\n"
+                )
 
     def check_start_up(self, accelerator, step: int) -> None:
         """A one-off agreed check at the end of start-up: every rank calls it; raises Preempted on
@@ -105,9 +108,14 @@ class StopRequest:
     @property
     def name(self) -> str:
         from .. import PARENT
+
         gone = self.launcher_gone
-        if (self.any_launcher_gone and not (gone or self.signal) and LAUNCHED_BY in os.environ
-                and os.getppid() != PARENT):
+        if (
+            self.any_launcher_gone
+            and not (gone or self.signal)
+            and LAUNCHED_BY in os.environ
+            and os.getppid() != PARENT
+        ):
             # (its own watch polls once a second: a local peer's may have agreed first)
             gone = PARENT
         if gone:
@@ -126,8 +134,10 @@ def launcher_status(signum: int | None, status: int, env=os.environ) -> str:
     torchrun = LAUNCHED_BY in env and "TORCHELASTIC_RUN_ID" in env
     if status != EXIT_PREEMPTED or signum != signal.SIGINT or not torchrun:
         return ""
-    return (f" (exit status {status} on every rank; `accelerate launch` exits {128 + signum} "
-            f"after a Ctrl-C all the same, launch.sh {status})")
+    return (
+        f" (exit status {status} on every rank; `accelerate launch` exits {128 + signum} "
+        f"after a Ctrl-C all the same, launch.sh {status})"
+    )
 
 
 # A launcher (`accelerate launch`: torchrun's agent, or its one-process launcher) whose ranks run on
@@ -168,11 +178,14 @@ def watch_launcher(stop: StopRequest | None = None) -> None:
         deadline = time.monotonic() + LAUNCHER_GRACE_S
         while time.monotonic() < deadline or (_watching and getattr(_watching[0], "agreed", False)):
             time.sleep(LAUNCHER_POLL_S)
-        say(f"\naccel-train: error: the launcher that started this process (pid {PARENT}) is gone "
+        say(
+            f"\naccel-train: error: the launcher that started this process (pid {PARENT}) is gone "
             f"and no stop was agreed within {LAUNCHER_GRACE_S:.0f} s (blocked in start-up or a "
-            "collective): ended without a checkpoint; relaunch with --resume auto\n")
+            "collective): ended without a checkpoint; relaunch with --resume auto\n"
+        )
         report_status(EXIT_LOST_PEER)
         os._exit(EXIT_LOST_PEER)
+
     threading.Thread(target=poll, daemon=True, name="accel_train-launcher-watch").start()
 
 
@@ -213,8 +226,10 @@ def say(text: str) -> None:
 def stop_at_once(announce: bool) -> None:
     """A second Ctrl-C: no checkpoint, no teardown (a peer may be gone), one line, exit 130."""
     if announce:
-        say("\naccel-train: interrupted: a second Ctrl-C stopped the run at once, without a "
-            "checkpoint; continue from the newest complete checkpoint with --resume auto\n")
+        say(
+            "\naccel-train: interrupted: a second Ctrl-C stopped the run at once, without a "
+            "checkpoint; continue from the newest complete checkpoint with --resume auto\n"
+        )
     report_status(EXIT_INTERRUPTED)
     os._exit(EXIT_INTERRUPTED)
 
@@ -263,10 +278,12 @@ class AgreedChecks:
         checkpoint is due by time, from the ranks' largest numbers, so every rank saves at this step
         or none does."""
         import torch  # (this module is imported by the command line before torch is needed)
+
         start = time.perf_counter()
         per_step = (start - self.since) / max(step - self.since_step, 1)
-        since, write_s = ((start - clock.saved_at, clock.write_s or -1.0) if clock is not None
-                          else (0.0, -1.0))
+        since, write_s = (
+            (start - clock.saved_at, clock.write_s or -1.0) if clock is not None else (0.0, -1.0)
+        )
         # (2: a launcher is gone)
         stop = float(self.stop.signal is not None) + bool(self.stop.launcher_gone)
         report = RankReport(stop, 0.0, per_step, self.cost, 0.0, since, write_s, float(step))
@@ -278,15 +295,20 @@ class AgreedChecks:
         gathered = accelerator.gather(mine).reshape(-1, len(RankReport._fields)).tolist()
         rows = [RankReport(*r) for r in of_step(gathered, step, "the agreed check")]
         if watch is not None:
-            watch.verdict([int(r.first_nonfinite) for r in rows], True, step,
-                          [int(r.first_jump) for r in rows])
+            watch.verdict(
+                [int(r.first_nonfinite) for r in rows],
+                True,
+                step,
+                [int(r.first_jump) for r in rows],
+            )
         step_s = max(r.step_s for r in rows)
         self.next = step + self.interval(step_s, max(r.check_s for r in rows))
         self.since, self.since_step = time.perf_counter(), step
         self.cost = self.since - start
         write = max(r.write_s for r in rows)
         self.save_now = clock is not None and max(r.since_checkpoint_s for r in rows) >= (
-            checkpoint_interval_s(self.minutes, write if write >= 0 else None))
+            checkpoint_interval_s(self.minutes, write if write >= 0 else None)
+        )
         if clock is not None:  # (training's checks; an evaluation's count batches): a step's length
             self.stop.step_s = step_s
         self.stop.agreed = any(r.stop for r in rows)  # (the survivor's signal watch stands down)
@@ -327,7 +349,12 @@ def checkpoint_interval_s(minutes: float | None, write_s: float | None) -> float
 def checkpoint_interval_text(minutes: float | None) -> str:
     """The start line's words for it."""
     if minutes is not None:
-        return (f"every {minutes:g} min of training (--checkpoint_minutes)" if minutes > 0
-                else "none by time")
-    return (f"every {MIN_CHECKPOINT_S / 60:.0f}+ min of training (100x the measured write: <= 1% "
-            f"of the time; {FIRST_CHECKPOINT_S / 60:.0f} min to the first)")
+        return (
+            f"every {minutes:g} min of training (--checkpoint_minutes)"
+            if minutes > 0
+            else "none by time"
+        )
+    return (
+        f"every {MIN_CHECKPOINT_S / 60:.0f}+ min of training (100x the measured write: <= 1% "
+        f"of the time; {FIRST_CHECKPOINT_S / 60:.0f} min to the first)"
+    )

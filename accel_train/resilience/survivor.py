@@ -85,8 +85,10 @@ def readable_step(device: torch.device) -> str | None:
     device_copy.py). On a CPU (gloo) the collective runs in the calling thread."""
     if device.type == "cpu":
         return None
-    return (f"nothing saved: on {device.type} the state after the failed collective belongs to no "
-            "step (the device runs behind the host; docs/failures.md)")
+    return (
+        f"nothing saved: on {device.type} the state after the failed collective belongs to no "
+        "step (the device runs behind the host; docs/failures.md)"
+    )
 
 
 WATCHED: list[int] = []  # this process's signal watch pipe (read, write) while a watch runs
@@ -118,10 +120,15 @@ class Survivor:
 
     def __init__(self, run, cfg, checkpointer, metrics, stop, hang=None):
         self.run, self.cfg, self.checkpointer, self.metrics, self.stop = (
-            run, cfg, checkpointer, metrics, stop)
+            run,
+            cfg,
+            checkpointer,
+            metrics,
+            stop,
+        )
         # held while the weights, step, lr and EMA change (no collective inside)
         self.lock = threading.Lock()
-        self.saving = threading.Lock()   # one survivor save per process
+        self.saving = threading.Lock()  # one survivor save per process
         self.first_step = run.state.step  # nothing new to save before a step beyond it
         # (step, loss on the device, lr) of a row whose reduce may not complete
         self.row = None
@@ -130,19 +137,33 @@ class Survivor:
         acc = run.accelerator
         # (heartbeat.py; hang.py's channel)
         beats = acc.num_processes > 1 and cfg.heartbeat_timeout_s > 0
-        self.heartbeat = (Heartbeat(acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s,
-                                    acc.num_processes) if beats else None)
-        me = (socket.gethostname(), os.getpid(), acc.local_process_index,
-              *(self.heartbeat.card() if beats else ()))
+        self.heartbeat = (
+            Heartbeat(
+                acc.process_index, cfg.heartbeat_s, cfg.heartbeat_timeout_s, acc.num_processes
+            )
+            if beats
+            else None
+        )
+        me = (
+            socket.gethostname(),
+            os.getpid(),
+            acc.local_process_index,
+            *(self.heartbeat.card() if beats else ()),
+        )
         ranks = gather_object([me]) if acc.num_processes > 1 else [me]
         self.ranks = ranks
         self.lower = [pid for host, pid, local, *_ in ranks if host == me[0] and local < me[2]]
         self.local = [pid for host, pid, *_ in ranks if host == me[0] and pid != me[1]]
         self.watcher = self._watch_signals() if acc.num_processes > 1 else None
         if beats:
-            self.heartbeat.start({r: (ip, ports, pid, public)
-                                  for r, (host, pid, _, ip, ports, public) in enumerate(ranks)
-                                  if reachable(me[0], me[3], host, ip)}, self._silent)
+            self.heartbeat.start(
+                {
+                    r: (ip, ports, pid, public)
+                    for r, (host, pid, _, ip, ports, public) in enumerate(ranks)
+                    if reachable(me[0], me[3], host, ip)
+                },
+                self._silent,
+            )
         # (the stacks)
         hang.attach(acc.process_index, self.heartbeat, self._hung) if hang is not None else None
         # BatchNorm's running statistics: DDP broadcasts rank 0's at the start of the first forward
@@ -152,16 +173,21 @@ class Survivor:
         # fused copy per step, a few KB; none where no step is saved: readable_step): rank 0's at
         # the end of the step before, exactly what rank 0 would save. Compiled: their own, as
         # `updating` ends a step.
-        module = (acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None
-                  else None)
+        module = (
+            acc._models[0] if acc.num_processes > 1 and readable_step(acc.device) is None else None
+        )
         kept = set(module.state_dict()) if module is not None else set()
-        named = [(n, b) for n, b in (module.named_buffers() if module is not None else ())
-                 if n in kept]
+        named = [
+            (n, b) for n, b in (module.named_buffers() if module is not None else ()) if n in kept
+        ]
         self.buffer_names, self.buffers = [n for n, _ in named], [b for _, b in named]
         self.kept, self.kept_step = [b.detach().clone() for b in self.buffers], -1
         self.kept_own = False  # `kept` holds this rank's own statistics (else rank 0's)
-        self.hooked = (bool(self.buffers) and not hasattr(run.model, "_orig_mod")
-                       and not hasattr(module, "_orig_mod"))
+        self.hooked = (
+            bool(self.buffers)
+            and not hasattr(run.model, "_orig_mod")
+            and not hasattr(module, "_orig_mod")
+        )
         # (close removes)
         self.hook = module.register_forward_pre_hook(self._window_start) if self.hooked else None
         if self.buffers and checkpointer is not None:  # (a checkpoint's write sends rank 0's: kept)
@@ -174,8 +200,10 @@ class Survivor:
 
     def _window_start(self, module, args) -> None:
         state = self.run.state
-        if (module.training
-                and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0):
+        if (
+            module.training
+            and state.batch_in_epoch % self.run.accelerator.gradient_accumulation_steps == 0
+        ):
             self._keep(state.step)
 
     @contextmanager
@@ -251,8 +279,10 @@ class Survivor:
                 self.result = self._save(failure)
             # (a full disk, a device that cannot be read): said, never raised over the cause
             except Exception as e:
-                self.result = (f"the survivor save failed ({type(e).__name__}: "
-                               f"{' '.join(str(e).split())[:120]})")
+                self.result = (
+                    f"the survivor save failed ({type(e).__name__}: "
+                    f"{' '.join(str(e).split())[:120]})"
+                )
             return self.result
 
     def _save(self, failure: str) -> str:
@@ -281,8 +311,9 @@ class Survivor:
         own = not kept or self.kept_own
         source = f"rank {run.accelerator.process_index} (its own)" if own else "rank 0"
         try:
-            write_state(run, self.checkpointer, state, self._history(state), buffers, tmp, failure,
-                        source)
+            write_state(
+                run, self.checkpointer, state, self._history(state), buffers, tmp, failure, source
+            )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # (nothing partial left behind)
             raise
@@ -291,18 +322,29 @@ class Survivor:
             shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
         if not publish(tmp, final):
             return f"step {state.step} was saved in {final} by another survivor"
-        return (f"step {state.step} saved by the survivor in {final} in "
-                f"{time.perf_counter() - start:.1f} s")
+        return (
+            f"step {state.step} saved by the survivor in {final} in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
 
     def _history(self, state: TrainState) -> dict:
         history = self.metrics.history()
         rows = [r for r in history[METRICS_FILE] if r["epoch"] <= state.epoch]
         steps = [r for r in history[STEPS_FILE] if r["step"] <= state.step]
-        if (self.row is not None and self.row[0] == state.step
-                and (not steps or steps[-1]["step"] != state.step)):
+        if (
+            self.row is not None
+            and self.row[0] == state.step
+            and (not steps or steps[-1]["step"] != state.step)
+        ):
             step, loss, lr = self.row  # the reduce did not complete: this rank's own loss, said so
-            steps.append({"step": step, "loss": float(state_to_host(loss)), "lr": lr,
-                          "loss_of": f"rank {self.run.accelerator.process_index} only"})
+            steps.append(
+                {
+                    "step": step,
+                    "loss": float(state_to_host(loss)),
+                    "lr": lr,
+                    "loss_of": f"rank {self.run.accelerator.process_index} only",
+                }
+            )
         return {METRICS_FILE: rows, STEPS_FILE: steps}
 
     # ---- the signal side: torchrun's SIGTERM while the main thread may be blocked in a collective
@@ -313,8 +355,9 @@ class Survivor:
         os.set_blocking(write, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         WATCHED[:] = [read, write]
-        threading.Thread(target=self._on_signal, args=(read,), daemon=True,
-                         name="accel_train-survivor").start()
+        threading.Thread(
+            target=self._on_signal, args=(read,), daemon=True, name="accel_train-survivor"
+        ).start()
         return (None, previous, read, write)
 
     def _on_signal(self, fd: int) -> None:
@@ -339,24 +382,36 @@ class Survivor:
             # exit 3 instead of the agreed stop's 4
             writing = getattr(getattr(self, "checkpointer", None), "writing", False)
             moved = now if writing else moved
-            stalled, late = (wait is not None and now - moved > wait,
-                             not writing and now - armed > GRACE_S - LATE_S)
+            stalled, late = (
+                wait is not None and now - moved > wait,
+                not writing and now - armed > GRACE_S - LATE_S,
+            )
             if gone or stalled or late:
-                why = (f"local rank process {gone[0]} is gone" if gone else
-                       f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does "
-                       "not answer" if stalled else
-                       f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal")
-                return self._gone(f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} "
-                                  f"while {why}",
-                                  f"lost contact with a peer ({why})", gone[:1])
+                why = (
+                    f"local rank process {gone[0]} is gone"
+                    if gone
+                    else (
+                        f"no step and no agreed stop for {wait:.0f} s after the signal: a peer does"
+                        " not answer"
+                        if stalled
+                        else f"no agreed stop {GRACE_S - LATE_S:.0f} s after the signal"
+                    )
+                )
+                return self._gone(
+                    f"{signal.Signals(self.stop.signal or signal.SIGTERM).name} while {why}",
+                    f"lost contact with a peer ({why})",
+                    gone[:1],
+                )
             time.sleep(0.1)
 
     def _silent(self, rank: int, seconds: float) -> None:
         """The heartbeat's thread: rank `rank` has been silent for `seconds` (frozen, its machine
         paused, cut off)."""
         host, pid, _, ip = self.ranks[rank][:4]
-        why = (f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or "
-               "cut off")
+        why = (
+            f"rank {rank} on {host} sent no heartbeat for {seconds:.0f} s: stopped, frozen or "
+            "cut off"
+        )
         self._gone(f"heartbeat: {why}", f"lost contact with peer {ip} ({why})", [pid])
 
     def _hung(self, why: str) -> None:
@@ -368,12 +423,25 @@ class Survivor:
         thread saved first: it says so and exits)."""
         said = self.save(failure)
         if self.owner == "watch":
-            peer_gone(f"{what}; {said}; relaunch with --resume auto (launch.sh --max_restarts N "
-                      "does it) once every node is back", said, self.cfg.output_dir, pids)
+            peer_gone(
+                f"{what}; {said}; relaunch with --resume auto (launch.sh --max_restarts N "
+                "does it) once every node is back",
+                said,
+                self.cfg.output_dir,
+                pids,
+            )
 
 
-def write_state(run, checkpointer, state: TrainState, history: dict, buffers: dict, tmp: Path,
-                failure: str, source: str) -> None:
+def write_state(
+    run,
+    checkpointer,
+    state: TrainState,
+    history: dict,
+    buffers: dict,
+    tmp: Path,
+    failure: str,
+    source: str,
+) -> None:
     """A whole checkpoint of `state` in `tmp`, in save_checkpoint's format, from this rank alone (no
     collective); `buffers`: the model's buffers at the end of that step, of rank `source`."""
     acc = run.accelerator
@@ -390,14 +458,24 @@ def write_state(run, checkpointer, state: TrainState, history: dict, buffers: di
     if run.ema is not None:
         save_safetensors(state_to_host(run.ema.module.state_dict()), tmp / EMA_FILE)
     if checkpointer.facts is not None:
-        write_output(tmp / MODEL_CONFIG_FILE,
-                     json.dumps({**checkpointer.facts, "metrics": {"step": state.step}}, indent=1))
+        write_output(
+            tmp / MODEL_CONFIG_FILE,
+            json.dumps({**checkpointer.facts, "metrics": {"step": state.step}}, indent=1),
+        )
     for name in HISTORY:
         write_output(tmp / name, "".join(dumps(r) + "\n" for r in history[name]))
     rank = acc.process_index
-    meta = {**asdict(state), "run": checkpointer.run_math, "ema": run.ema is not None,
-            "num_processes": acc.num_processes,
-            "survivor": {"rank": rank, "failure": failure, "host": socket.gethostname(),
-                         # BatchNorm's statistics (docs/failures.md: What a failure costs)
-                         "buffers_of": source}}
+    meta = {
+        **asdict(state),
+        "run": checkpointer.run_math,
+        "ema": run.ema is not None,
+        "num_processes": acc.num_processes,
+        "survivor": {
+            "rank": rank,
+            "failure": failure,
+            "host": socket.gethostname(),
+            # BatchNorm's statistics (docs/failures.md: What a failure costs)
+            "buffers_of": source,
+        },
+    }
     seal(tmp, meta)

@@ -48,8 +48,14 @@ def evaluate(accelerator, model, loader, data, tta: bool = False, stop=None) -> 
     parts = []
     checks = AgreedChecks(stop) if stop is not None else None
     size = None  # every batch is run at the first one's size: one input shape, one compiled graph
-    bar = tqdm(loader, desc="evaluation", delay=BAR_AFTER_S, leave=False, dynamic_ncols=True,
-               disable=not accelerator.is_main_process)
+    bar = tqdm(
+        loader,
+        desc="evaluation",
+        delay=BAR_AFTER_S,
+        leave=False,
+        dynamic_ncols=True,
+        disable=not accelerator.is_main_process,
+    )
     for i, batch in enumerate(bar):
         if checks is not None and checks.due(i) and checks.agree(accelerator, i):
             return None
@@ -60,12 +66,15 @@ def evaluate(accelerator, model, loader, data, tta: bool = False, stop=None) -> 
             log_p = model(x).float().log_softmax(1)
             if tta:  # (the mean of the two distributions)
                 log_p = torch.logaddexp(log_p, model(x.flip(3)).float().log_softmax(1)) - LOG_2
-            log_p = log_p[:len(y)]  # the padding rows go (eval mode: no row depends on another)
+            log_p = log_p[: len(y)]  # the padding rows go (eval mode: no row depends on another)
         labels = y.long()
         losses = -log_p.gather(1, labels[:, None])[:, 0]
         top = log_p.topk(min(TOP_K, log_p.shape[1]), 1).indices
-        parts.append(accelerator.gather_for_metrics(
-            (log_p.argmax(1), labels, losses, (top == labels[:, None]).any(1))))
+        parts.append(
+            accelerator.gather_for_metrics(
+                (log_p.argmax(1), labels, losses, (top == labels[:, None]).any(1))
+            )
+        )
         PROGRESS.mark("evaluation", detail=f"batch {i + 1}")
     bar.close()
     return Evaluated(*(torch.cat(column).cpu() for column in zip(*parts)))
@@ -79,10 +88,16 @@ def pad_batch(x: torch.Tensor, size: int) -> torch.Tensor:
     would make torch.compile compile another graph)."""
     if len(x) >= size:
         return x
-    fmt = torch.channels_last if x.dim() == 4 and not x.is_contiguous() and \
-        x.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-    padded = torch.empty((size, *x.shape[1:]), dtype=x.dtype,
-                         device=x.device).contiguous(memory_format=fmt)
-    padded[:len(x)] = x
-    padded[len(x):] = x[-1:]
+    fmt = (
+        torch.channels_last
+        if x.dim() == 4
+        and not x.is_contiguous()
+        and x.is_contiguous(memory_format=torch.channels_last)
+        else torch.contiguous_format
+    )
+    padded = torch.empty((size, *x.shape[1:]), dtype=x.dtype, device=x.device).contiguous(
+        memory_format=fmt
+    )
+    padded[: len(x)] = x
+    padded[len(x) :] = x[-1:]
     return padded

@@ -41,15 +41,25 @@ if TYPE_CHECKING:
 logger = get_logger("accel_train")
 
 
-def export_model(model: torch.nn.Module, output_dir, model_config: dict, filename: str = MODEL_FILE,
-                 extra: dict | None = None, write_config: bool = True) -> Path:
+def export_model(
+    model: torch.nn.Module,
+    output_dir,
+    model_config: dict,
+    filename: str = MODEL_FILE,
+    extra: dict | None = None,
+    write_config: bool = True,
+) -> Path:
     """Plain state dict (no `module.` / `_orig_mod.` prefixes) as safetensors + model_config.json.
     The file's metadata also carries mean/std (what --init_from reads when the file travels without
     its model_config.json) and `extra` (the best model: its epoch, step and test_acc)."""
     path = Path(output_dir) / filename
-    metadata = {"format": "pt", "architecture": model_config["architecture"] or "",
-                "mean": json.dumps(model_config["mean"]), "std": json.dumps(model_config["std"]),
-                **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    metadata = {
+        "format": "pt",
+        "architecture": model_config["architecture"] or "",
+        "mean": json.dumps(model_config["mean"]),
+        "std": json.dumps(model_config["std"]),
+        **{k: json.dumps(v) for k, v in (extra or {}).items()},
+    }
     save_safetensors(_state_dict_cpu(model), path, metadata=metadata)
     if write_config:
         with open_output(Path(output_dir) / MODEL_CONFIG_FILE) as f:
@@ -61,8 +71,11 @@ def best_row(rows: list[dict], whole_epochs: int | None = None) -> dict | None:
     """The epoch row with the highest test_acc (the first of equals), or None; of the first
     `whole_epochs` epochs only, if given (the row of an epoch --max_steps cut short is never
     exported)."""
-    rows = [r for r in rows if r.get("test_acc") is not None
-            and (whole_epochs is None or r["epoch"] <= whole_epochs)]
+    rows = [
+        r
+        for r in rows
+        if r.get("test_acc") is not None and (whole_epochs is None or r["epoch"] <= whole_epochs)
+    ]
     return max(rows, key=lambda r: r["test_acc"]) if rows else None
 
 
@@ -70,6 +83,7 @@ def exported_best(output_dir) -> dict | None:
     """{epoch, step, test_acc} of the model_best.safetensors in output_dir, or None when there is
     none."""
     from safetensors import safe_open
+
     path = Path(output_dir) / BEST_FILE
     try:
         with safe_open(str(path), "pt") as f:
@@ -94,15 +108,19 @@ class BestModel:
         # (a resumed --max_steps stop keeps its cut-short row)
         self.row = best_row(rows, whole_epochs)
         found = exported_best(output_dir) if writer else None
-        mine = self.row is not None and found is not None and \
-            (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])
+        mine = (
+            self.row is not None
+            and found is not None
+            and (found["epoch"], found["step"]) == (self.row["epoch"], self.row["step"])
+        )
         if writer and not mine:
             (Path(output_dir) / BEST_FILE).unlink(missing_ok=True)
         self.on_disk = mine
 
     def improves(self, row: dict) -> bool:
-        return (row.get("test_acc") is not None
-                and (self.row is None or row["test_acc"] > self.row["test_acc"]))
+        return row.get("test_acc") is not None and (
+            self.row is None or row["test_acc"] > self.row["test_acc"]
+        )
 
     def take(self, row: dict) -> None:
         if self.improves(row):
@@ -121,13 +139,16 @@ class BestModel:
         since = self.evaluations_since(rows)
         if not patience or since < patience:
             return None
-        return (f"--patience {patience}: the test accuracy has not improved for {since} "
-                f"evaluation(s) since epoch {self.row['epoch']} ({self.row['test_acc']:.2%}); "
-                f"training stops early after epoch {rows[-1]['epoch']}, the best model kept")
+        return (
+            f"--patience {patience}: the test accuracy has not improved for {since} "
+            f"evaluation(s) since epoch {self.row['epoch']} ({self.row['test_acc']:.2%}); "
+            f"training stops early after epoch {rows[-1]['epoch']}, the best model kept"
+        )
 
 
-def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict | None
-                 ) -> None:
+def record_epoch(
+    run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict | None
+) -> None:
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is
     exported (main process) as model_best.safetensors, with its epoch, step and test_acc in the
     file's metadata. The row of an epoch that --max_steps cut short is recorded but is not a
@@ -138,13 +159,27 @@ def record_epoch(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestMode
         return
     metrics.append(run.accelerator, row)
     whole = run.state.batch_in_epoch >= run.batches_per_epoch
-    improves, facts = (whole and best.improves(row),
-                       {k: row[k] for k in ("epoch", "step", "test_acc")})
+    improves, facts = (
+        whole and best.improves(row),
+        {k: row[k] for k in ("epoch", "step", "test_acc")},
+    )
     # every rank takes part (a collective), whatever its own rows say: the main process's rows
     # decide the export
-    main_process_writes(run.accelerator, lambda: improves and export_model(
-        bare_model(run.accelerator, run.model), cfg.output_dir, model_config(cfg, facts, run),
-        filename=BEST_FILE, extra=facts, write_config=False), cfg.output_dir)
+    main_process_writes(
+        run.accelerator,
+        lambda: (
+            improves
+            and export_model(
+                bare_model(run.accelerator, run.model),
+                cfg.output_dir,
+                model_config(cfg, facts, run),
+                filename=BEST_FILE,
+                extra=facts,
+                write_config=False,
+            )
+        ),
+        cfg.output_dir,
+    )
     if whole:
         best.take(row)
 
@@ -156,16 +191,18 @@ def lr_of_step(scheduler, step: int) -> float:
     return scheduler._add_noise(scheduler._get_lr(step - 1), step - 1)[0]
 
 
-def lr_curve(scheduler, total_steps: int, logged: list[dict] = (), since: int = 0,
-             points: int = 2000) -> list[dict]:
+def lr_curve(
+    scheduler, total_steps: int, logged: list[dict] = (), since: int = 0, points: int = 2000
+) -> list[dict]:
     """The lr each step trained with: up to `since` (the step a resume started from, when the
     schedule may have been another: an extension, a new --lr) the lr steps.jsonl's rows logged;
     after it every step's from the schedule, which has not changed since (lr_of_step). At most
     `points` points of the schedule."""
     stride = max(1, (total_steps - since) // points)
-    return ([{"step": r["step"], "lr": r["lr"]} for r in logged if r["step"] <= since]
-            + [{"step": k, "lr": lr_of_step(scheduler, k)}
-               for k in range(since + 1, total_steps + 1, stride)])
+    return [{"step": r["step"], "lr": r["lr"]} for r in logged if r["step"] <= since] + [
+        {"step": k, "lr": lr_of_step(scheduler, k)}
+        for k in range(since + 1, total_steps + 1, stride)
+    ]
 
 
 def compile_summary() -> str:
@@ -173,24 +210,33 @@ def compile_summary() -> str:
     batches and evaluation pads its last one, so there are two: training (train mode, gradients) and
     evaluation."""
     from torch._dynamo.utils import counters
+
     # (DDP's graph breaks add frames)
     graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["ok"]
-    return (f"torch.compile compiled {graphs} graph(s) (train, eval) from {frames} traced frame(s)"
-            + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why"))
+    return (
+        f"torch.compile compiled {graphs} graph(s) (train, eval) from {frames} traced frame(s)"
+        + ("" if graphs <= 2 else "; more than expected: TORCH_LOGS=recompiles shows why")
+    )
 
 
 def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
     """architecture: the timm name or import path that rebuilds the model (Run.architecture), None
     if none does."""
     folder = code_dir(run.architecture)  # (your own code: where predict imports it from)
-    return {"architecture": run.architecture, **({"code_dir": folder} if folder else {}),
-            "stem": cfg.stem, **run.data.info.model_config(),
-            "model_kwargs": cfg.model_kwargs_dict(), "metrics": metrics,
-            "accel_train_version": __version__}
+    return {
+        "architecture": run.architecture,
+        **({"code_dir": folder} if folder else {}),
+        "stem": cfg.stem,
+        **run.data.info.model_config(),
+        "model_kwargs": cfg.model_kwargs_dict(),
+        "metrics": metrics,
+        "accel_train_version": __version__,
+    }
 
 
-def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float,
-           stop) -> dict:
+def finish(
+    run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, seconds: float, stop
+) -> dict:
     """Outputs, written once by the main process: model.safetensors, model_config.json, curves,
     config; then the trackers are closed (accelerator.end_training). The stop handlers (`stop`) are
     uninstalled only then: a stop signal after the last step (its default action would end the
@@ -199,14 +245,20 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
     accelerator, model, ema, info = run.accelerator, run.model, run.ema, run.data.info
     accelerator.wait_for_everyone()
     if cfg.compile:
-        logger.info(f"rank {accelerator.process_index}: {compile_summary()}",
-                    main_process_only=not cfg.log_all_ranks)
+        logger.info(
+            f"rank {accelerator.process_index}: {compile_summary()}",
+            main_process_only=not cfg.log_all_ranks,
+        )
     out = Path(cfg.output_dir)
     last = metrics.rows[-1] if metrics.rows else {}
-    summary = {"final_test_acc": last.get("test_acc"),
-               "best_test_acc": max((r["test_acc"] for r in metrics.rows), default=None),
-               "epochs_run": len(metrics.rows), "step": last.get("step"), "wall_seconds": seconds,
-               "images_per_sec": last.get("images_per_sec")}
+    summary = {
+        "final_test_acc": last.get("test_acc"),
+        "best_test_acc": max((r["test_acc"] for r in metrics.rows), default=None),
+        "epochs_run": len(metrics.rows),
+        "step": last.get("step"),
+        "wall_seconds": seconds,
+        "images_per_sec": last.get("images_per_sec"),
+    }
     if ema is not None:
         summary["final_test_acc_ema"] = last.get("test_acc_ema")
     if best.row is not None:
@@ -221,28 +273,41 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
             export_model(ema.module, out, model_config(cfg, summary, run), filename=EMA_EXPORT_FILE)
         cfg.save_yaml(out / CONFIG_FILE, model=run.architecture)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(
-            metrics.rows, out / CURVES_FILE, metrics.steps(), run.steps_per_epoch,
-            lr_steps=lr_curve(run.scheduler, metrics.rows[-1]["step"], metrics.steps(),
-                              run.state.schedule_since))
+            metrics.rows,
+            out / CURVES_FILE,
+            metrics.steps(),
+            run.steps_per_epoch,
+            lr_steps=lr_curve(
+                run.scheduler, metrics.rows[-1]["step"], metrics.steps(), run.state.schedule_since
+            ),
+        )
+
     written = main_process_writes(accelerator, write, out)
     if accelerator.is_main_process:
         path, curves = written
-        logger.info(f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
-                    main_process_only=False)
+        logger.info(
+            f"rank {accelerator.process_index}/{accelerator.num_processes} wrote {path}",
+            main_process_only=False,
+        )
         files = [MODEL_FILE, MODEL_CONFIG_FILE, METRICS_FILE, STEPS_FILE, CONFIG_FILE]
-        files += ([CURVES_FILE] * bool(curves) + [EMA_EXPORT_FILE] * (ema is not None)
-                  + [f"{CKPT_DIR}/"])
+        files += (
+            [CURVES_FILE] * bool(curves) + [EMA_EXPORT_FILE] * (ema is not None) + [f"{CKPT_DIR}/"]
+        )
         files += [BEST_FILE] * bool(best.on_disk)
         if best.row is not None and not best.on_disk:
-            logger.warning(f"the best epoch ({best.row['epoch']}, test acc "
-                           f"{best.row['test_acc']:.2%}) was trained before a resume and its "
-                           f"{BEST_FILE} is not on this disk: no later epoch beat it")
+            logger.warning(
+                f"the best epoch ({best.row['epoch']}, test acc "
+                f"{best.row['test_acc']:.2%}) was trained before a resume and its "
+                f"{BEST_FILE} is not on this disk: no later epoch beat it"
+            )
         best_at = f" (epoch {summary['best_epoch']})" if "best_epoch" in summary else ""
-        logger.info(f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, "
-                    f"best {summary['best_test_acc'] or 0:.2%}{best_at}, "
-                    f"{summary['images_per_sec'] or 0:.0f} img/s | "
-                    f"outputs in {out}/: {', '.join(files)}"
-                    + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else ""))
+        logger.info(
+            f"done in {seconds:.0f}s: final test acc {summary['final_test_acc'] or 0:.2%}, "
+            f"best {summary['best_test_acc'] or 0:.2%}{best_at}, "
+            f"{summary['images_per_sec'] or 0:.0f} img/s | "
+            f"outputs in {out}/: {', '.join(files)}"
+            + (f" | tracker logs: {cfg.log_with}" if cfg.log_with else "")
+        )
         logger.info(predict_command(out, run.architecture, info.mean is not None))
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -253,17 +318,32 @@ def finish(run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, sec
 def predict_command(out: Path, architecture: str | None, normalised: bool = True) -> str:
     """The line that says how to predict with the trained model (`normalised`: its model_config.json
     records the normalisation; a script's own Datasets may not)."""
-    code = (" --trust_model_code" if is_import_path(architecture)
-            else " --model module.path:callable" if architecture is None else "")
+    code = (
+        " --trust_model_code"
+        if is_import_path(architecture)
+        else " --model module.path:callable"
+        if architecture is None
+        else ""
+    )
     norm = "" if normalised else " --mean R,G,B --std R,G,B"
-    return (f"predict with: accel-train predict --checkpoint {out}{code}{norm} IMAGE_OR_FOLDER ..."
-            + (" (imports the model's code: trust it)" if is_import_path(architecture) else "")
-            + ("" if normalised else " (--mean/--std: what your Dataset's transform applied to "
-                                     "[0, 1] images)"))
+    return (
+        f"predict with: accel-train predict --checkpoint {out}{code}{norm} IMAGE_OR_FOLDER ..."
+        + (" (imports the model's code: trust it)" if is_import_path(architecture) else "")
+        + (
+            ""
+            if normalised
+            else " (--mean/--std: what your Dataset's transform applied to [0, 1] images)"
+        )
+    )
 
 
-def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch: int = 0,
-                lr_steps: list[dict] | None = None) -> bool:
+def plot_curves(
+    rows: list[dict],
+    path,
+    steps: list[dict] = (),
+    steps_per_epoch: int = 0,
+    lr_steps: list[dict] | None = None,
+) -> bool:
     """Loss, accuracies and lr against epoch in one PNG; False (and no file) without matplotlib.
 
     Per-step points (steps.jsonl) are drawn where they say more than the epoch points (some logged
@@ -275,6 +355,7 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     """
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
@@ -292,19 +373,28 @@ def plot_curves(rows: list[dict], path, steps: list[dict] = (), steps_per_epoch:
     axes[1].plot(epochs, [100 * r["train_acc"] for r in rows], "o-", label="train")
     axes[1].plot(epochs, [100 * r["test_acc"] for r in rows], "o-", label="test")
     if any("test_acc_ema" in r for r in rows):
-        axes[1].plot(epochs, [100 * r.get("test_acc_ema", float("nan")) for r in rows], "o--",
-                     label="test (EMA)")
+        axes[1].plot(
+            epochs,
+            [100 * r.get("test_acc_ema", float("nan")) for r in rows],
+            "o--",
+            label="test (EMA)",
+        )
     axes[1].set_title("accuracy (%)")
     if lr_steps and steps_per_epoch:
-        axes[2].plot([s["step"] / steps_per_epoch for s in lr_steps], [s["lr"] for s in lr_steps],
-                     "-", label="lr (per step)")
+        axes[2].plot(
+            [s["step"] / steps_per_epoch for s in lr_steps],
+            [s["lr"] for s in lr_steps],
+            "-",
+            label="lr (per step)",
+        )
     elif at:
         axes[2].plot(at, [s["lr"] for s in steps], "-", label="lr (per step)")
     else:
         axes[2].plot(epochs, [r["lr"] for r in rows], "o-", label="lr (end of epoch)")
     axes[2].set_title("learning rate")
-    right = max([*epochs, *at,
-                 *(s["step"] / steps_per_epoch for s in lr_steps or () if steps_per_epoch)])
+    right = max(
+        [*epochs, *at, *(s["step"] / steps_per_epoch for s in lr_steps or () if steps_per_epoch)]
+    )
     for ax in axes:
         ax.set_xlim(0, max(right, 1) * 1.02)
         ax.set_xlabel("epoch")

@@ -58,9 +58,11 @@ def train(cfg: TrainConfig, given=None) -> dict:
                 end = end_of_epoch(run, cfg, meter, epoch, stop, only_evaluation)
                 if end.stopped:  # the epoch's steps are saved; its evaluation is done again
                     who, saved = stop.name, parts.checkpoints.save(run.state)  # (who: before)
-                    raise stop.stopped(f"stopped by {who} while evaluating epoch "
-                                       f"{epoch + 1}; checkpoint {saved}; continue with "
-                                       "--resume auto")
+                    raise stop.stopped(
+                        f"stopped by {who} while evaluating epoch "
+                        f"{epoch + 1}; checkpoint {saved}; continue with "
+                        "--resume auto"
+                    )
                 record_epoch(run, cfg, parts.metrics, parts.best, end.row)
                 next_epoch(run, epoch, survivor.lock)
                 parts.checkpoints.save(run.state)  # the epoch's end, or where --max_steps stopped
@@ -92,16 +94,26 @@ class Parts:
     @classmethod
     def of(cls, run: Run, cfg: TrainConfig, stop: StopRequest) -> Parts:
         acc, state = run.accelerator, run.state
-        metrics = MetricsLog(cfg, acc.is_main_process, state, run.history, run.steps_per_epoch,
-                             run.done)
+        metrics = MetricsLog(
+            cfg, acc.is_main_process, state, run.history, run.steps_per_epoch, run.done
+        )
         best = BestModel(cfg.output_dir, metrics.rows, acc.is_main_process, run.whole_epochs)
-        watch = NonFiniteWatch(acc.device, cfg.output_dir, bare_model(acc, run.model),
-                               run.precision)
-        checkpoints = Checkpointer(acc, cfg.output_dir, run.run_math, run.decision, run.model,
-                                   run.ema, cfg.keep_checkpoints, model_config(cfg, {}, run), watch,
-                                   metrics.history)
-        progress = tqdm(total=run.total_steps, initial=state.step, desc="train",
-                        dynamic_ncols=True)
+        watch = NonFiniteWatch(
+            acc.device, cfg.output_dir, bare_model(acc, run.model), run.precision
+        )
+        checkpoints = Checkpointer(
+            acc,
+            cfg.output_dir,
+            run.run_math,
+            run.decision,
+            run.model,
+            run.ema,
+            cfg.keep_checkpoints,
+            model_config(cfg, {}, run),
+            watch,
+            metrics.history,
+        )
+        progress = tqdm(total=run.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
         checks = AgreedChecks(stop, state.step, cfg.checkpoint_minutes)
         pace = Pace(cfg, state.step, run.total_steps, acc.is_main_process)
         return cls(stop, metrics, best, watch, checks, checkpoints, progress, pace)
@@ -116,8 +128,9 @@ class EpochEnd:
     stopped: bool = False
 
 
-def train_epoch(run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor, meter: EpochMeter,
-                epoch: int) -> None:
+def train_epoch(
+    run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor, meter: EpochMeter, epoch: int
+) -> None:
     """The epoch's optimizer steps, those a resumed run has left of it: each micro-batch's forward
     and backward, then, where it ends an accumulation window, the step applied and its moments."""
     acc, state = run.accelerator, run.state
@@ -139,8 +152,15 @@ def train_epoch(run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor, me
         tick = time.perf_counter()
 
 
-def step_done(run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor,
-              window_loss: torch.Tensor, lr: float, epoch: int) -> bool:
+def step_done(
+    run: Run,
+    cfg: TrainConfig,
+    parts: Parts,
+    survivor: Survivor,
+    window_loss: torch.Tensor,
+    lr: float,
+    epoch: int,
+) -> bool:
     """After an optimizer step, every rank alike (collectives): its row when one is due, a stop the
     ranks agree on (its checkpoint, then Stopped), a checkpoint due. True: the epoch's last step
     (--max_steps, or the end of its last whole accumulation window)."""
@@ -151,12 +171,15 @@ def step_done(run: Run, cfg: TrainConfig, parts: Parts, survivor: Survivor,
     window_loss.zero_()
     if last:
         return True
-    if parts.checks.due(state.step) and parts.checks.agree(acc, state.step, parts.watch,
-                                                           parts.checkpoints):
+    if parts.checks.due(state.step) and parts.checks.agree(
+        acc, state.step, parts.watch, parts.checkpoints
+    ):
         who = stop.name  # (what stopped the ranks, before a signal during the save can change it)
         saved = parts.checkpoints.save(state)
-        raise stop.stopped(f"stopped by {who} at step {state.step} (epoch {epoch + 1}); "
-                           f"checkpoint {saved}; continue with --resume auto")
+        raise stop.stopped(
+            f"stopped by {who} at step {state.step} (epoch {epoch + 1}); "
+            f"checkpoint {saved}; continue with --resume auto"
+        )
     if parts.checks.checkpoint_due(state.step, cfg.checkpoint_every):
         parts.checkpoints.save(state)
     return False
@@ -172,10 +195,12 @@ def epoch_meter(run: Run, cfg: TrainConfig, only_evaluation: bool) -> EpochMeter
     if partial:
         survivor = (run.decision.meta or {}).get("survivor")
         why = "a survivor's save after a lost peer" if survivor else "an earlier accel_train's"
-        logger.warning(f"epoch {state.epoch + 1}'s row covers its batches from "
-                       f"{state.batch_in_epoch + 1} on only (train_partial): the checkpoint "
-                       f"({why}) keeps no training sums of the batches before",
-                       main_process_only=not cfg.log_all_ranks)
+        logger.warning(
+            f"epoch {state.epoch + 1}'s row covers its batches from "
+            f"{state.batch_in_epoch + 1} on only (train_partial): the checkpoint "
+            f"({why}) keeps no training sums of the batches before",
+            main_process_only=not cfg.log_all_ranks,
+        )
     return EpochMeter(run.accelerator.device, state.epoch_sums if resumed else None, partial)
 
 
@@ -269,11 +294,12 @@ def reseed(run: Run) -> None:
     micro = state.batch_in_epoch % accelerator.gradient_accumulation_steps
     seed = draw_seed(run.run_math["seed"], state.step, micro, accelerator.process_index)
     torch.manual_seed(seed)
-    np.random.seed(seed % 2 ** 32)
+    np.random.seed(seed % 2**32)
 
 
-def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None,
-                 only_evaluation=False) -> EpochEnd:
+def end_of_epoch(
+    run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop=None, only_evaluation=False
+) -> EpochEnd:
     """Reduce the epoch's training sums, evaluate on the whole test split, log one line; stopped: a
     stop signal during the evaluation. `only_evaluation` (resumed after the epoch's last batch): the
     training numbers are the ones the checkpoint kept (TrainState.epoch_train); without them (a peer
@@ -282,30 +308,41 @@ def end_of_epoch(run: Run, cfg: TrainConfig, meter: EpochMeter, epoch: int, stop
     if not only_evaluation:
         run.state.epoch_train = meter.result(run.accelerator)  # (checkpoints keep it till the row)
     elif run.state.epoch_train is None:
-        logger.warning(f"epoch {epoch + 1}'s training numbers are not in the checkpoint (a peer "
-                       "was lost in their reduce, or an older accel_train wrote it): no row for it",
-                       main_process_only=not cfg.log_all_ranks)
+        logger.warning(
+            f"epoch {epoch + 1}'s training numbers are not in the checkpoint (a peer "
+            "was lost in their reduce, or an older accel_train wrote it): no row for it",
+            main_process_only=not cfg.log_all_ranks,
+        )
         return EpochEnd()
     train_stats = run.state.epoch_train
     evaluated = evaluate(run.accelerator, run.model, run.test_loader, run.data, cfg.tta, stop)
     if evaluated is None:
         return EpochEnd(stopped=True)
     classes = run.data.info.num_classes
-    row = {"epoch": epoch + 1, "step": run.state.step, **train_stats,
-           **evaluated.metrics(classes), "test_samples": evaluated.labels.numel(),
-           "lr": lr_of_step(run.scheduler, run.state.step)}  # the lr of the epoch's last step
+    # the lr of the epoch's last step
+    row = {
+        "epoch": epoch + 1,
+        "step": run.state.step,
+        **train_stats,
+        **evaluated.metrics(classes),
+        "test_samples": evaluated.labels.numel(),
+        "lr": lr_of_step(run.scheduler, run.state.step),
+    }
     if run.ema is not None:
         ema_evaluated = evaluate(run.accelerator, run.ema, run.test_loader, run.data, cfg.tta, stop)
         if ema_evaluated is None:
             return EpochEnd(stopped=True)
         row["test_acc_ema"] = ema_evaluated.accuracy()
     top = f" top-5 {row['test_top5']:.2%}" if "test_top5" in row else ""
-    logger.info(f"epoch {epoch + 1}/{cfg.epochs} step {row['step']}: "
-                f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.2%} | "
-                f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.2%}{top} "
-                f"({row['test_samples']} samples)"
-                + (f" ema {row['test_acc_ema']:.2%}" if run.ema is not None else "")
-                + f" | {row['images_per_sec']:.0f} img/s "
-                f"({row['images_per_sec_per_process']:.0f}/process, "
-                f"data wait {row['data_wait_frac']:.0%})", main_process_only=not cfg.log_all_ranks)
+    logger.info(
+        f"epoch {epoch + 1}/{cfg.epochs} step {row['step']}: "
+        f"train loss {row['train_loss']:.4f} acc {row['train_acc']:.2%} | "
+        f"test loss {row['test_loss']:.4f} acc {row['test_acc']:.2%}{top} "
+        f"({row['test_samples']} samples)"
+        + (f" ema {row['test_acc_ema']:.2%}" if run.ema is not None else "")
+        + f" | {row['images_per_sec']:.0f} img/s "
+        f"({row['images_per_sec_per_process']:.0f}/process, "
+        f"data wait {row['data_wait_frac']:.0%})",
+        main_process_only=not cfg.log_all_ranks,
+    )
     return EpochEnd(row)

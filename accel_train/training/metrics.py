@@ -47,19 +47,22 @@ class EpochMeter:
         every rank calls it at the same batch; a checkpoint, where the ranks meet anyway); JSON
         numbers, what a checkpoint keeps."""
         if self.reduced is None or self.reduced[0] != self.samples:
-            count = torch.tensor(float(self.samples), device=self.loss_sum.device,
-                                 dtype=torch.float64)
+            count = torch.tensor(
+                float(self.samples), device=self.loss_sum.device, dtype=torch.float64
+            )
             sums = torch.stack([self.loss_sum, self.correct.double(), count])
             loss_sum, correct, samples = accelerator.reduce(sums, reduction="sum").tolist()
             self.reduced = self.samples, (loss_sum, correct, samples)
         loss_sum, correct, samples = self.reduced[1]
         before = self.before
-        return {"loss_sum": before.get("loss_sum", 0.0) + loss_sum,
-                "correct": int(before.get("correct", 0) + correct),
-                "samples": int(before.get("samples", 0) + samples),
-                "process_samples": before.get("process_samples", 0) + self.samples,
-                "seconds": before.get("seconds", 0.0) + max(time.perf_counter() - self.start, 1e-9),
-                "data_time": before.get("data_time", 0.0) + self.data_time}
+        return {
+            "loss_sum": before.get("loss_sum", 0.0) + loss_sum,
+            "correct": int(before.get("correct", 0) + correct),
+            "samples": int(before.get("samples", 0) + samples),
+            "process_samples": before.get("process_samples", 0) + self.samples,
+            "seconds": before.get("seconds", 0.0) + max(time.perf_counter() - self.start, 1e-9),
+            "data_time": before.get("data_time", 0.0) + self.data_time,
+        }
 
     def result(self, accelerator) -> dict:
         """Reduce over ranks (a collective: every rank calls it) and read back once."""
@@ -91,13 +94,16 @@ def slow_run_warning(cfg, seconds_per_step: float, steps_left: int) -> str | Non
         return None
     size, hints = cfg.image_size or 32, []
     if cfg.stem == "cifar" and size > 32:
-        hints.append("--stem imagenet (timm's stem: ~16x less compute than the cifar stem at "
-                     f"{size} px)")
+        hints.append(
+            f"--stem imagenet (timm's stem: ~16x less compute than the cifar stem at {size} px)"
+        )
     if size > 64:
         hints.append(f"--image_size {max(32, size // 2)} (4x fewer pixels)")
     hints += ["--epochs / --max_steps (a shorter run)", "--train_samples N (a subset)"]
-    return (f"this run will take about {eta / 3600:.1f} h ({steps_left} steps at "
-            f"{seconds_per_step:.2f} s/step, evaluation not counted); faster: " + ", ".join(hints))
+    return (
+        f"this run will take about {eta / 3600:.1f} h ({steps_left} steps at "
+        f"{seconds_per_step:.2f} s/step, evaluation not counted); faster: " + ", ".join(hints)
+    )
 
 
 class Pace:
@@ -124,6 +130,7 @@ class Pace:
         line = slow_run_warning(self.cfg, (now - self.start) / self.K, self.total - step)
         if line:
             import logging
+
             logging.getLogger("accel_train").warning(line)
         return line
 
@@ -139,29 +146,46 @@ class MetricsLog:
     still has the whole history.
     """
 
-    def __init__(self, cfg, enabled: bool, resume_at=None, history: dict | None = None,
-                 steps_per_epoch: int = 1, done: bool = False):
+    def __init__(
+        self,
+        cfg,
+        enabled: bool,
+        resume_at=None,
+        history: dict | None = None,
+        steps_per_epoch: int = 1,
+        done: bool = False,
+    ):
         """`done`: the resumed run has nothing left to train (its checkpoint is where --max_steps
         stops): its rows are kept whole (cut, they emptied metrics.jsonl and the final metrics of a
         rerun command)."""
-        self.path, self.steps_path = (Path(cfg.output_dir) / METRICS_FILE,
-                                      Path(cfg.output_dir) / STEPS_FILE)
+        self.path, self.steps_path = (
+            Path(cfg.output_dir) / METRICS_FILE,
+            Path(cfg.output_dir) / STEPS_FILE,
+        )
         self.enabled = enabled
         self.rows, self.step_rows = [], []
         if resume_at is not None and resume_at.step > 0:
             if history is None:  # an older checkpoint: the files of this machine
-                history = {METRICS_FILE: read_jsonl(self.path),
-                           STEPS_FILE: read_jsonl(self.steps_path)}
+                history = {
+                    METRICS_FILE: read_jsonl(self.path),
+                    STEPS_FILE: read_jsonl(self.steps_path),
+                }
             # rows of whole epochs only (a --max_steps stop mid-epoch wrote a row its resumed epoch
             # rewrites)
-            self.rows = [r for r in history.get(METRICS_FILE, [])
-                         if r["epoch"] <= resume_at.epoch or done]
+            self.rows = [
+                r for r in history.get(METRICS_FILE, []) if r["epoch"] <= resume_at.epoch or done
+            ]
             self.step_rows = [r for r in history.get(STEPS_FILE, []) if r["step"] <= resume_at.step]
             # the row where --max_steps stopped (mid-epoch, off --log_every): one the uninterrupted
             # run has not
             step = resume_at.step
-            if self.step_rows and self.step_rows[-1]["step"] == step and step % cfg.log_every and \
-                    step % steps_per_epoch and not done:
+            if (
+                self.step_rows
+                and self.step_rows[-1]["step"] == step
+                and step % cfg.log_every
+                and step % steps_per_epoch
+                and not done
+            ):
                 self.step_rows.pop()
         if enabled:
             write_output(self.path, "".join(dumps(r) + "\n" for r in self.rows))
@@ -200,8 +224,11 @@ def tracker_init_kwargs(requested: list[str], step: int, run_name: str | None = 
     as wandb.init's name."""
     wanted = set(requested)
     kwargs = {"tensorboard": {"purge_step": step + 1}} if {"tensorboard", "all"} & wanted else {}
-    return ({**kwargs, "wandb": {"name": run_name}} if run_name and {"wandb", "all"} & wanted
-            else kwargs)
+    return (
+        {**kwargs, "wandb": {"name": run_name}}
+        if run_name and {"wandb", "all"} & wanted
+        else kwargs
+    )
 
 
 def check_trackers(accelerator, requested: list[str]) -> None:
@@ -216,6 +243,8 @@ def check_trackers(accelerator, requested: list[str]) -> None:
     if accelerator.num_processes > 1:
         missing = rank0s(missing)
     if missing:
-        raise ConfigError(f"tracker(s) {', '.join(missing)} did not start (package missing?); "
-                          "install its package (tensorboard: pip install "
-                          "'accel_train[tensorboard]'), or drop --log_with")
+        raise ConfigError(
+            f"tracker(s) {', '.join(missing)} did not start (package missing?); "
+            "install its package (tensorboard: pip install "
+            "'accel_train[tensorboard]'), or drop --log_with"
+        )

@@ -35,20 +35,31 @@ def build_optimizer(cfg, model: torch.nn.Module, num_processes: int) -> torch.op
     name, known = cfg.optimizer.lower(), known_optimizers()
     if known and name.split("_")[-1] not in known:
         near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        raise ConfigError(f"--opt {cfg.optimizer}: not a timm optimizer; "
-                          + (f"did you mean {', '.join(near)}? " if near else "")
-                          + "timm.optim.list_optimizers() lists them, e.g. sgd, adamw, lamb, lion")
+        raise ConfigError(
+            f"--opt {cfg.optimizer}: not a timm optimizer; "
+            + (f"did you mean {', '.join(near)}? " if near else "")
+            + "timm.optim.list_optimizers() lists them, e.g. sgd, adamw, lamb, lion"
+        )
     if cfg.layer_decay is not None and not callable(getattr(model, "group_matcher", None)):
-        raise ConfigError("--layer_decay needs a model that names its layers (timm's "
-                          f"group_matcher()); {type(model).__name__} has none: drop --layer_decay")
+        raise ConfigError(
+            "--layer_decay needs a model that names its layers (timm's "
+            f"group_matcher()); {type(model).__name__} has none: drop --layer_decay"
+        )
     try:
-        return create_optimizer_v2(model, name, lr=cfg.peak_lr(num_processes), weight_decay=decay,
-                                   momentum=cfg.momentum, layer_decay=cfg.layer_decay)
+        return create_optimizer_v2(
+            model,
+            name,
+            lr=cfg.peak_lr(num_processes),
+            weight_decay=decay,
+            momentum=cfg.momentum,
+            layer_decay=cfg.layer_decay,
+        )
     # (bnb* without bitsandbytes; an older timm)
     except (ImportError, ValueError, TypeError, AssertionError) as e:
         why = " ".join(str(e).split())[:160] or f"timm {timm.__version__} has no such optimizer"
-        raise ConfigError(f"--opt {cfg.optimizer}: timm could not build it ({why}); "
-                          "pick another --opt") from None
+        raise ConfigError(
+            f"--opt {cfg.optimizer}: timm could not build it ({why}); pick another --opt"
+        ) from None
 
 
 def schedule(cfg, optimizer, num_processes: int, steps_per_epoch: int):
@@ -60,21 +71,32 @@ def schedule(cfg, optimizer, num_processes: int, steps_per_epoch: int):
     # (when every epoch is warmup, `after` is unused)
     after = cfg.epochs - cfg.warmup_epochs if cfg.epochs > cfg.warmup_epochs else cfg.epochs
     try:
-        scheduler, _ = create_scheduler_v2(optimizer, cfg.sched, num_epochs=after,
-                                           warmup_epochs=cfg.warmup_epochs, warmup_prefix=True,
-                                           min_lr=cfg.min_lr, warmup_lr=peak / 100,
-                                           step_on_epochs=False, updates_per_epoch=steps_per_epoch,
-                                           **json_kwargs(cfg, "sched_kwargs"))
+        scheduler, _ = create_scheduler_v2(
+            optimizer,
+            cfg.sched,
+            num_epochs=after,
+            warmup_epochs=cfg.warmup_epochs,
+            warmup_prefix=True,
+            min_lr=cfg.min_lr,
+            warmup_lr=peak / 100,
+            step_on_epochs=False,
+            updates_per_epoch=steps_per_epoch,
+            **json_kwargs(cfg, "sched_kwargs"),
+        )
     except (TypeError, ValueError, AssertionError) as e:
         if "nknown sched" in str(e) or "nvalid sched" in str(e):
             scheduler = None  # (said below)
         else:
-            raise ConfigError(f"--sched {cfg.sched} with --sched_kwargs "
-                              f"{cfg.sched_kwargs or '{}'}: {' '.join(str(e).split())[:160]}; "
-                              "see timm's create_scheduler_v2 arguments") from None
+            raise ConfigError(
+                f"--sched {cfg.sched} with --sched_kwargs "
+                f"{cfg.sched_kwargs or '{}'}: {' '.join(str(e).split())[:160]}; "
+                "see timm's create_scheduler_v2 arguments"
+            ) from None
     if scheduler is None:  # (an older timm returns none for a name it lacks)
-        raise ConfigError(f"--sched {cfg.sched}: this timm ({timm.__version__}) has no such "
-                          "schedule; upgrade timm or pick cosine")
+        raise ConfigError(
+            f"--sched {cfg.sched}: this timm ({timm.__version__}) has no such "
+            "schedule; upgrade timm or pick cosine"
+        )
     return scheduler
 
 
@@ -93,8 +115,12 @@ def mixing(cfg, num_classes: int) -> Mixup | None:
     both, one lambda per batch), or None."""
     if not (cfg.mixup or cfg.cutmix):
         return None
-    return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix,
-                 label_smoothing=cfg.label_smoothing, num_classes=num_classes)
+    return Mixup(
+        mixup_alpha=cfg.mixup,
+        cutmix_alpha=cfg.cutmix,
+        label_smoothing=cfg.label_smoothing,
+        num_classes=num_classes,
+    )
 
 
 def criterion(cfg, soft: bool = False) -> torch.nn.Module:
@@ -102,16 +128,21 @@ def criterion(cfg, soft: bool = False) -> torch.nn.Module:
     cross-entropy)."""
     if soft:
         return SoftTargetCrossEntropy()
-    return (LabelSmoothingCrossEntropy(cfg.label_smoothing) if cfg.label_smoothing
-            else torch.nn.CrossEntropyLoss())
+    return (
+        LabelSmoothingCrossEntropy(cfg.label_smoothing)
+        if cfg.label_smoothing
+        else torch.nn.CrossEntropyLoss()
+    )
 
 
 def check_mixing(cfg) -> None:
     """Mixup pairs each sample with the batch's mirror image (flip(0)): it needs an even per-process
     batch."""
     if (cfg.mixup or cfg.cutmix) and cfg.batch_size % 2:
-        raise ConfigError("--mixup/--cutmix pair the samples of a batch: "
-                          f"--batch_size {cfg.batch_size} must be even")
+        raise ConfigError(
+            "--mixup/--cutmix pair the samples of a batch: "
+            f"--batch_size {cfg.batch_size} must be even"
+        )
 
 
 def recipe_line(cfg, num_processes: int, mixed: bool) -> str:
@@ -119,11 +150,17 @@ def recipe_line(cfg, num_processes: int, mixed: bool) -> str:
     lr_base, decay = cfg.optimizer_defaults()
     default = f"--opt {cfg.optimizer}'s default"
     base = f"({lr_base:g} per 256 images" + (f", {default})" if cfg.lr_base is None else ")")
-    return (f"optimizer {cfg.optimizer} (timm), lr {cfg.peak_lr(num_processes):.4g} "
-            + ("(--lr)" if cfg.lr is not None else base)
-            + f", weight decay {decay:g}" + (f" ({default})" if cfg.weight_decay is None else "")
-            + (f", layer decay {cfg.layer_decay:g}" if cfg.layer_decay else "")
-            + f"; {cfg.warmup_epochs:g} warmup epoch(s), then {cfg.sched}"
-            + (f"; mixup {cfg.mixup:g} / cutmix {cfg.cutmix:g} on soft targets (label smoothing "
-               f"{cfg.label_smoothing:g})" if mixed
-               else f"; label smoothing {cfg.label_smoothing:g}"))
+    return (
+        f"optimizer {cfg.optimizer} (timm), lr {cfg.peak_lr(num_processes):.4g} "
+        + ("(--lr)" if cfg.lr is not None else base)
+        + f", weight decay {decay:g}"
+        + (f" ({default})" if cfg.weight_decay is None else "")
+        + (f", layer decay {cfg.layer_decay:g}" if cfg.layer_decay else "")
+        + f"; {cfg.warmup_epochs:g} warmup epoch(s), then {cfg.sched}"
+        + (
+            f"; mixup {cfg.mixup:g} / cutmix {cfg.cutmix:g} on soft targets (label smoothing "
+            f"{cfg.label_smoothing:g})"
+            if mixed
+            else f"; label smoothing {cfg.label_smoothing:g}"
+        )
+    )

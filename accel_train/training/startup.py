@@ -69,6 +69,7 @@ logger = get_logger("accel_train")
 @dataclass
 class Run:
     """Everything the loop needs, built and prepared; `state` is where training resumes."""
+
     accelerator: Accelerator
     data: Data
     model: torch.nn.Module
@@ -81,10 +82,10 @@ class Run:
     state: TrainState
     steps_per_epoch: int
     total_steps: int
-    decision: Decision           # who writes checkpoints, where training resumed from
+    decision: Decision  # who writes checkpoints, where training resumed from
     # what the run computes, recorded in every checkpoint (a resume checks it)
     run_math: dict
-    history: dict | None         # metrics rows of the checkpoint resumed from
+    history: dict | None  # metrics rows of the checkpoint resumed from
     # what model_config.json records: None for a model no import path rebuilds
     architecture: str | None
     # timm's Mixup (--mixup/--cutmix): (x, labels) -> (mixed x, soft targets), or None
@@ -112,7 +113,8 @@ class Run:
         done but whose evaluation was interrupted is not done: it is evaluated first)."""
         state = self.state
         return state.epoch >= self.run_math["epochs"] or (
-            state.step >= self.total_steps and state.batch_in_epoch < self.batches_per_epoch)
+            state.step >= self.total_steps and state.batch_in_epoch < self.batches_per_epoch
+        )
 
 
 def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
@@ -125,8 +127,9 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     PROGRESS.mark("start-up: the data")
     data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
     PROGRESS.mark("start-up: the model")
-    model, optimizer, loaded, architecture = build_model(cfg, accelerator, data, given or Given(),
-                                                         decision, log)
+    model, optimizer, loaded, architecture = build_model(
+        cfg, accelerator, data, given or Given(), decision, log
+    )
     mixup = mixing(cfg, data.info.num_classes)  # timm's Mixup (--mixup/--cutmix), or None
     # the reduced precision computes right here (on hard labels, whatever the run's loss: the
     # kernels are what it checks)
@@ -135,7 +138,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     PROGRESS.mark("start-up: accelerator.prepare")
     # (--compile happens here, last)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
-        model, optimizer, data.train_loader, data.test_loader)
+        model, optimizer, data.train_loader, data.test_loader
+    )
     # An epoch is a whole number of accumulation windows: a partial window at the end would take an
     # optimizer step on fewer micro-batches at the same 1/grad_accum scale, so its micro-batches are
     # dropped (as drop_last drops an incomplete batch).
@@ -146,22 +150,43 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     PROGRESS.mark("start-up: the outputs", state.step)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
     criterion = loss_of(cfg, soft=mixup is not None)
-    run = Run(accelerator, data, model, optimizer, scheduler, train_loader, test_loader, criterion,
-              ema, state, steps_per_epoch, total_steps, decision,
-              run_math(cfg, accelerator, decision, data), history, architecture, mixup)
+    run = Run(
+        accelerator,
+        data,
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        test_loader,
+        criterion,
+        ema,
+        state,
+        steps_per_epoch,
+        total_steps,
+        decision,
+        run_math(cfg, accelerator, decision, data),
+        history,
+        architecture,
+        mixup,
+    )
     announce(run, cfg, resolved, loaded, log)
     if cfg.log_with:  # after every input check: a failed start leaves no new files behind
         # on the main process only
-        accelerator.init_trackers(cfg.tracker_project, config=tracker_config(cfg),
-                                  init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step,
-                                                                  cfg.run_name))
+        accelerator.init_trackers(
+            cfg.tracker_project,
+            config=tracker_config(cfg),
+            init_kwargs=tracker_init_kwargs(cfg.trackers(), state.step, cfg.run_name),
+        )
         check_trackers(accelerator, cfg.trackers())  # checked there, the verdict sent to every rank
     # every input is checked by now
     on_every_rank(accelerator, start_branch, cfg.output_dir, decision, cfg.resume == "auto")
     # the run's flags as resolved, from its start (a run stopped by Ctrl-C has a config.yaml to
     # replay); the end writes it again
-    main_process_writes(accelerator, partial(cfg.save_yaml, Path(cfg.output_dir) / CONFIG_FILE,
-                                             model=architecture), cfg.output_dir)
+    main_process_writes(
+        accelerator,
+        partial(cfg.save_yaml, Path(cfg.output_dir) / CONFIG_FILE, model=architecture),
+        cfg.output_dir,
+    )
     return run
 
 
@@ -195,8 +220,9 @@ def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
     return decision
 
 
-def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log,
-                given: Given) -> tuple[Data, str]:
+def load_inputs(
+    cfg: TrainConfig, accelerator, decision: Decision, log, given: Given
+) -> tuple[Data, str]:
     """The data (the same on every machine, enough for one batch per rank) and the defaults it
     resolves: image size, stem, mean/std, pipeline. Returns the data and the line saying what was
     resolved."""
@@ -211,48 +237,86 @@ def load_inputs(cfg: TrainConfig, accelerator, decision: Decision, log,
     if (cfg.init_from or pretrained.wanted(cfg)) and (cfg.mean is None or cfg.std is None):
         mean, std, source = (
             on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
-            if cfg.init_from else (*pretrained.normalisation(cfg.model)[:2],
-                                   f"timm's pretrained_cfg of {cfg.model}"))
+            if cfg.init_from
+            else (*pretrained.normalisation(cfg.model)[:2], f"timm's pretrained_cfg of {cfg.model}")
+        )
         if mean is not None:
-            cfg.mean, cfg.std = (cfg.mean or ",".join(map(str, mean)),
-                                 cfg.std or ",".join(map(str, std)))
-            log(f"{'--init_from' if cfg.init_from else '--pretrained'}: mean/std "
-                f"{cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)")
+            cfg.mean, cfg.std = (
+                cfg.mean or ",".join(map(str, mean)),
+                cfg.std or ",".join(map(str, std)),
+            )
+            log(
+                f"{'--init_from' if cfg.init_from else '--pretrained'}: mean/std "
+                f"{cfg.mean} / {cfg.std} from {source} (pass --mean/--std to override)"
+            )
     if given.train_set is not None:  # a script's own Datasets (api.train)
-        data = on_every_rank(accelerator, given_data, cfg, given, accelerator.device,
-                             accelerator.num_processes)
+        data = on_every_rank(
+            accelerator, given_data, cfg, given, accelerator.device, accelerator.num_processes
+        )
     else:
-        data = on_every_rank(accelerator, build_data, cfg, accelerator.device, budget=budget,
-                             processes=accelerator.num_processes, should_stop=pending_stop)
+        data = on_every_rank(
+            accelerator,
+            build_data,
+            cfg,
+            accelerator.device,
+            budget=budget,
+            processes=accelerator.num_processes,
+            should_stop=pending_stop,
+        )
         if (stats := rank0s((data.info.mean, data.info.std))) != (data.info.mean, data.info.std):
             # (a rank whose machine was writing the decoded cache took a sample's)
             data.set_normalisation(*stats)
     # fine-tuning keeps the weights' stem
-    if cfg.stem == "auto" and (stem := init_stem(cfg.init_from) if cfg.init_from else
-                               "imagenet" if pretrained.wanted(cfg) else None):
+    if cfg.stem == "auto" and (
+        stem := (
+            init_stem(cfg.init_from)
+            if cfg.init_from
+            else "imagenet"
+            if pretrained.wanted(cfg)
+            else None
+        )
+    ):
         cfg.stem = stem
-        log(f"{'--init_from' if cfg.init_from else '--pretrained'}: stem {cfg.stem}, "
-            "as the weights were trained (pass --stem to override)")
-    resolved = cfg.resolve(data.info, data.pipeline, cifar_stem_fits(cfg.model), data.train_size,
-                           accelerator.num_processes)  # image size, stem, mean/std, pipeline, batch
-    same_everywhere(accelerator, "the data (training / test samples, classes)",
-                    (data.train_size, data.test_size, data.info.classes))
+        log(
+            f"{'--init_from' if cfg.init_from else '--pretrained'}: stem {cfg.stem}, "
+            "as the weights were trained (pass --stem to override)"
+        )
+    # image size, stem, mean/std, pipeline, batch
+    resolved = cfg.resolve(
+        data.info,
+        data.pipeline,
+        cifar_stem_fits(cfg.model),
+        data.train_size,
+        accelerator.num_processes,
+    )
+    same_everywhere(
+        accelerator,
+        "the data (training / test samples, classes)",
+        (data.train_size, data.test_size, data.info.classes),
+    )
     with said_once(accelerator):
         check_mixing(cfg)
         if decision.meta:
             check_data(decision.meta, data.train_size, data.info.classes, decision.resume_from)
         if data.train_size < cfg.batch_size * accelerator.num_processes:
-            raise ConfigError(f"{data.train_size} training samples cannot fill one batch of "
-                              f"{cfg.batch_size} on each of {accelerator.num_processes} processes; "
-                              "lower --batch_size or add data")
+            raise ConfigError(
+                f"{data.train_size} training samples cannot fill one batch of "
+                f"{cfg.batch_size} on each of {accelerator.num_processes} processes; "
+                "lower --batch_size or add data"
+            )
         # per process and epoch
         batches = data.train_size // (cfg.batch_size * accelerator.num_processes)
         if batches < cfg.grad_accum:
-            raise ConfigError(f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per "
-                              f"process and epoch, but there are {batches}; lower --grad_accum or "
-                              "--batch_size, or add data")
-    if not decision.meta and batch_given and (note := dropped_note(cfg, data.train_size,
-                                                                   accelerator.num_processes)):
+            raise ConfigError(
+                f"--grad_accum {cfg.grad_accum} needs {cfg.grad_accum} batches per "
+                f"process and epoch, but there are {batches}; lower --grad_accum or "
+                "--batch_size, or add data"
+            )
+    if (
+        not decision.meta
+        and batch_given
+        and (note := dropped_note(cfg, data.train_size, accelerator.num_processes))
+    ):
         logger.warning(note)  # a given --batch_size that leaves much of the data out of every epoch
     return data, resolved
 
@@ -262,14 +326,29 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given, decisio
     or --init_from's weights loaded (not on resume: the checkpoint's win), --freeze applied, in the
     run's memory format), checked on one batch on every rank, and its optimizer (--opt) over the
     parameters that train."""
-    model = on_every_rank(accelerator, create_model, cfg.model, cfg.stem, data.info.num_classes,
-                          cfg.image_size, factory=given.model, **model_extras(cfg, decision))
-    if (fixed_input_size(cfg.model) not in (None, cfg.image_size)
-            and "img_size" not in cfg.model_kwargs_dict()):
-        logger.info(f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: "
-                    f"img_size={cfg.image_size} passed to timm.create_model")
-    loaded = (on_every_rank(accelerator, load_init_weights, model, cfg.init_from) if cfg.init_from
-              else None)
+    model = on_every_rank(
+        accelerator,
+        create_model,
+        cfg.model,
+        cfg.stem,
+        data.info.num_classes,
+        cfg.image_size,
+        factory=given.model,
+        **model_extras(cfg, decision),
+    )
+    if (
+        fixed_input_size(cfg.model) not in (None, cfg.image_size)
+        and "img_size" not in cfg.model_kwargs_dict()
+    ):
+        logger.info(
+            f"{cfg.model} is built for {fixed_input_size(cfg.model)} px: "
+            f"img_size={cfg.image_size} passed to timm.create_model"
+        )
+    loaded = (
+        on_every_rank(accelerator, load_init_weights, model, cfg.init_from)
+        if cfg.init_from
+        else None
+    )
     if cfg.freeze:
         log(on_every_rank(accelerator, freeze, model, cfg.freeze))
     if cfg.channels_last:
@@ -279,17 +358,20 @@ def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given, decisio
     on_every_rank(accelerator, check_forward, model, x, data.info.num_classes, cfg.model)
     # DDP reduces every trained parameter's gradient: one that gets none stalls it
     if accelerator.num_processes > 1:
-        unused = sorted({n for names in gather_object([unused_parameters(model, x)])
-                         for n in names})
+        unused = sorted(
+            {n for names in gather_object([unused_parameters(model, x)]) for n in names}
+        )
         if unused:
             # (read by prepare(): Accelerate's DDP kwargs)
             accelerator.ddp_handler.find_unused_parameters = True
             names = ", ".join(unused[:4]) + (", ..." if len(unused) > 4 else "")
             verb = "gets" if len(unused) == 1 else "get"
-            logger.info(f"{counted(len(unused), 'trained parameter')} ({names}) {verb} no gradient "
-                        "on a batch: DDP looks for unused parameters every step "
-                        "(find_unused_parameters, a little slower; freeze or remove them to train "
-                        "without it)")
+            logger.info(
+                f"{counted(len(unused), 'trained parameter')} ({names}) {verb} no gradient "
+                "on a batch: DDP looks for unused parameters every step "
+                "(find_unused_parameters, a little slower; freeze or remove them to train "
+                "without it)"
+            )
     optimizer = on_every_rank(accelerator, build_optimizer, cfg, model, accelerator.num_processes)
     return model, optimizer, loaded, recorded_architecture(cfg, accelerator, data, given, model, x)
 
@@ -306,22 +388,31 @@ def model_extras(cfg: TrainConfig, decision: Decision) -> dict:
     return {**kwargs, **(pretrained.create_kwargs(cfg) if not decision.meta else {})}
 
 
-def recorded_architecture(cfg: TrainConfig, accelerator, data: Data, given: Given, model, x
-                          ) -> str | None:
+def recorded_architecture(
+    cfg: TrainConfig, accelerator, data: Data, given: Given, model, x
+) -> str | None:
     """The import path model_config.json records: --model's; for a module or factory given to
     train() its own (user.name_of) only if that rebuilds it (user.rebuild_problem, checked by the
     main process), else None and one line saying so (evaluate and predict then need the model
     named)."""
     if given.model is None:
         return cfg.model
-    rebuild = partial(create_model, cfg.model, cfg.stem, data.info.num_classes, cfg.image_size,
-                      **cfg.model_kwargs_dict())
+    rebuild = partial(
+        create_model,
+        cfg.model,
+        cfg.stem,
+        data.info.num_classes,
+        cfg.image_size,
+        **cfg.model_kwargs_dict(),
+    )
     problem = rank0s(rebuild_problem(model, rebuild, x) if accelerator.is_main_process else None)
     if problem:
-        logger.warning("model_config.json records no architecture: the model given to train() is "
-                       f"not rebuilt by its import path {cfg.model} with model_kwargs "
-                       f"{cfg.model_kwargs_dict()} ({problem}); "
-                       "evaluate and predict need --model naming code that builds it")
+        logger.warning(
+            "model_config.json records no architecture: the model given to train() is "
+            f"not rebuilt by its import path {cfg.model} with model_kwargs "
+            f"{cfg.model_kwargs_dict()} ({problem}); "
+            "evaluate and predict need --model naming code that builds it"
+        )
     return None if problem else cfg.model
 
 
@@ -332,8 +423,9 @@ def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, 
     state, history = TrainState(run_id=decision.run_id), None
     if decision.resume_from:
         state = load_checkpoint(accelerator, decision.resume_from)
-        state.batch_in_epoch = batches_done(decision.meta, cfg.batch_size,
-                                            accelerator.num_processes)
+        state.batch_in_epoch = batches_done(
+            decision.meta, cfg.batch_size, accelerator.num_processes
+        )
         history = read_history(decision.resume_from)
         # momentum, weight decay, ...: the flags'
         log_changes(decision.meta, cfg, accelerator.mixed_precision, log)
@@ -341,8 +433,11 @@ def resume(cfg: TrainConfig, accelerator, decision: Decision, model, scheduler, 
         if schedule_changed(decision.meta, cfg):
             state.schedule_since = state.step
     scheduler.step_update(state.step)
-    ema = (ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True)
-           if cfg.ema else None)
+    ema = (
+        ModelEmaV3(bare_model(accelerator, model), decay=cfg.ema_decay, use_warmup=True)
+        if cfg.ema
+        else None
+    )
     if ema is not None and decision.resume_from and not load_ema(ema, decision.resume_from):
         log(f"{decision.resume_from} has no EMA weights: the EMA starts from the resumed weights")
     return state, history, ema
@@ -352,35 +447,55 @@ def run_math(cfg: TrainConfig, accelerator, decision: Decision, data: Data) -> d
     """What the run computes (recorded in every checkpoint as "run"): a resume that would change it
     is refused, except the per-process batch and the process count, which elastic resume derives
     (resume.reconcile)."""
-    return dict(global_batch=cfg.batch_size * accelerator.num_processes * cfg.grad_accum,
-                batch_size=cfg.batch_size, num_processes=accelerator.num_processes,
-                num_machines=decision.num_machines, grad_accum=cfg.grad_accum, epochs=cfg.epochs,
-                seed=cfg.seed, model=cfg.model, stem=cfg.stem,
-                model_kwargs=cfg.model_kwargs_dict(), data=cfg.data, train_size=data.train_size,
-                image_size=cfg.image_size, mean=listed(data.info.mean), std=listed(data.info.std),
-                augment=cfg.augment, hflip=cfg.hflip, freeze=cfg.freeze, val_split=cfg.val_split,
-                settings=settings(cfg, accelerator.mixed_precision),
-                **{key: getattr(cfg, key) for key in RECIPE_FLAGS})
+    return dict(
+        global_batch=cfg.batch_size * accelerator.num_processes * cfg.grad_accum,
+        batch_size=cfg.batch_size,
+        num_processes=accelerator.num_processes,
+        num_machines=decision.num_machines,
+        grad_accum=cfg.grad_accum,
+        epochs=cfg.epochs,
+        seed=cfg.seed,
+        model=cfg.model,
+        stem=cfg.stem,
+        model_kwargs=cfg.model_kwargs_dict(),
+        data=cfg.data,
+        train_size=data.train_size,
+        image_size=cfg.image_size,
+        mean=listed(data.info.mean),
+        std=listed(data.info.std),
+        augment=cfg.augment,
+        hflip=cfg.hflip,
+        freeze=cfg.freeze,
+        val_split=cfg.val_split,
+        settings=settings(cfg, accelerator.mixed_precision),
+        **{key: getattr(cfg, key) for key in RECIPE_FLAGS},
+    )
 
 
 def announce(run: Run, cfg: TrainConfig, resolved: str, loaded: str | None, log) -> None:
     accelerator, decision, state = run.accelerator, run.decision, run.state
     if decision.resume_from:
-        log(f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
-            f"{state.batch_in_epoch} batches into the epoch")
-    log(f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {run.data.info.name}, "
+        log(
+            f"resumed from {decision.resume_from}: epoch {state.epoch + 1}, step {state.step}, "
+            f"{state.batch_in_epoch} batches into the epoch"
+        )
+    log(
+        f"accel_train {__version__}: {cfg.model} ({cfg.stem} stem) on {run.data.info.name}, "
         f"{run.data.train_size} train / {run.data.test_size} test samples, "
         f"{accelerator.num_processes} process(es) [{accelerator.distributed_type}, "
         f"{accelerator.mixed_precision}] on {decision.num_machines} machine(s), "
         f"global batch {run.run_math['global_batch']}, "
         f"peak lr {cfg.peak_lr(accelerator.num_processes):.4g}, "
         f"{counted(run.steps_per_epoch, 'step')}/epoch, model {wrappers(run.model)}; checkpoints: "
-        + ("one copy in the shared output dir" if decision.shared
-           else "a whole copy on each machine's disk")
-        + f", {checkpoint_interval_text(cfg.checkpoint_minutes)}")
+        + (
+            "one copy in the shared output dir"
+            if decision.shared
+            else "a whole copy on each machine's disk"
+        )
+        + f", {checkpoint_interval_text(cfg.checkpoint_minutes)}"
+    )
     log(recipe_line(cfg, accelerator.num_processes, run.mixup is not None))
     log(run.data.describe())
     log(resolved)
     if loaded:
         log(loaded)
-

@@ -1,5 +1,6 @@
-"""A small model of the user's own (not timm), imported as `--model tests_pkg.mod:build`. Importing it touches the file
-named by $TESTS_PKG_IMPORTED, if set: a test proves that a command imported nothing."""
+"""A small model of the user's own (not timm), imported as `--model tests_pkg.mod:build`. Importing
+it touches the file named by $TESTS_PKG_IMPORTED, if set: a test proves that a command imported
+nothing."""
 
 import os
 import time
@@ -15,18 +16,25 @@ if os.environ.get("TESTS_PKG_IMPORTED"):
 class Net(nn.Module):
     def __init__(self, num_classes: int, width: int = 8, out: str = "logits"):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.GroupNorm(2, width), nn.ReLU(),
-                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.GroupNorm(2, width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.head = nn.Linear(width, num_classes)
         self.out = out
 
     def forward(self, x):
-        if torch.is_grad_enabled() and os.environ.get("TESTS_PKG_FAIL_WITH_GRAD"):  # (the start-up check has none)
+        if torch.is_grad_enabled() and os.environ.get("TESTS_PKG_FAIL_WITH_GRAD"):
+            # (the start-up check has none)
             raise RuntimeError("the first training step fails (TESTS_PKG_FAIL_WITH_GRAD)")
         if self.training and os.environ.get("TESTS_PKG_DELAY"):
             time.sleep(float(os.environ["TESTS_PKG_DELAY"]))
         logits = self.head(self.features(x))
-        if self.out == "tuple" or self.out == "tuple_in_training" and self.training:  # (the latter: GoogLeNet's aux)
+        if self.out == "tuple" or self.out == "tuple_in_training" and self.training:
+            # (the latter: GoogLeNet's aux)
             return logits, x
         if self.out == "dict":
             return {"logits": logits}
@@ -35,9 +43,15 @@ class Net(nn.Module):
         return logits
 
 
-def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = False, rank: int | None = None):
-    """Everything a bad model can do, by --model_kwargs: fail (the callable raises), out (what forward returns), on
-    every rank or only on `rank`."""
+def build(
+    num_classes: int,
+    width: int = 8,
+    out: str = "logits",
+    fail: bool = False,
+    rank: int | None = None,
+):
+    """Everything a bad model can do, by --model_kwargs: fail (the callable raises), out (what
+    forward returns), on every rank or only on `rank`."""
     if rank is not None and int(os.environ.get("RANK", "0")) != rank:
         fail, out = False, "logits"
     if fail:
@@ -46,8 +60,8 @@ def build(num_classes: int, width: int = 8, out: str = "logits", fail: bool = Fa
 
 
 def probe(num_classes: int, keyword: bool = False):
-    """A linear probe: every parameter frozen (requires_grad=False) but the classifier's. keyword: the classifier is
-    called with a keyword argument (`self.head(input=x)`)."""
+    """A linear probe: every parameter frozen (requires_grad=False) but the classifier's. keyword:
+    the classifier is called with a keyword argument (`self.head(input=x)`)."""
     net = Net(num_classes)
     for p in net.features.parameters():
         p.requires_grad_(False)

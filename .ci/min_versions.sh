@@ -23,6 +23,8 @@ if wrong:
 import torch
 print("min-versions: " + ", ".join(f"{n}=={v}" for n, v in pins) + f"; torch {torch.__version__}")
 PY
+# the lowest ruff the test extra allows agrees with the style .ci/run checked
+"$tmp/venv/bin/ruff" check -q . && "$tmp/venv/bin/ruff" format --check -q .
 export PATH="$tmp/venv/bin:$PATH" PYTHONPATH="$PWD"  # launch.sh's python3 and accelerate are the venv's too
 # The fast subset, plus one single-process run to the end (export, EMA, tensorboard, curves, predict):
 # the fast subset alone never reaches the end of a training run, where the accelerate bound matters.

@@ -19,9 +19,9 @@ from .config.train_config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, is_lost_peer
 from .exits import exit_rank, lost_peer, note_aborts
 from .files import MODEL_FILE, missing_dirs, remove_if_empty
+from .model.own_model import Given, name_of
 from .resilience.preempt import SIGNALS, watch_launcher
 from .status import status_of
-from .model.own_model import Given, name_of
 
 
 def train(
@@ -77,8 +77,8 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     created = missing_dirs(cfg.output_dir)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from .training.loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
     from .checkpoint.output_dir import release_output_dir
+    from .training.loop import train as loop_train  # (the heavy imports: torch, timm, accelerate)
 
     try:
         # log lines while the progress bar is open go above it, each on its own line

@@ -20,12 +20,12 @@ import yaml
 
 from . import __version__
 from .checkpoint.changes import run_settings
-from .config.train_config import TrainConfig, fields
 from .config.flag_types import base_type
-from .status import status_of
+from .config.train_config import TrainConfig, fields
 from .errors import EXIT_OK, ConfigError
-from .parser import Parser
 from .exits import exit_rank
+from .parser import Parser
+from .status import status_of
 
 GROUPS = ("data", "model", "optimisation", "checkpointing", "logging", "performance", "platform")
 TRUE, FALSE = ("1", "true", "yes", "y", "on"), ("0", "false", "no", "n", "off")

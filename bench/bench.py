@@ -1,9 +1,8 @@
-"""accel_train's training step vs a bare PyTorch loop, alternating in one process; ratios, not
-timings.
+"""accel_train's training step vs a bare PyTorch loop, alternating in one process; ratios only.
 
     python bench/bench.py                      # CPU, small: about a minute on 2 cores
-    python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last [--compile]
-    python bench/bench.py --table              # fp32/bf16 x NCHW/channels_last, ours/bare in each, CPU flags
+    python bench/bench.py --device cuda --batch_size 512 --precision bf16 --channels_last
+    python bench/bench.py --table    # fp32/bf16 x NCHW/channels_last, ours/bare in each, CPU flags
 
 "ours" is the real accel_train code path: `startup.setup()` (Accelerator, device-resident data
 pipeline, timm model + stem, timm SGD, prepare) and per step `data.inputs()` (gather + crop + flip +

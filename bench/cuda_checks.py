@@ -1,10 +1,13 @@
-"""Device checks for bench/gpu_check.sh, one per call; each prints one line and writes its figures
-as JSON.
+"""Device checks for bench/gpu_check.sh, one per call; each prints a line and writes JSON figures.
 
-    python bench/cuda_checks.py syncs  --json F --output_dir D [--device cuda]   host syncs per optimizer step
-    python bench/cuda_checks.py compile --json F --output_dir D [--compile_mode M] graphs torch.compile compiled
-    python bench/cuda_checks.py resume --json F --output_dir D                   stopped + resumed == uninterrupted
-    python bench/cuda_checks.py deterministic-train -- <trainer arguments>       (used by resume)
+    python bench/cuda_checks.py syncs --json F --output_dir D [--device cuda]
+        host syncs per optimizer step
+    python bench/cuda_checks.py compile --json F --output_dir D [--compile_mode M]
+        graphs torch.compile compiled
+    python bench/cuda_checks.py resume --json F --output_dir D
+        stopped + resumed == uninterrupted
+    python bench/cuda_checks.py deterministic-train -- <trainer arguments>
+        (used by resume)
 
 Each runs the real trainer (accel_train.cli.main) in this process. `syncs` turns on
 torch.cuda.set_sync_debug_mode("warn") once training has started and counts the warnings per window

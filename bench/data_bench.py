@@ -5,10 +5,13 @@ colour jitter: crop, flip, normalise), on the same folder: RandomResizedCrop (sc
 3/4-4/3) and a flip in every case, ours from the whole image stored at 1.5x (crops.py), timm's from
 the decoded file. No model runs.
 
-    python bench/data_bench.py --make /tmp/photos 2400            # write a folder: 2400 + 10% val JPEGs, ~450x350
-    python bench/data_bench.py --data_dir /tmp/photos [--image_size 224 --batch_size 64 --batches 12 --rounds 3]
-    python bench/data_bench.py --make /tmp/big 240 --photo 1300x1000  # shorter side >= 900: 4x the training size
-    python bench/data_bench.py --data_dir /tmp/big --cases full,reduced   # the reduced-scale decode vs a full one
+    # write a folder: 2400 + 10% val JPEGs, ~450x350; then read it
+    python bench/data_bench.py --make /tmp/photos 2400
+    python bench/data_bench.py --data_dir /tmp/photos [--image_size 224 --batch_size 64
+        --batches 12 --rounds 3]
+    # shorter side >= 900 (4x the training size): the reduced-scale decode vs a full one
+    python bench/data_bench.py --make /tmp/big 240 --photo 1300x1000
+    python bench/data_bench.py --data_dir /tmp/big --cases full,reduced
 
 Cases (--cases, comma separated): `cpu0` (our cpu pipeline, no workers), `cpu` (its default
 workers), `cache` (`--pipeline cache`: the folder decoded once into ~/.cache/accel_train/decoded, or
@@ -75,9 +78,10 @@ def write_photo(path: Path, photo: tuple[int, int], seed) -> None:
 
 def ours(args, pipeline: str, workers: int | None, full_decode: bool = False):
     """(batches: an iterator of normalised batches on the device, workers, notes)."""
+    from PIL import JpegImagePlugin
+
     from accel_train.config.train_config import TrainConfig
     from accel_train.data import build_data
-    from PIL import JpegImagePlugin
 
     # full: every pixel decoded, as without Image.draft (the loader's workers, forked later, inherit
     # the patch)
@@ -149,6 +153,7 @@ def kernels(args) -> None:
     installed."""
     import torch
     from PIL import Image
+
     from accel_train.data.crops import (
         pixel_boxes,
         resized_crop,
@@ -267,8 +272,8 @@ def main(argv=None) -> int:
         # this process is the device: it normalises (every case: timm's prefetcher, our inputs)
         # with one thread; two oversubscribe the cores the workers use (0.67 vs 0.24 ms/img)
         torch.set_num_threads(1)
-    from accel_train.platform.cores import worker_count
     from accel_train.config.train_config import TrainConfig
+    from accel_train.platform.cores import worker_count
 
     default_workers = worker_count(TrainConfig())[0]
     cores = len(os.sched_getaffinity(0))

@@ -1,10 +1,11 @@
-"""The precision check's cost next to one training step (issue 34 item 6): peak memory and time of
+"""The precision check's cost next to one training step: peak memory and time of
 one bf16 training step, of the check on the slice a run checks (gradcheck.CHECK_BATCH rule) and of
-the check on the whole batch (the check before issue 34), each in a fresh process. Peak memory over
+the check on the whole batch (as it once was), each in a fresh process. Peak memory over
 what the process held just before: the accelerator's allocator peak where there is one, else the
 growth of the peak resident set (Linux).
 
-    python bench/gradcheck_memory.py [--model resnet50] [--image_size 224] [--batch 64] [--precision bf16]
+    python bench/gradcheck_memory.py [--model resnet50] [--image_size 224] [--batch 64]
+        [--precision bf16]
 """
 
 from __future__ import annotations

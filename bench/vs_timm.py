@@ -1,7 +1,8 @@
 """accel_train next to timm's own train.py: same image folder, model, epochs, batch and lr, one CPU
 process each.
 
-    python bench/vs_timm.py /tmp/timm_train.py [--epochs 5 --batch_size 64 --lr 0.1 --size 64 --repeats 2 --seeds 1,2,3]
+    python bench/vs_timm.py /tmp/timm_train.py [--epochs 5 --batch_size 64 --lr 0.1 --size 64
+        --repeats 2 --seeds 1,2,3]
 
 timm's train.py is not part of this repository: take it from timm's repository (the version matching
 the installed timm) and pass its path. Nothing is fetched at run time. The script writes a learnable
@@ -112,7 +113,7 @@ def run_timed(cmd, env, cwd) -> tuple[float, list[tuple[float, str]]]:
     if proc.wait() != 0:
         sys.exit(
             f"failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
-            + "\n".join(l for _, l in lines[-40:])
+            + "\n".join(text for _, text in lines[-40:])
         )
     return time.perf_counter() - start, lines
 
@@ -306,10 +307,15 @@ def main() -> None:
         )
     }
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTHONPATH=str(ROOT))
+    photos = (
+        f"photo-like (shape {args.shape} of the shorter side), each side 1-2x "
+        if args.photos
+        else ""
+    )
     print(
         f"# data: {len(classes)} classes x ({args.train_per_class} train + {args.val_per_class}"
         " val) PNG,"
-        f" {'classes by hue, ' if args.by_hue else ''}{f'photo-like (shape {args.shape} of the shorter side), each side 1-2x ' if args.photos else ''}{args.size}px;"
+        f" {'classes by hue, ' if args.by_hue else ''}{photos}{args.size}px;"
         f" {args.model} (timm's own stem in both), {args.epochs} epochs, batch {args.batch_size},"
         f" lr {args.lr}, seeds {seeds} (folders from data seed {args.data_seed}+i), one CPU"
         f" process, {os.cpu_count()} cores",
@@ -353,7 +359,7 @@ def main() -> None:
     walls = {k: sorted(r["wall"] for r in v) for k, v in results.items()}
     med = {k: v[len(v) // 2] for k, v in walls.items()}
     print(
-        f"imports (s, each in a fresh process, cumulative): "
+        "imports (s, each in a fresh process, cumulative): "
         + ", ".join(f"{k} {v:.2f}" for k, v in imports.items())
     )
     print(

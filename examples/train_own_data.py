@@ -1,8 +1,9 @@
 """Your own Dataset and model, trained from Python with every guarantee of the command line:
 
     python examples/train_own_data.py --output_dir /tmp/own_data                  # one process
-    accelerate launch --config_file accelerate_configs/2proc_cpu.yaml examples/train_own_data.py --output_dir ...
-    ACCEL_TRAIN_SCRIPT=examples/train_own_data.py ./launch.sh --output_dir ...    # clusters, restarts
+    accelerate launch --config_file accelerate_configs/2proc_cpu.yaml \
+        examples/train_own_data.py --output_dir ...                                # ranks
+    ACCEL_TRAIN_SCRIPT=examples/train_own_data.py ./launch.sh --output_dir ...    # clusters
 
 It takes the command line's flags (--epochs, --resume auto, ...); `--output_dir ... --resume auto`
 alone continues the run with its own settings. Exact resume needs a Dataset that gives the same item
@@ -10,7 +11,7 @@ for an index every time: here each image is a function of its index. The model i
 train_own_data:small_net, with this file's folder; predict with it from any folder (it imports this
 file's code, hence the trust flag; the images are fed as Stripes gives them, unnormalised):
 
-    accel-train predict --checkpoint /tmp/own_data --trust_model_code --mean 0,0,0 --std 1,1,1 my_images/
+    accel-train predict --checkpoint /tmp/own_data --trust_model_code --mean 0,0,0 --std 1,1,1 imgs/
 """
 
 import json

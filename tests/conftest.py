@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
 
 # The device facts every test, trainer and rank sees: pinned, so that no result depends on the CPU
-# running the suite (issue 29 item 6: with the machine's own facts, every automatic-precision run
-# trained bf16 on a CPU with avx512_bf16 and fp32 elsewhere, each comparison on another numeric
-# path). ACCEL_TRAIN_TEST_CPU=bf16 runs the suite as a CPU with native bf16 (.ci/run runs the
-# min-versions tests that way); a test that needs other facts sets its own.
+# running the suite (with the machine's own facts, every automatic-precision run trains bf16 on a
+# CPU with avx512_bf16 and fp32 elsewhere, each comparison on another numeric path).
+# ACCEL_TRAIN_TEST_CPU=bf16 runs the suite as a CPU with native bf16 (.ci/run runs the min-versions
+# tests that way); a test that needs other facts sets its own.
 TEST_CPUS = {
     "plain": {
         "kind": "cpu",
@@ -509,7 +509,7 @@ class Job:
                 start_new_session=True,
             )
 
-    def __enter__(self) -> "Job":
+    def __enter__(self) -> Job:
         return self
 
     def __exit__(self, *exc):

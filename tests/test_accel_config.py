@@ -3,8 +3,9 @@ per contents."""
 
 import importlib.metadata
 
-from accel_train.platform import accel_config
 from conftest import CONFIGS
+
+from accel_train.platform import accel_config
 
 
 def test_a_config_that_loaded_is_not_read_again_and_a_changed_one_is(tmp_path, monkeypatch, capsys):

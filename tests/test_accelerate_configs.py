@@ -5,7 +5,6 @@ import re
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-
 from conftest import CONFIGS
 
 ALL = sorted(p.name for p in CONFIGS.glob("*.yaml"))
@@ -67,8 +66,8 @@ def test_unknown_key_is_refused(tmp_path):
 
 
 def test_the_npu_configs_name_the_fact_launch_sh_chooses_bf16_by():
-    """issue 41 item 9: 1node_npu.yaml said launch.sh asks torch.npu.is_bf16_supported(); it (and
-    the trainer) match the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name:
+    """1node_npu.yaml says what launch.sh and the trainer ask: not torch.npu.is_bf16_supported() but
+    the SoC name (hardware.py NPU_BF16, from torch.npu.get_device_name:
     Accelerate's answer is True on every NPU).
     """
     from accel_train.platform import hardware

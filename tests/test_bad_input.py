@@ -9,9 +9,9 @@ import subprocess
 
 import numpy as np
 import pytest
+from conftest import ROOT, Exploit, clean_env, run_cli, write_batch, write_cifar
 
 from accel_train.cli import main
-from conftest import ROOT, Exploit, clean_env, run_cli, write_batch, write_cifar
 
 
 def snapshot(root):
@@ -68,7 +68,7 @@ CASES = {  # name: (extra args or a data corruption, message fragment)
         "cannot fill one batch of 16 on each of 1 processes",
     ),
     "resume_missing": (["--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
-    # issue 38's flags
+    # the recipe's flags
     # (its nearest names: tests/test_optim.py)
     "unknown_optimizer": (
         ["--opt", "adamww"],
@@ -311,9 +311,9 @@ def test_links_planted_in_an_output_dir_are_never_written_through(tmp_path):
     )
     assert all(v.read_text() == "root's own data\n" for v in victims.values())
     # a link made while the run goes on (after the start's look) is not written through either
+    from accel_train.config.train_config import TrainConfig
     from accel_train.errors import ConfigError
     from accel_train.files import open_output, write_output
-    from accel_train.config.train_config import TrainConfig
 
     for write in (
         lambda p: TrainConfig().save_yaml(p),

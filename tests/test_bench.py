@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, clean_env
 
 
@@ -150,7 +149,7 @@ def test_data_bench_makes_a_folder_and_compares_the_pipelines_with_timm(tmp_path
 
 @pytest.mark.launches
 def test_gradcheck_memory_prints_the_step_and_both_checks():
-    # bench/gradcheck_memory.py (issue 34 item 6's measurement), small: a batch of 64 is checked on
+    # bench/gradcheck_memory.py (the precision check's memory), small: a batch of 64 is checked on
     # a slice of 32
     proc = subprocess.run(
         [
@@ -183,7 +182,7 @@ def test_gradcheck_memory_prints_the_step_and_both_checks():
 def test_vs_timm_hue_classes_are_their_sector_of_the_colour_wheel_and_the_summary_pairs_seeds(
     tmp_path,
 ):
-    """bench/vs_timm.py's evidence for issue 38 item 6 rests on its folder: with --hues K, class k's
+    """bench/vs_timm.py's comparison with timm rests on its folder: with --hues K, class k's
     object has a hue in sector k of K (the background grey), on canvases of varying size; and on its
     paired summary.
     """

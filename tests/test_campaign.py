@@ -1,4 +1,4 @@
-"""The fault campaign (tools/campaign.py, issue 36): its checker catches a broken resume and a
+"""The fault campaign (tools/campaign.py): its checker catches a broken resume and a
 process left behind, and a short fixed campaign passes (CI runs it as part of the suite)."""
 
 import json
@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, clean_env, steps_logged, wait_for
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -29,7 +28,8 @@ if "--resume" in sys.argv:  # a resumed start trains the epoch's batches from it
 ORPHAN = """
 import os, sys
 if "--timeout_s" in sys.argv and os.environ.get("RANK") == "1":  # (rank 1 of the faulted run only)
-    if os.fork() == 0:  # rank 1 leaves a process of its own behind, outside every session the launchers kill
+    # rank 1 leaves a process of its own behind, outside every session the launchers kill
+    if os.fork() == 0:
         os.setsid()
         os.closerange(0, 1024)
         import time
@@ -111,13 +111,13 @@ def test_rows_and_promises_are_compared_column_by_column():
         [dict(lost, survivor_possible=False)], interval=3
     )
     assert draw(5).to_json() == draw(5).to_json()  # a seed replays its draw
-    # (issue 38's flags are drawn)
+    # (the recipe flags are drawn too)
     assert draw(2818).recipe == "probe" and "--freeze" in trainer_flags(draw(2818))
 
 
 def test_an_elastic_resume_in_bf16_is_held_to_bf16s_rounding_only(tmp_path):
-    """Seed 887942689 (bf16, a 2-rank run continued from a 1-process checkpoint): the per-process
-    batch changed, so did bf16's rounding (fc 1.7e-4 apart); in fp32, or on the same process count,
+    """bf16, a 2-rank run continued from a 1-process checkpoint: the per-process batch changes, and
+    so does bf16's rounding (fc 1.7e-4 apart is no failure); in fp32, or on the same process count,
     1e-4 is a failure."""
     import torch
     from safetensors.torch import save_file
@@ -141,8 +141,8 @@ def test_an_elastic_resume_in_bf16_is_held_to_bf16s_rounding_only(tmp_path):
     assert compare_outputs(out, ref, elastic=True, sixteen_bit=True) == []
     assert len(compare_outputs(out, ref, elastic=True)) == 3  # fc, momentum, the loss
     assert len(compare_outputs(out, ref, sixteen_bit=True)) == 3
-    # seed 1267: the peer died in step 16's loss reduce, the survivor wrote its own loss, said so:
-    # not compared
+    # the peer died in step 16's loss reduce, the survivor wrote its own loss and said so: not
+    # compared
     (out / "steps.jsonl").write_text(
         json.dumps({"step": 16, "loss": 0.9, "loss_of": "rank 1 only"}) + "\n"
     )
@@ -155,10 +155,9 @@ def test_an_elastic_resume_in_bf16_is_held_to_bf16s_rounding_only(tmp_path):
 
 
 def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
-    """Seed 1120530184 (the runner's bug): the second fault, in the platform's rerun, was charged
-    the steps between the rerun's own resume (step 5) and the fault (step 7): 2 steps lost against a
-    promise of 0. The run had finished.
-    """
+    """A second fault, in the platform's rerun, is charged from the resume after it, not the rerun's
+    own resume (step 5) before it (step 7: 2 steps lost against a promise of 0, for a run that
+    finished)."""
     rerun = (
         b"\xe2\x96\x88 resumed from /o/checkpoints/step_00000005: epoch 1, step 5, 2 batches into"
         b" the epoch\nepoch 1/2 step 7: ...\n"
@@ -182,9 +181,8 @@ def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
     assert measure(fault, seen, logs)["lost"] is None
     after = logs + [b"resumed from /o/checkpoints/step_00000007: epoch 1, step 7\n"]
     assert measure(fault, seen, after)["resumed"] == 7
-    # seed 1435089692: launch.sh relaunched in the same log, after the killed simple launcher's
-    # traceback replayed the trainer's own earlier 'resumed from' (step 5): the relaunch's (15)
-    # counts
+    # launch.sh relaunches in the same log, after the killed simple launcher's traceback replays
+    # the trainer's own earlier 'resumed from' (step 5): the relaunch's (15) counts
     one = (
         b"resumed from /o/checkpoints/step_00000005: epoch 1, step 5\nepoch 1/2 step 16: ...\n",
         (
@@ -199,13 +197,12 @@ def test_a_fault_in_a_rerun_counts_the_resume_after_it_not_the_one_before():
 
 # The CI campaign: seeds picked for the most likely bugs at the least cost: 2 ranks through
 # launch.sh, a rank frozen (SIGSTOP: the heartbeat) at a checkpoint write after --resume auto with
-# --ema (20, an own model), and killed during a checkpoint write with --ema and BatchNorm (2818;
-# since issue 38's flags are drawn: a --freeze backbone linear probe). Seed 1267's one failure in CI
-# (step 10's loss off the uninterrupted run's, passed on replay) was the survivor's row of a step
-# whose loss reduce its peer died in: its own loss, marked "loss_of", as documented; the checker now
-# reads the mark. A failure prints the seed's replay command. Scenarios that found a bug join them
-# once it is fixed (705879002's bug needs a signal at the run's very end: tests/test_launch.py
-# test_a_run_that_finished_as_its_launcher_died_of_a_stop_signal_is_status_0 holds it).
+# --ema (20, an own model), and killed during a checkpoint write with --ema and BatchNorm (2818: a
+# --freeze backbone linear probe). The survivor's row of a step whose loss reduce its peer died in
+# holds its own loss, marked "loss_of", as documented; the checker reads the mark. A failure prints
+# the seed's replay command. Scenarios that find a bug join them once it is fixed, or a test holds
+# the fault where a campaign would rarely draw it (a signal at the run's very end:
+# tests/test_launch.py test_a_run_that_finished_as_its_launcher_died_of_a_stop_signal_is_status_0).
 CI_SEEDS = [20, 2818]
 
 
@@ -216,11 +213,11 @@ def test_a_short_fixed_campaign_passes(tmp_path, capsys):
     assert code == 0 and "FAIL" not in out, out
 
 
-# --- what the campaign found, kept as regression tests (seed 705879002: launch.sh, one process,
-# SIGTERM) ---
+# --- faults the campaign draws rarely, held by tests (launch.sh, one process, SIGTERM) ---
 FINISH_HOLD = """
 import os, time
-if os.environ.get("CAMPAIGN_TEST_HOLD"):  # the trainer, in its final outputs: says so, then takes 4 s more
+# the trainer, in its final outputs: says so, then takes 4 s more
+if os.environ.get("CAMPAIGN_TEST_HOLD"):
     import accelerate
     _end_training = accelerate.Accelerator.end_training
     def end_training(self):
@@ -311,9 +308,8 @@ def session_members(sid: int) -> list[int]:
 
 @pytest.mark.campaign
 def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
-    """Seed 89765507: `kill -9` of launch.sh (its job runs on and ends by itself, as documented)
-    left launch.sh's background watch for stopped ranks (a fork of launch.sh, in its session)
-    looping for ever."""
+    """After `kill -9` of launch.sh its job runs on and ends by itself, as documented, and nothing
+    of launch.sh stays behind (no background watch for stopped ranks looping for ever)."""
     proc, out = one_process_launch_sh(tmp_path)
     try:
         wait_for(lambda: steps_logged(out) >= 3, timeout=240, interval=0.02)
@@ -329,10 +325,10 @@ def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
 
 @pytest.mark.campaign
 def test_one_ctrl_c_to_launch_sh_of_one_process_is_one_ctrl_c(tmp_path):
-    """Seed 1463180775: launch.sh passed the Ctrl-C to the job's whole group; accelerate 1.15's
-    simple launcher answers it by SIGTERMing the trainer (and SIGKILLing it 5 s later), which the
-    trainer took for a second Ctrl-C: stopped at once, no checkpoint, 130. The trainer alone hears
-    it now: a checkpoint at the next agreed check, 4.
+    """launch.sh passes a Ctrl-C to the trainer alone: a checkpoint at the next agreed check, 4.
+    Passed to the job's whole group, accelerate 1.15's simple launcher answers it by SIGTERMing the
+    trainer (and SIGKILLing it 5 s later), a second Ctrl-C for the trainer: stopped at once, no
+    checkpoint, 130.
     """
     proc, out = one_process_launch_sh(tmp_path)
     code = sigterm_then_wait(proc, lambda: steps_logged(out) >= 3, signal.SIGINT)

@@ -10,9 +10,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
+from safetensors.torch import load_file
 
 CONFIG = {1: "cpu.yaml", 2: "2proc_cpu.yaml"}
 
@@ -186,8 +185,8 @@ def test_resume_errors_are_one_line(tmp_path, four_steps):
 
 
 FLUSH_HOOK = """\
-# test only: the trainer's TensorBoard writer flushes every 0.2 s (default 120 s), so that steps logged after the
-# checkpoint are on disk when the process is killed, as they are after a long run
+# test only: the trainer's TensorBoard writer flushes every 0.2 s (default 120 s), so that steps
+# logged after the checkpoint are on disk when the process is killed, as they are after a long run
 if b"accel_train" in open("/proc/self/cmdline", "rb").read():
     from torch.utils.tensorboard import writer as _writer
     _init = _writer.SummaryWriter.__init__
@@ -263,13 +262,13 @@ def test_tensorboard_steps_stay_increasing_after_a_kill_and_resume_auto(tmp_path
     assert steps["epoch/test_acc"] == [25]
 
 
-def test_a_checkpoint_is_complete_only_with_every_file_it_recorded_and_publish_replaces_an_incomplete_one(
+def test_a_checkpoint_is_complete_only_with_every_file_recorded_and_publish_replaces_an_incomplete(
     tmp_path,
 ):
-    """Issue 33 (suspected, verified): only trainer_state.json was flushed, so after a machine's
-    crash a "complete" step could hold truncated tensors; and a survivor's rename onto an incomplete
-    directory of the same step was taken for another survivor's copy, discarding its own complete
-    one."""
+    """Every file of a step is flushed, not only trainer_state.json (after a machine's crash a
+    "complete" step must not hold truncated tensors); a survivor's rename onto an incomplete
+    directory of the same step replaces it, not taken for another survivor's copy (which would
+    discard its own complete one)."""
     from accel_train.files import checkpoint_dirs, complete, publish, seal, step_dir
 
     out = tmp_path / "out"

@@ -3,12 +3,11 @@ import sys
 
 import pytest
 import yaml
+from conftest import ROOT, run_cli
 
-from accel_train.cli import parse_train_args, train_parser
-from accel_train.cli import load_yaml
+from accel_train.cli import load_yaml, parse_train_args, train_parser
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
-from conftest import ROOT, run_cli
 
 
 def test_defaults_live_in_trainconfig():
@@ -215,7 +214,7 @@ def test_custom_data_never_silently_overrides_an_explicit_data(tmp_path):
     # trained
     from test_imagefolder import write_image_folder
 
-    # (bf16: test_resnet at 16 px meets issue 27's bad kernel, refused as asked)
+    # (bf16: test_resnet at 16 px meets the bad bf16 kernel, refused as asked)
     tiny = [
         "--model",
         "test_resnet",
@@ -274,7 +273,7 @@ def test_custom_data_never_silently_overrides_an_explicit_data(tmp_path):
 
 
 def test_the_data_kind_is_what_data_dir_holds_and_a_folder_of_neither_is_refused(tmp_path):
-    """Issue 40 item 1: `--data_dir /photos` without --data trained on random noise, silently, a
+    """`--data_dir /photos` without --data trains on the photos, never on random noise, silently, a
     whole run."""
     (tmp_path / "c" / "cifar-10-batches-py").mkdir(parents=True)
     (tmp_path / "f" / "train" / "cat").mkdir(parents=True)

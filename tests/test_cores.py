@@ -1,13 +1,12 @@
-"""cores.py: the cores a process may use and the intra-op threads that follow (issue 40 item 6: a
-one-process CPU run on a busy 2-core machine ran 7x slower with torch's default threads than with
-one, and nothing said so).
+"""cores.py: the cores a process may use and the intra-op threads that follow (a one-process CPU
+run on a busy 2-core machine runs 7x slower with torch's default threads than with one).
 """
 
 import torch
+from conftest import clean_env, run_cli
 
 from accel_train import TrainConfig
 from accel_train.platform import cores
-from conftest import clean_env, run_cli
 
 
 def test_threads_follow_the_flag_the_environment_the_cores_and_the_load(monkeypatch):

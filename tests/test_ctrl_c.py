@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CONFIGS, ROOT, TINY, clean_env, launch, reference_args, steps_logged, wait_for
 from safetensors.torch import load_file
 
 from accel_train.resilience.preempt import ONE_STOP_S
-
-from conftest import CONFIGS, ROOT, TINY, clean_env, launch, reference_args, steps_logged, wait_for
 
 
 def start(tmp_path, args, **env):
@@ -197,7 +196,9 @@ if os.environ.get("ACCEL_TEST_HOLD_AT_STEP"):
             me = os.environ.get("RANK", "0")
             signalled = [os.path.join(_marks, f"{name}-{me}") for name in ("SIGINT", "SIGTERM")]
             release = os.environ.get("ACCEL_TEST_RELEASE_ON_SIGNAL")
-            while time.monotonic() < deadline and not (release and any(map(os.path.exists, signalled))):
+            while time.monotonic() < deadline and not (
+                release and any(map(os.path.exists, signalled))
+            ):
                 time.sleep(0.05)
             if release:  # (a moment more, for a signal right behind the first)
                 time.sleep(0.5)
@@ -212,8 +213,8 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     marks.mkdir()
     (hooks / "sitecustomize.py").write_text(HOLD_HOOK)
     # both ranks hold inside step 2 (step 1 logged, its agreed check done): no agreed check can
-    # answer the first Ctrl-C before the second comes, on any machine (issue 29 item 7: with steps
-    # that took seconds, a fast CPU reached the next check first and the run exited 4)
+    # answer the first Ctrl-C before the second comes, on any machine (with steps that
+    # take seconds, a fast CPU would reach the next check first and the run exit 4)
     proc, status = start(
         tmp_path,
         [

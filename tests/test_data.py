@@ -3,6 +3,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from conftest import Exploit, write_batch, write_cifar
 from torchvision.transforms.v2 import functional as TF
 
 from accel_train.config.train_config import TrainConfig
@@ -15,7 +16,6 @@ from accel_train.data import (
     read_batch,
     read_cifar10,
 )
-from conftest import Exploit, write_batch, write_cifar
 
 
 def test_reader_any_rows_per_file(tmp_path):
@@ -339,8 +339,8 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
     most MAX_WORKERS; given, as given.
     """
     from accel_train.config.train_config import MAX_WORKERS
-    from accel_train.platform.cores import worker_count
     from accel_train.data.workers import _leave_signals_to_the_trainer, loader_kwargs
+    from accel_train.platform.cores import worker_count
 
     for cores, local, expected in (
         (2, 1, 2),

@@ -1,4 +1,4 @@
-"""Issue 23 item 6: on NCCL and HCCL a failed collective reaches the training thread as an exception
+"""On NCCL and HCCL a failed collective reaches the training thread as an exception
 (the settings, set by the trainer and by launch.sh, a user's own kept), NCCL's own failure texts are
 lost peers, and the survivor save's copy off the device waits on nothing but its own side stream
 (docs/failures.md). No GPU here: the device side is mocked, as torch and torch_npu would present
@@ -10,13 +10,17 @@ import time
 
 import pytest
 import torch
+from test_launch import (
+    dry_run,
+    hw,  # noqa: F401 (a fixture)
+    parse,
+)
 from torch.distributed import DistBackendError
 
-from accel_train.platform import accelerator, hardware
-from accel_train.resilience import device_copy
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import is_lost_peer
-from test_launch import dry_run, hw, parse  # noqa: F401  (hw is a fixture)
+from accel_train.platform import accelerator, backend_env, hardware
+from accel_train.resilience import device_copy
 
 NAMES = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -26,7 +30,7 @@ NAMES = (
     "HCCL_CONNECT_TIMEOUT",
     "HCCL_EXEC_TIMEOUT",
     "TORCHELASTIC_RUN_ID",
-    *(n for names in accelerator.MONITOR_ENV.values() for n in names),
+    *(n for names in backend_env.MONITOR_ENV.values() for n in names),
 )
 
 
@@ -109,10 +113,10 @@ def test_the_trainer_sets_them_before_the_process_group_exists(monkeypatch, clea
         kind, "NVIDIA H100" if kind == "cuda" else "Ascend910B1", (9, 0) if kind == "cuda" else None
     )
     accelerator.make_accelerator(TrainConfig(), facts)
-    names, value, to_set = accelerator.FAILURE_ENV[kind]
+    names, value, to_set = backend_env.FAILURE_ENV[kind]
     assert {n: seen[n] for n in names} == {n: value if n in to_set else None for n in names}
     other = "npu" if kind == "cuda" else "cuda"
-    assert all(seen[n] is None for n in accelerator.FAILURE_ENV[other][0])
+    assert all(seen[n] is None for n in backend_env.FAILURE_ENV[other][0])
     for n in names:  # a value the user set is what the group sees
         os.environ.pop(n, None)
     os.environ[names[-1]] = "1"
@@ -124,7 +128,7 @@ def test_launch_sh_exports_what_the_trainer_sets(hw):
     # (empty is unset, to both; an in-process trainer test may have set them here)
     unset = dict.fromkeys(NAMES, "")
     for kind, devices in (("cuda", {"gpus": 2}), ("npu", {"npus": 8})):
-        names, value, to_set = accelerator.FAILURE_ENV[kind]
+        names, value, to_set = backend_env.FAILURE_ENV[kind]
         env, _, _ = parse(dry_run(unset, bindir=hw(**devices)))
         assert {n: env.get(n) for n in names} == {
             n: value if n in to_set else None for n in names
@@ -134,15 +138,15 @@ def test_launch_sh_exports_what_the_trainer_sets(hw):
             env, _, _ = parse(dry_run({**unset, name: "1"}, bindir=hw(**devices)))
             assert not set(names) & set(env), (kind, name, env)
     env, _, _ = parse(dry_run(unset))  # a CPU machine: gloo, nothing to set
-    assert not {n for names, _, _ in accelerator.FAILURE_ENV.values() for n in names} & set(env)
+    assert not {n for names, _, _ in backend_env.FAILURE_ENV.values() for n in names} & set(env)
 
 
 def test_the_backends_watchdog_monitor_is_on_after_timeout_s_unless_the_user_set_it(hw):
-    """Issue 37 item 4: TORCH_NCCL_* / TORCH_HCCL_* ENABLE_MONITORING and HEARTBEAT_TIMEOUT_SEC,
-    from the trainer and from launch.sh alike (accelerator.MONITOR_ENV); gloo has no such
+    """TORCH_NCCL_* / TORCH_HCCL_* ENABLE_MONITORING and HEARTBEAT_TIMEOUT_SEC,
+    from the trainer and from launch.sh alike (backend_env.MONITOR_ENV); gloo has no such
     monitor."""
     for kind, devices in (("cuda", {"gpus": 2}), ("npu", {"npus": 8})):
-        enable, timeout = accelerator.MONITOR_ENV[kind]
+        enable, timeout = backend_env.MONITOR_ENV[kind]
         assert accelerator.monitor_env(kind, 120, env := {}) == env == {enable: "1", timeout: "120"}
         assert (
             accelerator.monitor_env(kind, 120, env := {timeout: "900"}) == {enable: "1"}
@@ -158,7 +162,7 @@ def test_the_backends_watchdog_monitor_is_on_after_timeout_s_unless_the_user_set
         launched, _, _ = parse(dry_run({**unset, timeout: "900"}, bindir=hw(**devices)))
         assert launched.get(enable) == "1" and timeout not in launched, launched
     assert accelerator.monitor_env("cpu", 120, env := {}) == env == {}
-    assert not set(accelerator.MONITOR_ENV["cuda"] + accelerator.MONITOR_ENV["npu"]) & set(
+    assert not set(backend_env.MONITOR_ENV["cuda"] + backend_env.MONITOR_ENV["npu"]) & set(
         parse(dry_run(unset))[0]
     )
 
@@ -308,9 +312,9 @@ def test_a_check_that_reads_an_aborted_all_gather_is_a_lost_peer_not_a_decision(
     returns, once the watchdog aborted the communicator, whatever its output held: a stale row must
     not stop the job as diverged or preempted. Each row carries the step the ranks called the check
     at."""
-    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import LostPeer
     from accel_train.resilience.preempt import AgreedChecks, StopRequest
+    from accel_train.training.divergence import NonFiniteWatch
 
     class Gathered:  # two ranks' rows, the second one stale
         device = torch.device("cpu")

@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
+from conftest import launch, run_cli
 from safetensors.torch import load_file
 from timm.scheduler import create_scheduler_v2
 
 from accel_train.errors import EXIT_DIVERGED
-from conftest import launch, run_cli
 
 # --lr 100: the first steps are sane; then the weights jump by orders of magnitude (step 6 here), or
 # on another CPU's floating-point path the loss or the weights become non-finite first: whichever
@@ -68,8 +68,7 @@ def strict_jsonl(path):
 def assert_diverged_cleanly(out, stderr):
     errors = [line for line in stderr.splitlines() if "accel-train: error" in line]
     assert len(errors) == 1, stderr[-3000:]
-    # one of the three forms, each naming the step and the lr that step ran with (never "nan": issue
-    # 26)
+    # one of the three forms, each naming the step and the lr that step ran with (never "nan")
     m = re.fullmatch(
         r"accel-train: error: (the training loss became non-finite at step|the weights became"
         r" non-finite "
@@ -173,12 +172,12 @@ def test_weights_that_diverge_within_an_epoch_are_neither_evaluated_exported_nor
 
 
 def test_an_infinite_loss_stops_the_run_as_a_nan_does(tmp_path):
-    """+inf is as non-finite as NaN (issue 39: a watch that tested isnan let a loss of +inf train
-    on, exit 0 and export, with `loss: null` in steps.jsonl)."""
+    """+inf is as non-finite as NaN (a watch that tests isnan lets a loss of +inf train on, exit 0
+    and export, with `loss: null` in steps.jsonl)."""
     from types import SimpleNamespace
 
-    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import Diverged
+    from accel_train.training.divergence import NonFiniteWatch
 
     gather = SimpleNamespace(gather=lambda t: t)  # one process: gather is the identity
     for bad in (float("inf"), float("-inf"), float("nan")):
@@ -198,8 +197,8 @@ def test_an_infinite_loss_stops_the_run_as_a_nan_does(tmp_path):
 def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
     """A checkpoint taken mid-epoch (--checkpoint_every 1, 2 steps per epoch) after a step that left
     the weights non-finite is not written, and the error names no non-finite checkpoint as the
-    "newest finite" one (issue 39: the divergence tests had one step per epoch, so the epoch-end
-    check always ran before any checkpoint).
+    "newest finite" one (several steps per epoch: with one, the epoch-end check always runs before
+    any checkpoint).
     """
     out = tmp_path / "out"
     proc = run_cli(
@@ -248,12 +247,12 @@ class OneRank:
 
 
 def test_a_finite_weight_whose_norm_overflows_stops_the_run(tmp_path):
-    # issue 34 item 2: one real element at 1.6e32 (a wrong bf16 kernel's garbage reaches 6e35) is
-    # finite, but the tensor's fp32 norm is inf; the check tested elements only, so such weights
-    # were exported (exit 0). A finite tensor whose norm is not finite is absurd: every rank stops,
+    # one real element at 1.6e32 (a wrong bf16 kernel's garbage reaches 6e35) is finite, but the
+    # tensor's fp32 norm is inf; a check of elements only would export such weights (exit 0). A
+    # finite tensor whose norm is not finite is absurd: every rank stops,
     # naming it (and the precision that can cause it)
-    from accel_train.training.divergence import NonFiniteWatch
     from accel_train.errors import Diverged
+    from accel_train.training.divergence import NonFiniteWatch
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4, 2))
     watch = NonFiniteWatch(torch.device("cpu"), tmp_path, model, "bf16")

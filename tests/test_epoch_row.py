@@ -1,4 +1,4 @@
-"""The epoch's row after a lost peer (issue 33 item 5): a resume that redoes only an epoch's
+"""The epoch's row after a lost peer: a resume that redoes only an epoch's
 evaluation (every batch of it trained before the failure) keeps the epoch's training numbers,
 reduced over ranks before the failure and saved with the step; a row is the epoch's real numbers or
 absent, never zeros as if measured."""
@@ -6,10 +6,15 @@ absent, never zeros as if measured."""
 import json
 
 import pytest
+from conftest import run_cli
+from test_survivor import (
+    ONE,
+    SAVED,
+    every_step,  # noqa: F401 (a fixture)
+    lose_peer_at,
+)
 
 from accel_train.resilience import survivor
-from conftest import run_cli
-from test_survivor import ONE, SAVED, every_step, lose_peer_at  # noqa: F401 (a fixture)
 
 TRAIN = ("train_loss", "train_acc", "train_samples")
 
@@ -23,9 +28,10 @@ def test_a_peer_lost_at_the_epoch_end_leaves_the_real_row_or_none(
     tmp_path,
     monkeypatch,
     every_step,
-    where,  # noqa: F811
+    where,
 ):
-    from accel_train.training import metrics, exports as outputs
+    from accel_train.training import exports as outputs
+    from accel_train.training import metrics
 
     out = tmp_path / "out"
     if where == "the row's collective":
@@ -66,7 +72,6 @@ def test_a_peer_lost_at_the_epoch_end_leaves_the_real_row_or_none(
 def test_a_survivor_save_mid_epoch_gives_a_row_that_says_it_is_partial(
     tmp_path, monkeypatch, every_step
 ):
-    # noqa: F811
     # the survivor saves without a collective: its own sums are not the epoch's, so it keeps none,
     # and the resumed epoch's row covers the batches after the save, marked so (a row as if whole
     # understated the epoch in silence)

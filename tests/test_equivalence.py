@@ -11,11 +11,10 @@ import json
 
 import pytest
 from accelerate.utils import set_seed
+from conftest import TINY_GN, launch
 from safetensors.torch import load_file
 
 from accel_train.model.create import create_model
-
-from conftest import TINY_GN, launch
 
 
 def steps_and_weights(out):

@@ -2,14 +2,13 @@
 tests/test_launcher_policy.py)."""
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
 
 from accel_train import errors, exits
-from conftest import ROOT
 
 
 def test_every_failure_status_has_its_place_in_the_priority():
@@ -112,7 +111,7 @@ def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
     # Its traceback keeps the loader's iterator alive into multiprocessing's exit handler, which
     # sends each worker the one SIGTERM that workers leave to the trainer and joins without a
     # timeout: before data/load.py's atexit end_workers this script hung there (found by a probe of
-    # the cache's speed, issue 25).
+    # the cache's speed).
     script = tmp_path / "raises.py"
     script.write_text(
         "from accel_train.config.train_config import TrainConfig\n"
@@ -136,17 +135,15 @@ def test_a_script_that_raises_while_the_workers_run_still_exits(tmp_path):
     assert proc.returncode == 1 and "ValueError: a bug in the script" in proc.stderr, proc.stderr[
         -2000:
     ]
-    assert (
-        tmp_path / "flushed"
-    ).exists()  # (the review's case: end_workers killed every daemonic child)
+    assert (tmp_path / "flushed").exists()  # (end_workers must not kill every daemonic child)
 
 
 def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
     # A worker forked but not yet past worker_init_fn when end_workers looks does not ignore
     # SIGINT/SIGUSR1 yet: it was left to multiprocessing's one SIGTERM, which the trainer's handler
     # it inherited only records (or which it leaves to the trainer once started), and the exit hung
-    # in multiprocessing's join (review25b: also without the at-fork delay below, which stands for a
-    # busy machine).
+    # in multiprocessing's join (also without the at-fork delay below, which stands for a busy
+    # machine).
     script = tmp_path / "starting.py"
     script.write_text(
         "import os, time\nfrom torch.utils.data import DataLoader\nfrom"

@@ -12,8 +12,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import CONFIGS, ROOT, TINY, clean_env, launch, steps_logged, wait_all, wait_for
 
 # (a rank signalled, then one killed outright, each relaunched by launch.sh and resumed:
@@ -28,24 +26,19 @@ def test_a_frozen_machine_and_a_cut_link_are_found_in_seconds_and_recovered_with
     two_hosts, tmp_path
 ):
     # the default --timeout_s (300 s), an output dir both share, launch.sh --max_restarts on each
-    # machine (issue 37); test-only heartbeat timings (a beat every 0.5 s, a peer silent 4 s is
-    # lost; the defaults are 2 s and 15 s):
+    # machine; test-only heartbeat timings (a beat every 0.5 s, a peer silent 4 s is lost; the
+    # defaults are 2 s and 15 s):
     # 1. machine 1 frozen (every process SIGSTOPped: a paused VM, a hung host) mid-epoch: machine 0
-    # hears no heartbeat
-    #    for 4 s, its survivor writes the last step it completed, in one line, exit 3, and
-    # relaunches; machine 1 runs
-    #    again (the VM resumes), finds its peer gone and relaunches too;
+    #    hears no heartbeat for 4 s, its survivor writes the last step it completed, in one line,
+    #    exit 3, and relaunches; machine 1 runs again (the VM resumes), finds its peer gone and
+    #    relaunches too;
     # 2. then the link between them cut (ip link set ... down): each side's survivor saves, both
-    # relaunch once the
-    #    link is back. Each fault: the survivor's save within ~30 s, the relaunch's first step
-    # within 60 s;
-    # 3. then machine 1's only rank frozen (SIGSTOP), nothing else there: machine 0's survivor saves
-    # as in 1, and
-    #    machine 1's launch.sh, whose rank has no local peer to write a status, kills it once it has
-    # been stopped as
-    #    longer than the heartbeat waits (4 s + 3) and relaunches (issue 36, campaign seed
-    # 1856883070: it waited for
-    #    ever).
+    #    relaunch once the link is back. Each fault: the survivor's save within ~30 s, the
+    #    relaunch's first step within 60 s;
+    # 3. then machine 1's only rank frozen (SIGSTOP), nothing else there: machine 0's survivor
+    #    saves as in 1, and machine 1's launch.sh, whose rank has no local peer to write a status,
+    #    kills it once it has been stopped longer than the heartbeat waits (4 s + 3) and
+    #    relaunches (it must not wait for ever).
     out = tmp_path / "shared_out"
     procs, logs = two_hosts.launch_plain(
         [
@@ -189,8 +182,8 @@ def is_rank(pid: int) -> bool:
 
 # test only: the trainer holds inside the save of checkpoint ACCEL_TEST_HOLD_SAVE (step_N), once
 # Accelerate's save_state has written into .tmp-step_N and before the rename, writing its pid to
-# ACCEL_TEST_HOLDING; a kill then lands inside the save by construction (issue 29 item 7: the test
-# raced a 2 ms poll against the save, 3 tries)
+# ACCEL_TEST_HOLDING; a kill then lands inside the save by construction (not a 2 ms poll
+# racing the save)
 SAVE_HOLD_HOOK = """\
 import os
 if os.environ.get("ACCEL_TEST_HOLD_SAVE"):
@@ -200,7 +193,8 @@ if os.environ.get("ACCEL_TEST_HOLD_SAVE"):
 
     def _held(self, output_dir=None, *args, **kwargs):
         result = _save_state(self, output_dir, *args, **kwargs)
-        if output_dir and os.path.basename(str(output_dir)) == ".tmp-" + os.environ["ACCEL_TEST_HOLD_SAVE"]:
+        held = ".tmp-" + os.environ["ACCEL_TEST_HOLD_SAVE"]
+        if output_dir and os.path.basename(str(output_dir)) == held:
             with open(os.environ["ACCEL_TEST_HOLDING"], "w") as f:
                 f.write(str(os.getpid()))
             deadline = time.monotonic() + 120
@@ -370,8 +364,8 @@ def test_launch_sh_does_not_relaunch_an_error(tmp_path):
 
 
 MISMATCH_HOOK = """\
-# test only: the trainer's ranks pass tensors of different lengths to their first all_reduce (rank 0: 4 elements,
-# rank 1: 8), a collective mismatch, a programming error
+# test only: the trainer's ranks pass tensors of different lengths to their first all_reduce (rank
+# 0: 4 elements, rank 1: 8), a collective mismatch, a programming error
 import os
 _cmd = open("/proc/self/cmdline", "rb").read().split(b"\\0")
 if os.environ.get("RANK") in ("0", "1") and b"accel_train" in _cmd:

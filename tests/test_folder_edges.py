@@ -1,4 +1,4 @@
-"""Image folders and the decoded cache at the edges (issue 35): a small disk, replaced files,
+"""Image folders and the decoded cache at the edges: a small disk, replaced files,
 subsets, stacked mounts, hidden folders, small classes."""
 
 import os
@@ -8,15 +8,14 @@ from collections import namedtuple
 import numpy as np
 import pytest
 import torch
+from conftest import clean_env, launch, run_cli
 from PIL import Image
+from test_imagefolder import SMALL, write_image_folder
 
 from accel_train.config.train_config import TrainConfig
-from accel_train.data import build_data, decode_image
-from accel_train.platform import cores
-from accel_train.data import cache
+from accel_train.data import build_data, cache, decode_image
 from accel_train.data.folders import scan_split, subset
-from conftest import clean_env, launch, run_cli
-from test_imagefolder import SMALL, write_image_folder
+from accel_train.platform import cores
 
 
 def cache_files(home):
@@ -55,10 +54,9 @@ def small_disk(tmp_path, monkeypatch, size: int):
 
 
 def test_auto_keeps_using_its_complete_cache_on_a_disk_with_room_for_one(tmp_path, monkeypatch):
-    # item 1: the free-space check counted the complete cache's own size against it: start 1 wrote
-    # it, start 2 and every later one said "nor the local disk (... GiB free)" and decoded per
-    # sample (the old tests only ever started once on a disk with room to spare, or on one without
-    # room for a first cache)
+    # the free-space check does not count the complete cache's own size against it: start 1 writes
+    # it, start 2 and every later one read it, never "nor the local disk (... GiB free)" and a
+    # decode per sample (several starts on a disk with room for one cache only)
     root = write_image_folder(tmp_path / "d", train=40, val=2)
     # (64 px stored)
     kw = dict(
@@ -82,7 +80,7 @@ def test_auto_keeps_using_its_complete_cache_on_a_disk_with_room_for_one(tmp_pat
             first.describe()
         )
         assert len(cache_files(home)) == 2
-        for start in range(2):
+        for _ in range(2):
             again = build_data(TrainConfig(**kw), "cpu")
             assert again.pipeline == "cache", again.describe()
             assert "decoded in the local disk's cache already" in again.describe()
@@ -96,9 +94,9 @@ def test_auto_keeps_using_its_complete_cache_on_a_disk_with_room_for_one(tmp_pat
 
 
 def test_a_file_replaced_with_the_same_size_and_mtime_is_decoded_again(tmp_path, monkeypatch):
-    # item 2: the key was (path, size, mtime_ns): cp -p, rsync -a, tar x and touch -r keep the
-    # mtime, and an image replaced by another of the same size was read from the cache, stale (the
-    # old test changed the mtime too)
+    # a key of (path, size, mtime_ns) alone is not enough: cp -p, rsync -a, tar x and touch -r keep
+    # the mtime, and an image replaced by another of the same size must not be read from the
+    # cache, stale (the mtime kept here)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     root = write_image_folder(tmp_path / "d", train=4, val=2)
     # (BMP: the same size for the same width and height)
@@ -140,9 +138,8 @@ def test_a_file_replaced_with_the_same_size_and_mtime_is_decoded_again(tmp_path,
 
 
 def test_runs_with_different_sample_limits_keep_each_others_caches(tmp_path, monkeypatch):
-    # item 5: stale caches were removed by folder and size, so a --train_samples run and a full one
-    # removed each other's cache at every start (a subset is not a changed folder); a changed folder
-    # still replaces its cache
+    # a --train_samples run and a full one keep each other's cache (a subset is not a changed
+    # folder); a changed folder replaces its cache
     home = tmp_path / "home"
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     root = write_image_folder(tmp_path / "d", train=4, val=2)
@@ -175,9 +172,9 @@ def test_runs_with_different_sample_limits_keep_each_others_caches(tmp_path, mon
 
 
 def test_a_mount_stacked_over_another_is_judged_by_the_top_one(tmp_path, monkeypatch):
-    # item 4: of equal mount points the first (the hidden lower one) was taken: an automounted NFS
-    # home counted as local; autofs, virtiofs and wekafs were not known to be remote (the old test
-    # had one mount per point)
+    # of equal mount points the last (the visible upper one) counts, not the hidden lower one: an
+    # automounted NFS home is remote; so are autofs, virtiofs and wekafs (several mounts per
+    # point)
     mounts = tmp_path / "mounts"
     home = tmp_path / "home"
     home.mkdir()
@@ -202,8 +199,8 @@ def test_a_mount_stacked_over_another_is_judged_by_the_top_one(tmp_path, monkeyp
 
 
 def test_files_in_hidden_folders_are_skipped(tmp_path):
-    # item 8: only hidden files were skipped: macOS's .AppleDouble/ (not images: exit 2) and a
-    # viewer's .thumbnails/ (trained as the class) were read (the old tests had hidden files only)
+    # hidden folders are skipped as hidden files are: macOS's .AppleDouble/ (not images: exit 2)
+    # and a viewer's .thumbnails/ (trained as the class) are not read
     root = write_image_folder(tmp_path / "d", train=3, val=1)
     before = scan_split(root / "train")
     (root / "train/apple/.AppleDouble").mkdir()
@@ -242,8 +239,8 @@ def test_image_links_that_lead_nowhere_are_said_and_skipped(tmp_path, caplog):
 
 
 def test_sample_limits_keep_a_small_class(tmp_path):
-    # item 10: N evenly spaced files of the whole folder stepped over a class of 3 between two of
-    # 1000 for every N from 50 to 500 (the old test's classes were of equal size)
+    # N evenly spaced files of the whole folder would step over a class of 3 between two of 1000
+    # for every N from 50 to 500: classes of unequal size
     labels = [0] * 1000 + [1] * 3 + [2] * 1000
     files = [f"f{i}" for i in range(len(labels))]
     for n in (3, 50, 101, 500, 2000):
@@ -277,10 +274,9 @@ def test_sample_limits_keep_a_small_class(tmp_path):
 def test_the_cache_pipelines_mean_and_std_are_the_device_pipelines_read_not_decoded(
     tmp_path, monkeypatch
 ):
-    # item 7: the cache pipeline decoded a sample of the training files again at every start for
+    # the cache pipeline does not decode a sample of the training files again at every start for
     # mean/std (a sample: at >= STATS_SAMPLE images other numbers than the device pipeline's, which
-    # uses every image); the old tests gave
-    # --mean/--std or had fewer images than the sample
+    # uses every image); here without --mean/--std and with more images than the sample
     from accel_train.data import load
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
@@ -336,17 +332,17 @@ def one_error_line(proc, jpeg):
         f"accel-train: error: {jpeg} is not a readable image (image file is truncated"
     ), proc.stderr[-4000:]
     assert "Traceback" not in proc.stdout + "\n".join(
-        l for l in proc.stderr.splitlines() if "[RANK" in l
+        line for line in proc.stderr.splitlines() if "[RANK" in line
     )
 
 
 def test_a_truncated_jpeg_found_by_a_dataloader_worker_is_one_line_and_exit_2(
     tmp_path, monkeypatch
 ):
-    # item 3: UnreadableImage(path, reason) could not be rebuilt by torch's ExceptionWrapper (one
-    # argument): a worker's truncated JPEG became a RuntimeError, a traceback and exit 1 after an
-    # epoch (the old tests used 0 workers, or files whose header does not read, which check_images
-    # names at start). Here the start-up check is bypassed (STATS_SAMPLE 1: as a split too large to
+    # UnreadableImage(path, reason) is rebuilt by torch's ExceptionWrapper (one argument): a
+    # worker's truncated JPEG is one line, not a RuntimeError, a traceback and exit 1 after an
+    # epoch (with workers, and a file whose header reads, which check_images would name at start).
+    # Here the start-up check is bypassed (STATS_SAMPLE 1: as a split too large to
     # decode at start) so that a worker finds it.
     from accel_train.data import load
 
@@ -384,9 +380,9 @@ def test_a_truncated_jpeg_found_by_a_dataloader_worker_is_one_line_and_exit_2(
 
 @pytest.mark.launches
 def test_a_truncated_jpeg_is_found_at_start_on_every_rank(tmp_path):
-    # item 3 on 2 ranks: a training file with --mean/--std given (no statistics decode) was found by
-    # one rank's worker mid-run: that rank's traceback (exit 1), the other rank's survivor save
-    # (exit 3); the old tests read headers only. A split of up to 2048 files is decoded at start:
+    # on 2 ranks: a bad training file with --mean/--std given (no statistics decode) is not left for
+    # one rank's worker to find mid-run (that rank's traceback, exit 1, the other rank's survivor
+    # save, exit 3). A split of up to 2048 files is decoded at start:
     # the same one line and exit 2 on every rank
     root = write_image_folder(tmp_path / "d", train=40, val=4)
     jpeg = truncated(root, "train")
@@ -428,11 +424,10 @@ def test_a_truncated_jpeg_is_found_at_start_on_every_rank(tmp_path):
 def test_a_live_writers_locked_file_is_kept_and_a_cache_published_meanwhile_is_taken(
     tmp_path, monkeypatch
 ):
-    # item 6: a writer in another PID namespace with the same hostname (containers with --network
-    # host sharing ~/.cache): its pid does not run here, so its temporary file was removed under it;
-    # liveness is now its flock. And a complete cache of the same key that such a writer publishes
-    # meanwhile is taken, the rest not decoded (the old tests had live writers whose pid ran here,
-    # and another machine finishing during the last decode)
+    # a writer in another PID namespace with the same hostname (containers with --network host
+    # sharing ~/.cache): its pid does not run here, yet its temporary file stays, since liveness is
+    # its flock. And a complete cache of the same key that such a writer publishes meanwhile is
+    # taken, the rest not decoded
     import socket
     import sys
     import textwrap
@@ -510,12 +505,13 @@ def test_the_decode_answers_the_stop_its_caller_names_and_nothing_else(tmp_path,
 def test_a_stop_signal_during_the_first_decode_is_answered_and_the_next_start_continues_it(
     tmp_path, monkeypatch
 ):
-    # item 9: a SIGTERM during the decode of the cache was acted on only once start-up ended
-    # (ImageNet's ~49 min decode: SIGKILLed by torchrun 30 s later, then decoded again from zero).
-    # Now it is answered between pieces of about half a second (exit 4), the rows decoded so far are
+    # a SIGTERM during the decode of the cache is not left until start-up ends (ImageNet's ~49 min
+    # decode: SIGKILLed by torchrun 30 s later, then decoded again from zero): it is answered
+    # between pieces of about half a second (exit 4), the rows decoded so far are
     # kept, and the next start continues from them
     import os
     import signal
+
     from accel_train.data import load
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
@@ -610,11 +606,10 @@ def test_workers_follow_a_cgroup_cpu_quota_and_the_cache_key_pillows_version(tmp
 
 @pytest.mark.launches
 def test_a_truncated_jpeg_met_mid_run_by_one_rank_is_exit_2_on_every_rank(tmp_path):
-    # item 3, a split too large to decode at start (> 2048 files): one rank's worker meets the file
-    # in the evaluation; that rank says it and exits 2, and its peer, which only sees it gone, said
-    # "lost contact with a peer" and exited
-    # 3. Now the rank leaves a note in the output dir and the peer says the same file, exit 2 (the
-    # old tests had no bad file that only a worker finds)
+    # a split too large to decode at start (> 2048 files): one rank's worker meets the file in the
+    # evaluation; that rank says it and exits 2, and leaves a note in the output dir, so that its
+    # peer, which only sees it gone, says the same file, exit 2 (not "lost contact with a peer",
+    # 3)
     root = write_image_folder(tmp_path / "d", train=8, val=700)
     jpeg = truncated(root)
     status, out = tmp_path / "status", tmp_path / "out"
@@ -676,11 +671,12 @@ def test_the_cpu_device_budget_is_shared_by_the_machines_processes(monkeypatch):
 
 
 def test_a_stop_signal_during_the_device_pipelines_decode_ends_it_at_once(tmp_path, monkeypatch):
-    # item 9, the device pipeline: its decode of every image (and the statistics' and the start
-    # check's) ran to its end before the start-up check saw the signal; now the decode's pool passes
+    # the device pipeline: its decode of every image (and the statistics' and the start check's)
+    # does not run to its end before the start-up check sees the signal: the decode's pool passes
     # over the rest
     import os
     import signal
+
     from accel_train.data import images
 
     root = write_image_folder(tmp_path / "d", train=40, val=2)

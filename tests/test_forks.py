@@ -52,7 +52,9 @@ def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(
     assert kwargs["multiprocessing_context"] is forks.FORK
     loader = DataLoader(data, batch_size=3, **kwargs)
     got = []
-    reader = threading.Thread(target=lambda: got.extend(y.tolist() for _, y in loader), daemon=True)
+    # (the lambda reads loader's cell: the `del loader` below lets the stuck loader go)
+    read = lambda: got.extend(y.tolist() for _, y in loader)  # noqa: E731, F821
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(60)
     alive = reader.is_alive()

@@ -1,4 +1,4 @@
-"""Issue 38 items 4 and 5: --pretrained (timm's weights from the Hugging Face cache or a file, never
+"""--pretrained (timm's weights from the Hugging Face cache or a file, never
 downloaded under HF_HUB_OFFLINE=1) and --freeze (a linear probe, or up to a named stage): frozen
 weights and BatchNorm statistics end bit-identical, the precision check skips frozen layers, and 2
 ranks train without DDP's unused-parameter error.
@@ -12,16 +12,15 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from conftest import clean_env, launch
 from safetensors.torch import load_file, save_file
+from test_precision_check import BF16_CPU
 
-from accel_train.model import pretrained
-from accel_train.precision import check as gradcheck
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
+from accel_train.model import pretrained
 from accel_train.model.freeze import freeze, frozen_names
-
-from conftest import clean_env, launch
-from test_precision_check import BF16_CPU
+from accel_train.precision import check as gradcheck
 
 REPO = "timm/test_resnet.r160_in1k"  # timm's pretrained_cfg source of test_resnet
 
@@ -82,7 +81,7 @@ def test_a_frozen_part_keeps_its_weights_and_batchnorm_statistics_through_traini
 
 
 def test_the_precision_check_skips_the_frozen_layers(monkeypatch):
-    # the class of review bug "a frozen layer under the precision check": a linear probe's or a
+    # a frozen layer under the precision check: a linear probe's or a
     # partly frozen model's frozen layers have no gradient to compare and are not checked alone; the
     # layers that train are
     model = timm.create_model("test_resnet", num_classes=10)
@@ -171,7 +170,7 @@ SMALL = [
 
 
 @pytest.mark.launches
-def test_a_linear_probe_from_cached_pretrained_weights_on_two_ranks_leaves_the_backbone_bit_identical(
+def test_a_linear_probe_from_cached_pretrained_weights_on_two_ranks_leaves_the_backbone_identical(
     tmp_path,
 ):
     # HF_HUB_OFFLINE=1: the weights come from the cache, nothing is downloaded; bf16 (the precision

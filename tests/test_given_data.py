@@ -1,8 +1,8 @@
 """Your own Datasets given to train() (data/given.py): the normalisation they apply is recorded as
-what it is (issue 40 item 2: a torchvision ImageFolder with Normalize(0.5, 0.5) was recorded as mean
-0 / std 1, and evaluate scored 86.67% what train() scored 100%), or as unknown, and then
+what it is (a torchvision ImageFolder with Normalize(0.5, 0.5) recorded as mean 0 / std 1 would
+make evaluate score 86.67% what train() scored 100%), or as unknown, and then
 evaluate/predict of image files ask for --mean/--std; the data kind recorded is "dataset" (evaluate
-without --data named the Dataset's class as an invalid --data choice).
+without --data does not name the Dataset's class as an invalid --data choice).
 """
 
 import json
@@ -12,17 +12,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
+from test_own_model import in_process_train
+from tests_pkg.netmod import Net
 from torch.utils.data import Dataset, Subset
 from torchvision import datasets
-from torchvision.transforms import v2
-from torchvision.transforms import Compose, Lambda, Normalize, Resize, ToTensor
+from torchvision.transforms import Compose, Lambda, Normalize, Resize, ToTensor, v2
 
 from accel_train import TrainConfig
 from accel_train.data.given import seen_normalisation
-from conftest import run_cli
-from test_own_model import in_process_train
-from tests_pkg.netmod import Net
 
 
 class Plain(Dataset):

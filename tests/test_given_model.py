@@ -1,4 +1,4 @@
-"""A model given to train() as an object (issue 33 item 7): recorded in model_config.json (and
+"""A model given to train() as an object: recorded in model_config.json (and
 config.yaml) only under an import path that rebuilds it (same state-dict keys and shapes, the same
 logits for the same weights); else no architecture is recorded, one line says so, and evaluate /
 predict ask for the model."""
@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import run_cli
+from test_own_model import in_process_train
+from tests_pkg.netmod import Net, build
 
 from accel_train import TrainConfig
 from accel_train.model.create import create_model
 from accel_train.model.own_model import name_of
-from conftest import run_cli
-from test_own_model import in_process_train
-from tests_pkg.netmod import Net, build
 
 
 def problem(given):
@@ -70,8 +70,8 @@ def image(tmp_path_factory):
 
 
 def test_a_module_its_path_does_not_rebuild_is_recorded_as_no_architecture(tmp_path, image, caplog):
-    # the review's Net(2, 8, "tanh") (here 10 classes): recorded as tests_pkg.netmod:Net, predict
-    # rebuilt it with ReLU and predicted with other logits
+    # Net(2, 8, "tanh") (here 10 classes) is not recorded as tests_pkg.netmod:Net: predict would
+    # rebuild it with ReLU and predict other logits
     out = tmp_path / "out"
     in_process_train(small(out), model=Net(10, 8, "tanh"))
     meta = json.loads((out / "model_config.json").read_text())

@@ -25,7 +25,7 @@ CHECKS = [
     "resume",
     "bigdata",
 ]
-BUDGET_S = 540  # the one shot at a lent GPU: ~15 minutes with the machine's start (issue 41)
+BUDGET_S = 540  # the one shot at a lent GPU: ~15 minutes with the machine's start
 
 
 def dry_run(tmp_path, *checks):
@@ -57,7 +57,7 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
         "--dry-run --data random --timeout_s 120",
         "--smoke-test",
     ):
-        # (its NCCL variables checked: issue 37)
+        # (its NCCL variables checked)
         assert f"bash launch.sh {own} " in lines
     assert any(line.startswith("bash launch.sh --data random --epochs 2 ") for line in lines)
     fp16 = next(
@@ -72,7 +72,7 @@ def test_gpu_check_dry_run_lists_each_check_and_its_json(tmp_path):
     )
     # the trainer never runs that copy on a device (survivor.readable_step)
     assert "side_copy" not in proc.stdout
-    # the large-folder case (issue 25): a folder made, the data-only bench on CUDA, then a run whose
+    # the large-folder case: a folder made, the data-only bench on CUDA, then a run whose
     # decoded images do not fit --device_data_mb, with the default workers (no --num_workers), its
     # data wait in bigdata.json
     out = tmp_path / "gpu_check"
@@ -123,9 +123,9 @@ def test_the_checks_deadlines_fit_the_one_shot(tmp_path):
 
 
 STUB = """#!{python}
-# a stub for the GPU machine's Python: the script's own helpers run (python -c without torch), the precision probes
-# answer bf16, and every workload (a trainer, a bench, a check) writes its metrics row / JSON as a good run would,
-# then fails: a status nothing may hide
+# a stub for the GPU machine's Python: the script's own helpers run (python -c without torch), the
+# precision probes answer bf16, and every workload (a trainer, a bench, a check) writes its metrics
+# row / JSON as a good run would, then fails: a status nothing may hide
 import json, os, sys
 from pathlib import Path
 a = sys.argv[1:]
@@ -139,15 +139,19 @@ for flag in ("--output_dir", "--make"):
     if flag in a:
         out = Path(a[a.index(flag) + 1])
         if flag == "--output_dir" and (out / "metrics.jsonl").exists():
-            sys.exit(print("another run's output is here: refused", file=sys.stderr) or 2)  # as the trainer does
+            # as the trainer does
+            sys.exit(print("another run's output is here: refused", file=sys.stderr) or 2)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text(json.dumps(dict(epoch=1, data_wait_frac=0.1, images_per_sec=1.0)) + "\\n")
+        row = dict(epoch=1, data_wait_frac=0.1, images_per_sec=1.0)
+        (out / "metrics.jsonl").write_text(json.dumps(row) + "\\n")
 if "--json" in a:
     Path(a[a.index("--json") + 1]).write_text(json.dumps(dict(ok=True)))
-if "fp16" in a:  # a job left running in a session of its own, as launch.sh's job outlives timeout's SIGKILL
+# a job left running in a session of its own, as launch.sh's job outlives timeout's SIGKILL
+if "fp16" in a:
     import subprocess
     left = subprocess.Popen(["sleep", "300"], start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # (one holding the check's pipes: ended at the deadline)
+                            # (one holding the check's pipes: ended at the deadline)
+                            stderr=subprocess.DEVNULL)
     Path(os.environ["LEFT_PID"]).write_text(str(left.pid))
 print("stub: a row written, now failing", file=sys.stderr)
 sys.exit(3)
@@ -155,8 +159,8 @@ sys.exit(3)
 
 
 def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_path):
-    """issue 41 item 1: a trainer that crashed after its first row, a failed data bench, were
-    summarised as exit 0 (the check's last command was `cat metrics.jsonl` or a `| tee`)."""
+    """A trainer that crashes after its first row, a failed data bench, are failed checks, whatever
+    the check's last command (`cat metrics.jsonl`, a `| tee`) returns."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "python3"
@@ -216,8 +220,8 @@ def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_p
 
 
 def test_syncs_judged_no_window_is_a_failure():
-    """issue 41 item 6: on a slow device every step runs an agreed check, every window was excluded,
-    and `syncs` said ok having judged nothing."""
+    """On a slow device every step runs an agreed check and every window is excluded: `syncs` that
+    judged nothing is no ok."""
     sys.path.insert(0, str(ROOT / "bench"))
     import cuda_checks
 

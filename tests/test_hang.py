@@ -10,7 +10,6 @@ import types
 
 from accel_train.hang import HANG_STEPS, HangReport, Progress
 from accel_train.resilience.heartbeat import Heartbeat
-from conftest import wait_for
 
 
 def settings(**kw):

@@ -8,20 +8,18 @@ import sys
 import types
 
 import pytest
-
-from accel_train.platform import hardware
-from accel_train.config.train_config import TrainConfig
-from accel_train.platform.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
 from conftest import CONFIGS, ROOT, clean_env, launch, run_cli
-
-# noqa: F401  (hw: the fake nvidia-smi / npu-smi fixture)
 from test_launch import (
     BF16_CPU,
     PLAIN_CPU,
     dry_run,
-    hw,
+    hw,  # noqa: F401 (the fake nvidia-smi / npu-smi fixture)
     parse,
 )
+
+from accel_train.config.train_config import TrainConfig
+from accel_train.platform import hardware
+from accel_train.platform.hardware import DeviceFacts, choose_precision, cpu_info, launcher_choice
 
 
 def cpu(*flags, arch="x86_64"):
@@ -105,7 +103,7 @@ def test_what_the_device_has_is_kept_and_the_other_is_named_without_a_speed_clai
     )
     assert kept.precision == "no" and kept.error is None
     assert "--mixed_precision bf16 to use it" in kept.reason and "avx512_bf16" in kept.reason
-    # issue 40 item 6: no speed claimed that the run did not measure, no launch.sh advice (said
+    # no speed claimed that the run did not measure, no launch.sh advice (said
     # under launch.sh too)
     assert "bf16 is faster" not in kept.reason and "launch.sh" not in kept.reason
     fp16 = choose_precision(gpu((8, 0)), "fp16", "--mixed_precision fp16")

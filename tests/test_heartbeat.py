@@ -12,9 +12,9 @@ import time
 import uuid
 
 import pytest
+from conftest import CONFIGS, ROOT, TINY, clean_env, steps_logged, trainer_pids, wait_for
 
 from accel_train.resilience.heartbeat import TAG, Heartbeat, sign, silent
-from conftest import CONFIGS, ROOT, TINY, clean_env, steps_logged, trainer_pids, wait_for
 
 
 def beats(n, period_s=0.1, timeout_s=0.6):
@@ -333,8 +333,9 @@ def test_the_key_exchange_group_is_a_safe_prime_of_2048_bits():
 def test_what_stops_the_beats_is_said_where_the_flag_is():
     # a C call that holds the GIL past --heartbeat_timeout_s silences the heartbeat's thread: the
     # flag's help and docs/failures.md say so, and what to do
-    from accel_train.cli import train_parser
     from conftest import ROOT
+
+    from accel_train.cli import train_parser
 
     flag = next(a for a in train_parser()._actions if "--heartbeat_timeout_s" in a.option_strings)
     assert "C call holding the GIL" in flag.help and "never a long step" not in flag.help

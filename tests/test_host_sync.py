@@ -1,4 +1,4 @@
-"""No host sync and no extra collective in a plain training step (issue 14 item 1).
+"""No host sync and no extra collective in a plain training step.
 
 A sitecustomize.py, written into a temp dir put first on PYTHONPATH, wraps what reads a device value
 on the host (Tensor.item, __bool__, __float__, __int__, __index__, __complex__, tolist, cpu, numpy,
@@ -9,7 +9,7 @@ post-hook marks the boundaries). It also records the steps at which the ranks ra
 (accel_train.resilience.preempt.AgreedChecks.agree, where it exists). Every window of a run without
 logging or checkpoint steps must then be empty unless it held an agreed check.
 
-The agreed checks' clock is the step count (issue 29 item 7): AgreedChecks reads time.perf_counter,
+The agreed checks' clock is the step count: AgreedChecks reads time.perf_counter,
 which the hook replaces, in accel_train.resilience.preempt only, by a clock that advances exactly
 STEP_S per optimizer step. The checks then fall at steps 1 and 21 of 30 by construction (step 1,
 then TARGET_S / STEP_S = 20 steps later) on any machine, however loaded; with the real clock a step
@@ -23,10 +23,9 @@ from conftest import TINY, clean_env, launch
 
 # seconds of work per step, as the agreed checks see it: checks at steps 1 and 1 + 2.0 / 0.1
 STEP_S = 0.1
-SITECUSTOMIZE = (
-    r"""
+SITECUSTOMIZE = r"""
 import atexit, json, os, sys
-STEP_S = %r
+STEP_S = {STEP_S!r}
 _out = os.environ.get("ACCEL_SYNC_LOG")
 if _out:
     import torch
@@ -35,57 +34,65 @@ if _out:
 
     def _counted(kind, fn):
         def inner(*args, **kwargs):
-            # the sampler's index list (torch.randperm(...).tolist()) is made on the host on every device
+            # the sampler's index list (torch.randperm(...).tolist()) is made on the host on every
+            # device
             if "torch/utils/data/" not in sys._getframe(1).f_code.co_filename:
                 key = str(_state["step"])
                 _state[kind][key] = _state[kind].get(key, 0) + 1
             return fn(*args, **kwargs)
         return inner
 
-    for _name in ("item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "tolist", "cpu", "numpy",
-                  "equal", "allclose", "is_nonzero"):
+    for _name in ("item", "__bool__", "__float__", "__int__", "__index__", "__complex__", "tolist",
+                  "cpu", "numpy", "equal", "allclose", "is_nonzero"):
         setattr(torch.Tensor, _name, _counted("syncs", getattr(torch.Tensor, _name)))
     for _name in ("equal", "allclose", "is_nonzero"):
         setattr(torch, _name, _counted("syncs", getattr(torch, _name)))
 
-    def _to_host(args, kwargs):  # t.to("cpu"), t.to(torch.device("cpu")), t.to(device="cpu"), t.to(other_cpu_tensor)
+    # t.to("cpu"), t.to(torch.device("cpu")), t.to(device="cpu"), t.to(other_cpu_tensor)
+    def _to_host(args, kwargs):
         where = kwargs.get("device", args[0] if args else None)
         if isinstance(where, torch.Tensor):
             where = where.device
         try:
-            return where is not None and not isinstance(where, torch.dtype) and torch.device(where).type == "cpu"
+            return (where is not None and not isinstance(where, torch.dtype)
+                    and torch.device(where).type == "cpu")
         except (TypeError, RuntimeError):
             return False
 
     _to, _NOT_SYNCS = torch.Tensor.to, ("torch/utils/data/", "accelerate/utils/operations.py")
 
     def _to_maybe_counted(self, *args, **kwargs):
-        # (accelerate/utils/operations.py: send_to_device moves each batch to the run's device, a host-to-device copy
-        # on an accelerator)
+        # (accelerate/utils/operations.py: send_to_device moves each batch to the run's device, a
+        # host-to-device copy on an accelerator)
         caller = sys._getframe(1).f_code.co_filename
         if _to_host(args, kwargs) and not any(p in caller for p in _NOT_SYNCS):
             key = str(_state["step"])
             _state["syncs"][key] = _state["syncs"].get(key, 0) + 1
         return _to(self, *args, **kwargs)
     torch.Tensor.to = _to_maybe_counted
-    for _name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
-                  "broadcast_object_list", "gather", "reduce", "barrier", "all_to_all"):
+    for _name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                  "broadcast", "broadcast_object_list", "gather", "reduce", "barrier",
+                  "all_to_all"):
         if hasattr(dist, _name):
             setattr(dist, _name, _counted("collectives", getattr(dist, _name)))
 
     def _on_step(optimizer, args, kwargs):
         _state["step"] += 1
-        if _state["step"] == 1:  # the trainer is imported by now: note where it runs its agreed checks
-            checks = getattr(sys.modules.get("accel_train.resilience.preempt"), "AgreedChecks", None)
+        # the trainer is imported by now: note where it runs its agreed checks
+        if _state["step"] == 1:
+            preempt = sys.modules.get("accel_train.resilience.preempt")
+            checks = getattr(preempt, "AgreedChecks", None)
             if checks is not None:
                 agree = checks.agree
                 def recorded(self, accelerator, step, *a, **k):
-                    if a or k:  # the training loop's checks pass the non-finite watch; evaluation's do not
+                    # the training loop's checks pass the non-finite watch; evaluation's do not
+                    if a or k:
                         _state["checks"].append(_state["step"])
                     return agree(self, accelerator, step, *a, **k)
                 checks.agree = recorded
 
-    # the agreed checks' clock: STEP_S per optimizer step (accel_train.resilience.preempt's `time` only)
+    # the agreed checks' clock: STEP_S per optimizer step (accel_train.resilience.preempt's `time`
+    # only)
     import time as _time
     import accel_train.resilience.preempt as _preempt
 
@@ -105,9 +112,7 @@ if _out:
             with open(f"{_out}.{os.environ.get('RANK', '0')}", "w") as f:
                 json.dump(_state, f)
     atexit.register(_write)
-"""
-    % STEP_S
-)
+""".replace("{STEP_S!r}", repr(STEP_S))
 
 
 def test_plain_steps_make_no_host_sync_and_no_collective_on_2_ranks(tmp_path):

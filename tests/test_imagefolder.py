@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import clean_env, launch, run_cli, write_cifar
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from accel_train.config.train_config import TrainConfig
-from accel_train.errors import ConfigError
 from accel_train.data import (
     CIFAR10,
     DataInfo,
@@ -23,7 +23,7 @@ from accel_train.data import (
     crop_flip_params,
     decode_image,
 )
-from conftest import clean_env, launch, run_cli, write_cifar
+from accel_train.errors import ConfigError
 
 # class name -> brightness: learnable from RGB and from grayscale, survives resizing, JPEG, crops
 # and flips
@@ -150,6 +150,7 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_close_to_a_full_decode(tmp_pat
     # mean |difference| 0.59 levels, at most 4 (a decode at 1/8, below the training size: 2.57 and
     # 24); asserted: mean < 1.2, max <= 10 (of 255).
     from PIL import JpegImagePlugin
+
     from accel_train.data.images import to_rgb
 
     y, x = np.mgrid[0:1200, 0:1600].astype(np.float32)
@@ -596,7 +597,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("folder")
     data = write_image_folder(root / "d", train=8, val=4)
     out = root / "out"
-    # issue 40 item 1: inferred from train/
+    # inferred from train/
     no_kind = [a for a in SMALL if a not in ("--data", "imagefolder")]
     assert len(no_kind) == len(SMALL) - 2
     proc = launch("cpu.yaml", [*no_kind, "--data_dir", data, "--epochs", "3", "--output_dir", out])
@@ -717,8 +718,8 @@ def test_two_ranks_learn_from_one_decoded_cache(tmp_path):
     assert "cannot be read here" not in proc.stderr and "decoding per sample" not in proc.stderr
     # evaluate on 2 ranks, no cache yet on this "machine": written during the evaluation by the
     # local main process, mapped by the other rank, the whole split evaluated (the other rank's
-    # workers open it only at the first batch, after DDP's start-up broadcast: a review found no
-    # race to reproduce before evaluate's on_every_rank)
+    # workers open it only at the first batch, after DDP's start-up broadcast: no race
+    # to reproduce before evaluate's on_every_rank)
     home = tmp_path / "home2"
     proc = launch(
         "2proc_cpu.yaml",
@@ -872,8 +873,7 @@ def test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the_
 ):
     """The cache's promise: a changed folder gets a new cache, never a stale one. A file rewritten
     with other contents and another size whose mtime is then restored (cp -p, rsync -a, tar x keep
-    mtimes) must not be read from the old cache (issue 39: a key without the file size passed the
-    suite)."""
+    mtimes) must not be read from the old cache (the file size is in the key)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
     root = write_image_folder(tmp_path / "d", train=2, val=1)
     kw = dict(
@@ -900,8 +900,7 @@ def test_a_file_rewritten_with_its_old_mtime_is_decoded_again_not_read_from_the_
 
 
 def test_a_valid_folder_is_the_evaluation_split(tmp_path):
-    """Issue 40 item 7: Roboflow's and many Kaggle sets' `valid/` was not taken as the evaluation
-    split."""
+    """Roboflow's and many Kaggle sets' `valid/` is the evaluation split."""
     root = write_image_folder(tmp_path / "d", train=2, val=1, eval_dir="valid")
     # (--data: inferred)
     data = build_data(TrainConfig(data_dir=str(root), image_size=16, batch_size=2), "cpu")
@@ -1004,7 +1003,7 @@ def test_the_whole_image_store_is_pillows_bilinear_resize_within_a_level(tmp_pat
         int
     )
     for kernel in ("torch", "pillow"):
-        monkeypatch.setattr(images, "squash_kernel", lambda: kernel)
+        monkeypatch.setattr(images, "squash_kernel", lambda kernel=kernel: kernel)
         got = decode_image(path, Decode(96, whole=True))
         assert got.shape == (3, 96, 96) and got.is_contiguous()
         diff = np.abs(got.permute(1, 2, 0).numpy().astype(int) - pillow)

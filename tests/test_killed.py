@@ -1,10 +1,9 @@
-"""A rank killed outright under launch.sh (issue 33 item 4): kill -9 (the OOM killer's signal)
+"""A rank killed outright under launch.sh: kill -9 (the OOM killer's signal)
 leaves no status of the trainer's own, and accelerate launch says 1 (an error, never relaunched).
 launch.sh reports it as 137 (128 + SIGKILL), its own documented status, and relaunches it under
 --max_restarts."""
 
 import pytest
-
 from conftest import ROOT, Job
 
 pytestmark = pytest.mark.faults

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, clean_env
 
 LAUNCH = ROOT / "launch.sh"
@@ -98,9 +97,8 @@ def hw(tmp_path):
 
 
 # The programs launch.sh runs (besides its device probes): a PATH made of these alone, plus a test's
-# fakes, is the same on every host; the host's own nvidia-smi / npu-smi are never on it (issue 29
-# item 8: on a GPU host the CPU fixtures skipped, and a probe test that puts no nvidia-smi first
-# found the real one)
+# fakes, is the same on every host; the host's own nvidia-smi / npu-smi are never on it (on a GPU
+# host a probe test that puts no nvidia-smi first would find the real one)
 LAUNCH_TOOLS = (
     "bash",
     "sh",
@@ -136,7 +134,7 @@ def launcher_passes(python: str) -> str:
     return f'case "$1 $2" in "-c "*accel_train.launcher*) exec {shlex.quote(python)} "$@";; esac\n'
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tool_dir() -> str:
     """A bin dir of symlinks to exactly LAUNCH_TOOLS, and a `python3` that is this interpreter on a
     host without GPUs (its torch sees none: CUDA_VISIBLE_DEVICES empty in its own environment only,
@@ -616,8 +614,8 @@ def test_gpus_without_nvidia_smi_are_found_through_python(hw):
 
 
 def test_a_failing_nvidia_smi_is_said_and_cuda_counts_the_gpus(hw):
-    """issue 41 item 8: nvidia-smi failing (a broken driver: 'NVIDIA-SMI has failed ...', exit 9)
-    meant 0 GPUs, a CPU job without a word. Now one warning line, and CUDA's own count decides."""
+    """nvidia-smi failing (a broken driver: 'NVIDIA-SMI has failed ...', exit 9) is one warning
+    line, and CUDA's own count decides (not 0 GPUs, a CPU job without a word)."""
     for torch_gpus, expected in (
         (2, "counting the 2 GPU(s) CUDA shows"),
         (0, "CUDA shows no GPU either: a CPU job"),
@@ -649,9 +647,8 @@ GPU 1: NVIDIA A100-SXM4-80GB (UUID: GPU-6e6cb1e7-e44e-3c3d-635e-af4e9e3c9b88)
 
 
 def test_mig_instances_are_counted_as_cuda_shows_them(hw):
-    """issue 41 item 8: with MIG, nvidia-smi -L lists each physical GPU with its instances under it,
-    and CUDA shows one process a single MIG instance: 2 GPUs were counted, 2 processes started on
-    what CUDA shows as one device.
+    """With MIG, nvidia-smi -L lists each physical GPU with its instances under it, and CUDA shows
+    one process a single MIG instance: one device, one process (not 2 started on it).
     """
     bindir = hw(torch_gpus=1)
     fake_tool(bindir, "nvidia-smi", MIG_LISTING)
@@ -861,10 +858,9 @@ def test_the_preflight_runs_before_every_attempt(tmp_path):
 
 
 def test_a_stop_signal_while_the_job_starts_is_status_4(tmp_path):
-    """Issue 36 (seed 1998505072): a SIGUSR1 to launch.sh while its one process was still starting
-    (no handler yet): the trainer and accelerate's launcher died of the SIGTERM passed on, and
-    launch.sh said 'stopped by SIGUSR1 (exit status 143)', a status the README does not have; a
-    signal before the job started is 4, nothing to save.
+    """A SIGUSR1 to launch.sh while its one process is still starting (no handler yet) is 4,
+    nothing to save: not 'stopped by SIGUSR1 (exit status 143)', a status the README does not have,
+    after the trainer and accelerate's launcher died of the SIGTERM passed on.
     """
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -920,9 +916,9 @@ def test_every_shell_script_is_checked():
 
 
 def test_a_python_without_accelerate_is_named_not_the_config(tmp_path):
-    """Issue 39 item 2: the config check's stderr went to /dev/null, so a `python3` that cannot
-    import accelerate (a venv not activated) was reported as "accelerate config ... is invalid: it
-    does not load"."""
+    """A `python3` that cannot import accelerate (a venv not activated) is named as such, not
+    reported as "accelerate config ... is invalid: it does not load" (the config check's stderr is
+    read, not thrown away)."""
     # no site-packages: accel_train (launch.sh's PYTHONPATH) imports, accelerate not
     bare = tmp_path / "bare-python"
     bare.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "$@"\n')

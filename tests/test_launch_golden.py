@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 from test_launch import dry_run, launcher_passes, tool_dir
 

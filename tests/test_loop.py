@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, TINY, clean_env, launch, write_cifar
 from safetensors.torch import load_file
 
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
+from accel_train.model.create import create_model
 from accel_train.platform.accelerator import check_one_group
 from accel_train.training.metrics import EpochMeter
-from accel_train.model.create import create_model
-from conftest import ROOT, TINY, clean_env, launch, write_cifar
 
 FORBIDDEN = (
     r"\.cuda\(",
@@ -140,7 +140,7 @@ def test_epoch_meter_data_share_is_measured_not_clamped():
 def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again():
     """The promise (docs/outputs_and_resume.md, exact resume): every random draw of a step is a
     function of (seed, step, micro-batch, rank). Ranks that drew the same dropout masks would train
-    correlated noise (issue 39: a reseed with rank 0 on every rank passed the suite)."""
+    correlated noise (as a reseed with rank 0 on every rank would)."""
     from types import SimpleNamespace
 
     from accel_train.training.loop import reseed
@@ -166,8 +166,8 @@ def test_each_rank_draws_its_own_dropout_masks_and_a_resume_draws_the_same_again
 def test_accelerate_launch_num_processes_2_with_a_one_process_config_is_refused_naming_the_config(
     tmp_path,
 ):
-    """Issue 40 item 4: `accelerate config default` + `accelerate launch --num_processes 2` silently
-    trained one process (distributed_type NO). The trainer reads what its launcher was asked for and
+    """`accelerate config default` + `accelerate launch --num_processes 2` trains one process
+    (distributed_type NO), never silently: the trainer reads what its launcher was asked for and
     names the config to use.
     """
     from accel_train.platform.accelerator import asked_processes

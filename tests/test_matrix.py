@@ -2,13 +2,12 @@
 collectives) on two network hosts, combined into few tiny runs; each run checks what the flags do.
 
 run A: --compile --channels_last --ema --tta under bf16 autocast (accelerate launch
---mixed_precision bf16), over
-       2 epochs stopped one step into the second and resumed: torch.compile compiles one training and one
-       evaluation graph in each launch (11 test samples: the last evaluation batch is padded, never recompiled)
+       --mixed_precision bf16), over 2 epochs stopped one step into the second and resumed:
+       torch.compile compiles one training and one evaluation graph in each launch (11 test
+       samples: the last evaluation batch is padded, never recompiled)
 run B: --log_with tensorboard --grad_accum 2 --clip_grad --pipeline cpu --num_workers 2
-two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under bf16,
---pipeline cpu
-       with its default (persistent) workers
+two hosts: --log_with tensorboard --ema --tta --grad_accum 2 --clip_grad --channels_last under
+       bf16, --pipeline cpu with its default (persistent) workers
 (torch.compile is left out there: it takes minutes per rank on this machine's shared cores)
 """
 
@@ -19,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import timm
+from conftest import CONFIGS, TINY, check_best, launch, run_cli, wait_all
 from safetensors.torch import load_file
 
-from accel_train.files import BEST_FILE, EMA_FILE
 from accel_train.cli import parse_train_args
+from accel_train.files import BEST_FILE, EMA_FILE
 from accel_train.model.create import create_model
-from conftest import CONFIGS, TINY, check_best, launch, run_cli, wait_all
 
 SMALL = [
     *TINY,
@@ -167,8 +166,13 @@ def check_run(
     if ema:
         exported = load_clean(out / "model_ema.safetensors")
         ckpts = sorted((out / "checkpoints").glob("step_*"))
-        assert len(ckpts) == 1 or epochs > 1, ckpts  # (one epoch: only the end of the run's)
-        ckpt = ckpts[-1]  # the end of the run
+        names = [c.name for c in ckpts]
+        # every epoch's end (a stop's in between where a run stopped); the newest the run's end;
+        # one epoch: only that
+        ends = [f"step_{per_epoch * e:08d}" for e in range(1, epochs + 1)]
+        assert set(ends) <= set(names) and names[-1] == ends[-1], names
+        assert len(names) == 1 or epochs > 1, names
+        ckpt = ckpts[-1]
         saved = load_file(ckpt / EMA_FILE)
         assert exported.keys() == saved.keys() and all(
             (exported[k] == saved[k]).all() for k in saved
@@ -214,7 +218,7 @@ def test_run_a_compile_bf16_channels_last_ema_tta(tmp_path, ranks):
     for proc in (first, resumed):
         assert f"{ranks} process(es)" in proc.stderr and ", bf16]" in proc.stderr
         # torch.compile wraps what prepare() made (DDP with 2 ranks), as Accelerate advises (every
-        # rank's start line; the done line no longer names the wrappers: issue 26 item 12)
+        # rank's start line; the done line does not name the wrappers)
         chain = "OptimizedModule(" + (
             "DistributedDataParallel(ResNet))" if ranks > 1 else "ResNet)"
         )
@@ -252,8 +256,7 @@ def test_run_b_tensorboard_grad_accum_clip_cpu_pipeline(tmp_path, ranks):
     row = check_run(out, ranks=ranks, grad_accum=2, tracker=True, epochs=2)
     # an independent reference: one process, the device pipeline (its augmentation a hash of (seed,
     # epoch, index) on the device, no workers, no sharding), the same global batch: the same weights
-    # (a cpu pipeline that augmented epoch 2 like epoch 1 on 2 ranks, issue 28 item 1, ended 5e-3
-    # away)
+    # (a cpu pipeline that augmented epoch 2 like epoch 1 on 2 ranks would end 5e-3 away)
     ref = tmp_path / "ref"
     run_cli(
         [

@@ -34,9 +34,9 @@ def test_unknown_model_and_unsupported_stem_are_clear_errors():
 
 
 def test_init_from_takes_a_pth_state_dict_and_its_imagenet_stem_at_64px(tmp_path):
-    # issue 40 item 7: a .pth/.pt state dict was refused ("not a safetensors file"), and
-    # ImageNet-shaped weights at 64 px failed on the auto (cifar) stem: conv1.weight (64, 3, 7, 7)
-    # vs (64, 3, 3, 3)
+    # a .pth/.pt state dict is taken (not "not a safetensors file"), and ImageNet-shaped weights at
+    # 64 px take the ImageNet stem (the auto (cifar) stem fails: conv1.weight (64, 3, 7, 7) vs
+    # (64, 3, 3, 3))
     from conftest import run_cli
 
     weights = create_model("resnet18", "imagenet", 1000).state_dict()

@@ -11,9 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import ROOT, TINY, launch, steps_logged, trainer_pids, wait_all, wait_for, write_cifar
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.hosts
 TRAIN = ["--train_samples", "128", "--test_samples", "37", "--epochs", "1", "--batch_size", "16"]
@@ -27,13 +26,11 @@ def logs(paths):
 # --output_dir (test_plain_variables_on_two_hosts_with_shared_output) each had a two-host run of
 # their own; their assertions now live in the runs that already make those launches:
 # - ModelArts variables and boot arguments, the rank-0 DNS name, one writer under --log_all_ranks,
-# node 1 writing
-#   no model, the odd test-set count: the reference run of
-# test_machines_lost_with_their_disks_resume_from_a_
-#   surviving_copy (the same ModelArts launch);
+#   node 1 writing no model, the odd test-set count: the reference run of
+#   test_machines_lost_with_their_disks_resume_from_a_surviving_copy (the same ModelArts launch);
 # - the plain variables on a shared --output_dir: test_matrix.py's two-host run (exit 0, one
-# complete checkpoint,
-#   the model) and test_faults.py's node loss (every rank's RNG state in the one shared checkpoint).
+#   complete checkpoint, the model) and test_faults.py's node loss (every rank's RNG state in the
+#   one shared checkpoint).
 
 
 def test_smoke_check_on_two_hosts(two_hosts, tmp_path):
@@ -140,7 +137,7 @@ def test_machines_lost_with_their_disks_resume_from_a_surviving_copy(two_hosts, 
             "metrics.jsonl",
         } <= {p.name for p in newest.iterdir()}, newest
 
-    # --checkpoint_every 0 (the default): between epoch ends, only the survivors' saves (issue 23)
+    # --checkpoint_every 0 (the default): between epoch ends, only the survivors' saves
     tags = (uuid.uuid4().hex, uuid.uuid4().hex)
     procs, paths, outs = modelarts_job(
         two_hosts,
@@ -276,9 +273,9 @@ def test_machines_that_disagree_stop_at_start_in_one_line(two_hosts, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# An earlier run on the machines' own disks (issue 28 items 11, 13, 14): one two-host fixture, short
-# jobs that stop at start-up, and one --overwrite job relaunched by launch.sh. Run A: one process in
-# this test process (a copy of its checkpoint placed on each machine's disk as each job needs it).
+# An earlier run on the machines' own disks: one two-host fixture, short jobs that stop at start-up,
+# and one --overwrite job relaunched by launch.sh. Run A: one process in this test process (a copy
+# of its checkpoint placed on each machine's disk as each job needs it).
 # ---------------------------------------------------------------------------------------------
 
 SMALL = [*TINY, "--train_samples", "64", "--test_samples", "8", "--plot", "false"]

@@ -1,4 +1,4 @@
-"""What a new user meets (issue 17, items 4, 6, 7, 8, 11, 12): defaults that follow the data, a
+"""What a new user meets: defaults that follow the data, a
 warning when a run will take hours, the best epoch's weights exported, checkpoints that
 evaluate/predict accept, a resume that keeps the run's input size/normalisation/augmentation,
 predict that goes on past a bad file, outputs that say what ran, and fine-tuning that keeps the
@@ -14,23 +14,28 @@ import stat
 import pytest
 import torch
 import yaml
+from conftest import check_best, launch, run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_imagefolder import write_image_folder
 
-from accel_train.files import BEST_FILE
-from accel_train.training.exports import BestModel, best_row, export_model, exported_best
-from accel_train.config.train_config import TrainConfig
-from accel_train.errors import ConfigError
-from accel_train.data import DataInfo, build_data, native_size
+from accel_train.checkpoint.resume import keep_run_math, reconcile
 from accel_train.commands.evaluate import load_exported
 from accel_train.commands.predict import main_predict
-from accel_train.training.exports import lr_curve
-from accel_train.training.metrics import Pace, slow_run_warning
-from accel_train.training.exports import plot_curves
+from accel_train.config.train_config import TrainConfig
+from accel_train.data import DataInfo, build_data, native_size
+from accel_train.errors import ConfigError
+from accel_train.files import BEST_FILE
 from accel_train.model.create import create_model, init_normalisation
-from accel_train.checkpoint.resume import keep_run_math, reconcile
-from conftest import check_best, launch, run_cli
-from test_imagefolder import write_image_folder
+from accel_train.training.exports import (
+    BestModel,
+    best_row,
+    export_model,
+    exported_best,
+    lr_curve,
+    plot_curves,
+)
+from accel_train.training.metrics import Pace, slow_run_warning
 
 TINY = [
     "--data",

@@ -1,4 +1,4 @@
-"""A second new-user trial (issue 26, items 5-8, 10): defaults that do not waste a small data set,
+"""A second new-user trial: defaults that do not waste a small data set,
 fixed-size timm models at another size, --stem auto that says why, a schedule that reaches its peak
 (and curves that show the lr each step used), and predict's machine-readable formats.
 
@@ -9,18 +9,18 @@ import json
 import pytest
 import torch
 import yaml
+from conftest import run_cli
+from test_imagefolder import write_image_folder
 
+from accel_train.checkpoint.resume import reconcile
 from accel_train.commands.evaluate import load_exported
+from accel_train.config.defaults import dropped_note
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo
-from accel_train.config.defaults import dropped_note
 from accel_train.errors import ConfigError
 from accel_train.model.create import create_model
 from accel_train.training.exports import lr_curve, lr_of_step
 from accel_train.training.startup import schedule
-from accel_train.checkpoint.resume import reconcile
-from conftest import run_cli
-from test_imagefolder import write_image_folder
 
 # ---------------------------------------------------------------------------------------------
 # Item 8: the peak lr is reached; the lr panel shows the lr each step used
@@ -316,6 +316,7 @@ def test_predict_json_is_one_object_per_image(exported, capsys):
 def test_predict_csv_quotes_what_needs_it(exported, capsys):
     import csv
     import io
+
     from accel_train.commands.predict import main_predict
 
     out, images, odd = exported
@@ -342,9 +343,9 @@ def test_predict_csv_quotes_what_needs_it(exported, capsys):
 
 
 def test_the_default_batch_is_at_least_2_and_an_automatic_one_is_not_warned_about(tmp_path):
-    """A review found batch 1 for tiny data (BatchNorm's traceback on a 1x1 map, exit 1) and the
-    dropped-data warning said of the automatic batch itself ('--batch_size 1 ... the default for
-    this data drops 4')."""
+    """Tiny data gets a batch of at least 2 (batch 1: BatchNorm's traceback on a 1x1 map, exit 1),
+    and the dropped-data warning says nothing of the automatic batch itself (not '--batch_size 1
+    ... the default for this data drops 4')."""
     from accel_train.config.defaults import auto_batch
 
     assert (

@@ -1,4 +1,4 @@
-"""Issue 38 items 2 (mixup/cutmix) and 3: timm's optimizers, schedules and Mixup from the flags;
+"""timm's optimizers, schedules and Mixup from the flags;
 their lr and weight decay defaults; the lr the run reports for every schedule; mixup's draws a
 function of (seed, step, rank); a resume that refuses what cannot carry over; and a small ViT
 fine-tuned on 2 ranks, resumed exactly, evaluated.
@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import timm
 import torch
+from conftest import launch, steps_logged
 from safetensors.torch import load_file
 
 from accel_train.checkpoint.changes import check_changes, settings
+from accel_train.checkpoint.resume import keep_run_math
 from accel_train.config.train_config import TrainConfig
 from accel_train.errors import ConfigError
+from accel_train.training.exports import lr_of_step
 from accel_train.training.loop import reseed
 from accel_train.training.metrics import EpochMeter
 from accel_train.training.optim import (
@@ -27,10 +30,6 @@ from accel_train.training.optim import (
     mixing,
     schedule,
 )
-from accel_train.training.exports import lr_of_step
-from accel_train.checkpoint.resume import keep_run_math
-
-from conftest import launch, steps_logged
 
 
 def cfg(**kw):
@@ -232,7 +231,7 @@ def test_mixup_needs_an_even_batch():
         check_mixing(cfg(cutmix=1.0, batch_size=7))
 
 
-# The fine-tune of issue 38's "done when": timm's test ViT at 32 px (patch 8: 16 tokens) on an image
+# A fine-tune: timm's test ViT at 32 px (patch 8: 16 tokens) on an image
 # folder of PNGs (RandomResizedCrop, RandAugment and random erasing in the workers; evaluation at
 # crop_pct 0.875), 2 ranks x 8, 4 steps an epoch, 2 epochs
 VIT = [

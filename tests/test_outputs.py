@@ -9,13 +9,13 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from conftest import ROOT, launch, run_cli, write_cifar
 from PIL import Image
 from safetensors.torch import load_file
 
 from accel_train.cli import parse_train_args
-from accel_train.data import CIFAR10
 from accel_train.commands.evaluate import load_exported
-from conftest import ROOT, launch, run_cli, write_cifar
+from accel_train.data import CIFAR10
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,8 @@ def test_tensorboard_events_hold_the_scalars(finished):
     assert tags["epoch/test_loss"] == pytest.approx([r["test_loss"] for r in rows])
     assert tags["epoch/test_top5"] == pytest.approx([r["test_top5"] for r in rows])
     assert all(r["test_acc"] <= r["test_top5"] <= 1 and r["test_loss"] > 0 for r in rows), rows
-    # --tracker_project (issue 40 item 7: the project was always "accel_train"), --run_name as
-    # wandb's run name
+    # --tracker_project names the project (not always "accel_train"), --run_name is wandb's run
+    # name
     assert {p.parent.relative_to(out).parts[0] for p in out.rglob("events.out.tfevents.*")} == {
         "flowers"
     }
@@ -122,15 +122,18 @@ def test_evaluate_prints_the_class_table_and_the_runs_accuracy(finished):
 
 
 def test_evaluate_takes_the_best_epoch_and_the_runs_data_folder(finished):
-    # issue 40 item 7: no way to evaluate model_best.safetensors, and the data folder config.yaml
-    # records was ignored (evaluate read ./input_dir)
+    # evaluate takes model_best.safetensors and the data folder config.yaml records (not
+    # ./input_dir)
     data, out = finished
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     best = max(r["test_acc"] for r in rows)
     for how in (["--checkpoint", out, "--best"], ["--checkpoint", out / "model_best.safetensors"]):
         proc = run_cli(["evaluate", *how])  # (no --data_dir: the run's)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        # (item 10: the batch is the run's own, which fit in memory with gradients, not 256 whatever
+        # the line names what it evaluated: the file given, or the run's best epoch
+        said = proc.stdout.splitlines()[0]
+        assert f"from {how[1]}" in said and ("[best epoch]" in said) == ("--best" in how), said
+        # (the batch is the run's own, which fit in memory with gradients, not 256 whatever
         # the image size)
         assert (
             "evaluated 53 samples, 16 per process and batch (the run's training batch)"
@@ -138,7 +141,6 @@ def test_evaluate_takes_the_best_epoch_and_the_runs_data_folder(finished):
         )
         acc = float(re.search(r"test accuracy ([\d.]+)% on 53 samples", proc.stdout)[1])
         assert acc == pytest.approx(100 * best, abs=0.01), (proc.stdout, rows)
-    assert "[best epoch]" in proc.stdout or "model_best" in proc.stdout
     image = out.parent / "best.png"
     Image.new("RGB", (40, 40), (30, 90, 200)).save(image)
     one, other = (
@@ -183,9 +185,8 @@ def documented_snippet(marker: str) -> str:
 
 
 def test_export_loads_with_timms_own_api_and_scores_as_predict(tmp_path):
-    # issue 40 item 3: the documented snippet fed timm ImageNet's mean/std, bicubic and crop_pct
-    # 0.95 (one image: 0.781 through timm, 0.971 through predict); run as written, it scores an
-    # image as predict does
+    # the documented snippet, run as written, scores an image as predict does (with timm ImageNet's
+    # mean/std, bicubic and crop_pct 0.95 instead: 0.781 through timm, 0.971 through predict)
     out = tmp_path / "imagenet_stem"
     launch(
         "cpu.yaml",
@@ -240,8 +241,8 @@ def test_cifar_stem_export_loads_with_timm_plus_the_documented_stem_change(finis
 
 def test_only_the_global_main_process_writes_the_runs_outputs(tmp_path):
     """README: the model is written by the main process only. On two machines each machine's local
-    main process is not the main process: machine 1's must not write (issue 39: exporting on every
-    local main process was caught only by the root-only two-host test)."""
+    main process is not the main process: machine 1's must not write (checked here in process, not
+    only by the root-only two-host test)."""
     from types import SimpleNamespace
 
     from accel_train.training.exports import main_process_writes
@@ -255,7 +256,7 @@ def test_only_the_global_main_process_writes_the_runs_outputs(tmp_path):
             is_local_main_process=local_main,
         )
         result = main_process_writes(
-            acc, lambda: wrote.append(rank) or f"written by {rank}", tmp_path
+            acc, lambda rank=rank: wrote.append(rank) or f"written by {rank}", tmp_path
         )
         assert result == (f"written by {rank}" if main else None)
     assert wrote == [0], wrote
@@ -271,9 +272,8 @@ def captured_figures(monkeypatch) -> list:
 
 
 def test_the_curves_say_only_what_was_logged_and_a_partial_epoch_starts_at_0(tmp_path, monkeypatch):
-    # issue 40 item 8: with --log_every >= the steps of an epoch the step-loss line held only
-    # epoch-end points; a
-    # --max_steps run's part of an epoch got axis ticks 0.945-1.05
+    # with --log_every >= the steps of an epoch the step-loss line holds more than epoch-end points;
+    # a --max_steps run's part of an epoch gets axis ticks from 0, not 0.945-1.05
     from accel_train.training.exports import plot_curves
 
     figures = captured_figures(monkeypatch)
@@ -306,8 +306,8 @@ def test_the_curves_say_only_what_was_logged_and_a_partial_epoch_starts_at_0(tmp
 
 
 def test_the_lr_panel_of_a_resumed_run_keeps_its_warmup(tmp_path, monkeypatch):
-    # issue 40 item 8: after a resume the lr panel drew the schedule only from the resumed step (the
-    # steps before from steps.jsonl's few logged points): the warmup was gone. Unchanged, the
+    # after a resume the lr panel draws the schedule from step 1, not only from the resumed step
+    # (the steps before from steps.jsonl's few logged points would lose the warmup). Unchanged, the
     # schedule is drawn from step 1; a resume that changes the schedule (--epochs) draws the logged
     # lr before its step
     figures = captured_figures(monkeypatch)

@@ -1,4 +1,4 @@
-"""Your own model and data (issue 24): --model module.path:callable, the trust rule for an import
+"""Your own model and data: --model module.path:callable, the trust rule for an import
 path read from a file, every bad model or data set as one line (exit 2) with the output dir
 untouched, and train() from Python.
 """
@@ -16,12 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
-from torch.utils.data import Dataset
-
 import tests_pkg.mod
-from accel_train.errors import ConfigError, Diverged, Preempted
+import torch
 from conftest import (
     CONFIGS,
     ROOT,
@@ -34,8 +30,15 @@ from conftest import (
     wait_for,
     write_cifar,
 )
+from safetensors.torch import load_file
+from test_bad_input import (
+    existing_run,  # noqa: F401 (a fixture)
+    snapshot,
+)
 from test_resume import worst
-from test_bad_input import existing_run, snapshot  # noqa: F401 (a fixture)
+from torch.utils.data import Dataset
+
+from accel_train.errors import ConfigError, Diverged, Preempted
 
 TESTS = ROOT / "tests"
 SMALL = ["--train_samples", "64", "--test_samples", "16", "--epochs", "1", "--batch_size", "16"]
@@ -96,7 +99,7 @@ CASES = {  # name: (--model and its flags, what the one line says)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_bad_model_is_one_line_and_touches_nothing(case, tmp_path, existing_run):  # noqa: F811
+def test_a_bad_model_is_one_line_and_touches_nothing(case, tmp_path, existing_run):
     args, fragment = CASES[case]
     if case == "init_from_code":
         # weights whose model_config.json names code: not imported without being allowed
@@ -184,7 +187,6 @@ def in_process_train(*args, **kwargs):
 def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(
     item, said, tmp_path, existing_run
 ):
-    # noqa: F811
     from accel_train import TrainConfig
 
     before = snapshot(existing_run)
@@ -210,8 +212,7 @@ def test_numpy_and_narrow_integer_labels_are_labels():
     import numpy as np
     from torch.utils.data import default_collate
 
-    from accel_train.data.given import check_item, check_labels
-    from accel_train.data.given import cpu_inputs
+    from accel_train.data.given import check_item, check_labels, cpu_inputs
 
     for label in (np.int64(1), np.int32(1), torch.tensor(1, dtype=torch.int32)):
         check_item(Items((torch.zeros(3, 8, 8), label)), "train_set")
@@ -238,11 +239,11 @@ def test_the_precision_check_of_your_model_is_remembered_for_its_code(tmp_path, 
     import shutil
     import sys
 
-    from accel_train.model.own_model import name_of
     from accel_train.config.train_config import TrainConfig
-    from accel_train.precision.check import check
-    from accel_train.precision.cache import cache_key
+    from accel_train.model.own_model import name_of
     from accel_train.platform.hardware import DeviceFacts
+    from accel_train.precision.cache import cache_key
+    from accel_train.precision.check import check
 
     shutil.copytree(TESTS / "tests_pkg", tmp_path / "user_pkg")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -286,25 +287,25 @@ from blocks34 import Block
 
 
 def build(num_classes):
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(4, num_classes))
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(4), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, num_classes))
 """
 
 
 def test_a_cached_verdict_is_not_taken_after_an_edit_to_a_layer_in_a_second_local_module(
     tmp_path, monkeypatch
 ):
-    # issue 34 item 1: netc.py builds the model, blocks.py holds its Block; the cache key hashed
-    # netc.py and the modules' repr and shapes, so an edit to Block.forward (e.g. the input its
-    # stride-2 convolution sees: issue 27's bad shape) kept the earlier verdict "match fp32" and
-    # bf16 trained on the wrong kernel. The code of every module the model uses is in the key; the
+    # netc.py builds the model, blocks.py holds its Block; a key of netc.py and the modules' repr
+    # and shapes alone would keep the earlier verdict "match fp32" after an edit to Block.forward
+    # (e.g. the input its stride-2 convolution sees: the bad kernel's shape), and bf16 would train
+    # on the wrong kernel. The code of every module the model uses is in the key; the
     # same code gives the same key (the cache still works)
     import importlib
     import sys
 
     from accel_train.config.train_config import TrainConfig
-    from accel_train.precision.cache import cache_key
     from accel_train.platform.hardware import DeviceFacts
+    from accel_train.precision.cache import cache_key
 
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg, facts = TrainConfig(model="netc34:build"), DeviceFacts("cpu", "cpu")
@@ -491,7 +492,6 @@ def test_your_model_resumes_exactly_on_two_ranks_and_on_one_and_its_export_is_ev
 
 
 @pytest.mark.launches
-# noqa: F811
 def test_a_model_wrong_on_one_rank_stops_every_rank_with_one_line(tmp_path, existing_run):
     # the check on one batch runs on every rank: rank 1's wrong logits are one line (said by the
     # main process), no rank trains, the output dir is untouched
@@ -588,7 +588,8 @@ def test_the_examples_train_on_two_ranks(tmp_path):
     said = [line for line in proc.stderr.splitlines() if "predict with: " in line]
     assert (
         len(said) == 1
-        and f"accel-train predict --checkpoint {tmp_path / 'd'} --trust_model_code --mean R,G,B --std R,G,B IMAGE_OR_FOLDER"
+        and f"accel-train predict --checkpoint {tmp_path / 'd'} --trust_model_code"
+        " --mean R,G,B --std R,G,B IMAGE_OR_FOLDER"
         in said[0]
     ), said
     # the command the script's docstring gives predicts with it, from another folder
@@ -605,7 +606,7 @@ def test_the_examples_train_on_two_ranks(tmp_path):
         )
         Image.fromarray(np.stack([grid] * 3, -1)).save(images / name)
     predict = [
-        tmp_path / "d" if a == "/tmp/own_data" else images if a == "my_images/" else a
+        tmp_path / "d" if a == "/tmp/own_data" else images if a == "imgs/" else a
         for a in predict[1:]
     ]
     proc = run(
@@ -708,7 +709,7 @@ def test_a_script_that_returns_trains_result_ends_with_status_0(capsys):
 
     for returned, status in (({"final_test_acc": 0.5}, 0), (None, 0), (3, 3)):
         with pytest.raises(SystemExit) as e:
-            main(lambda: returned)
+            main(lambda returned=returned: returned)
         assert e.value.code == status
     assert capsys.readouterr().err == ""
 
@@ -805,7 +806,7 @@ def test_a_module_given_to_train_is_checked_on_one_batch(tmp_path):
 
 @pytest.mark.launches
 def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
-    # issue 24 item 2's --compile for a model of your own (one fresh process: torch.compile's caches
+    # --compile for a model of your own (one fresh process: torch.compile's caches
     # belong to it): the module prepare() made is compiled, two graphs (train, eval) whatever the
     # batches, the EMA follows it and the export is a plain state dict of your class
     from test_matrix import COMPILED
@@ -844,9 +845,9 @@ def test_your_model_compiles_with_channels_last_and_the_ema(tmp_path):
 
 @pytest.mark.launches
 def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path):
-    # issue 34 item 4: every layer frozen but the classifier (requires_grad=False), on a CPU whose
-    # default is bf16: the start-up check raised "element 0 of tensors does not require grad" and
-    # the run could not start (exit 2, even under auto). The check runs, passes, and both ranks
+    # every layer frozen but the classifier (requires_grad=False), on a CPU whose default is bf16:
+    # the start-up check must not raise "element 0 of tensors does not require grad" (exit 2, even
+    # under auto). The check runs, passes, and both ranks
     # train the classifier only
     from test_precision_check import BF16_CPU
 
@@ -889,9 +890,9 @@ def test_a_linear_probe_trains_on_two_ranks_under_the_default_precision(tmp_path
 
 @pytest.mark.launches
 def test_a_model_with_an_unused_parameter_trains_on_two_ranks(tmp_path):
-    # issue 34 item 8: a parameter the forward never uses trained on 1 rank and died on 2 at the
-    # second step (DDP's "Expected to have finished reduction in the prior iteration", exit 1, empty
-    # metrics files). The start-up pass sees it and DDP is told (Accelerate's
+    # a parameter the forward never uses trains on 1 rank, and on 2 DDP stops at the second step
+    # ("Expected to have finished reduction in the prior iteration", exit 1) unless told. The
+    # start-up pass sees it and DDP is told (Accelerate's
     # DistributedDataParallelKwargs), said in one line
     out = tmp_path / "out"
     proc = launch(
@@ -936,8 +937,8 @@ class Mixed(Dataset):
         return self.bad.get(i, (torch.full((3, 8, 8), float(i % 2)), i % 2))
 
 
-def test_a_bad_item_past_item_0_is_one_line_naming_its_index(tmp_path, existing_run):  # noqa: F811
-    # issue 34 item 9: only item 0 was checked. A sample of items (evenly spaced: 0, 4, 9, ... 31 of
+def test_a_bad_item_past_item_0_is_one_line_naming_its_index(tmp_path, existing_run):
+    # not only item 0: a sample of items (evenly spaced: 0, 4, 9, ... 31 of
     # 32) is checked at start (nothing written); any other item as its batch is built (in a
     # DataLoader worker too: one line, not the worker's traceback), on the CPU before the batch
     # reaches the device (on CUDA a label out of range is a device-side assert)

@@ -1,4 +1,4 @@
-"""Failure modes that only Ascend / NCCL clusters show, driven on CPU (issue 15): ModelArts'
+"""Failure modes that only Ascend / NCCL clusters show, driven on CPU: ModelArts'
 per-card boot file, HCCL timeouts below the trainer's, a rank ended by SIGABRT, exact resume without
 random-state files, evaluation on unequal shards, and bench/npu_check.sh."""
 
@@ -10,13 +10,18 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from safetensors.torch import load_file
-
-from accel_train.platform import accelerator
-from accel_train.training import loop
-from accel_train.config.train_config import TrainConfig
 from conftest import ROOT, TINY, clean_env, launch
-from test_launch import LAUNCH, dry_run, hw, parse  # noqa: F401  (hw is a fixture)
+from safetensors.torch import load_file
+from test_launch import (
+    LAUNCH,
+    dry_run,
+    hw,  # noqa: F401 (a fixture)
+    parse,
+)
+
+from accel_train.config.train_config import TrainConfig
+from accel_train.platform import accelerator, backend_env
+from accel_train.training import loop
 
 ASCEND = {"RANK_TABLE_FILE": "/user/config/jobstart_hccl.json", "RANK_ID": "0"}
 
@@ -144,21 +149,21 @@ def test_hccl_exec_timeout_is_clamped_to_canns_upper_bound(hw):
     # CANN's environment variable reference bounds HCCL_EXEC_TIMEOUT to (0, 17340] s on the Atlas
     # training series (910A; a multiple of 68, 17340 = 255 * 68); A2/A3 take up to 2147483647. One
     # rule for every NPU: the smaller.
-    assert accelerator.HCCL_EXEC_TIMEOUT_MAX == 17340 == 255 * 68
+    assert backend_env.HCCL_EXEC_TIMEOUT_MAX == 17340 == 255 * 68
     # three quarters would be 64800
-    assert accelerator.derived_hccl_timeouts(86400) == (
+    assert backend_env.derived_hccl_timeouts(86400) == (
         7200,
         17340,
     )
-    assert accelerator.derived_hccl_timeouts(23188) == (7200, 17340)  # 17391 -> 17340
-    assert accelerator.derived_hccl_timeouts(23120) == (7200, 17340)  # exactly 17340
+    assert backend_env.derived_hccl_timeouts(23188) == (7200, 17340)  # 17391 -> 17340
+    assert backend_env.derived_hccl_timeouts(23120) == (7200, 17340)  # exactly 17340
     # 17250 -> 253 * 68, below the bound
-    assert accelerator.derived_hccl_timeouts(23000) == (
+    assert backend_env.derived_hccl_timeouts(23000) == (
         7200,
         17204,
     )
     for timeout in (91, 300, 1000, 7200, 23120, 10**6, 10**9):
-        connect, execute = accelerator.derived_hccl_timeouts(timeout)
+        connect, execute = backend_env.derived_hccl_timeouts(timeout)
         assert (
             68 <= execute <= 17340
             and execute % 68 == 0
@@ -201,7 +206,7 @@ def test_the_launcher_reads_the_trainers_seconds_as_argparse_does_rounded_up():
     assert launcher.trainer_timeout_s([]) == TrainConfig().timeout_s
 
 
-def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones_not_below_timeout_s(
+def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_ones_not_below_timeout(
     hw,
 ):
     env = {}
@@ -216,11 +221,11 @@ def test_trainer_sets_unset_hccl_timeouts_as_launch_sh_does_and_refuses_set_ones
     ):
         # (the last two: EXEC at CANN's upper bound, 17340)
         launched, _, _ = parse(dry_run({}, ["--timeout_s", str(timeout)], bindir=hw(npus=8)))
-        assert hccl(launched) == accelerator.derived_hccl_timeouts(timeout)
+        assert hccl(launched) == backend_env.derived_hccl_timeouts(timeout)
     assert (
         int(env["HCCL_CONNECT_TIMEOUT"]),
         int(env["HCCL_EXEC_TIMEOUT"]),
-    ) == accelerator.derived_hccl_timeouts(300)
+    ) == backend_env.derived_hccl_timeouts(300)
     kept = {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
     accelerator.hccl_timeouts(300, kept)
     assert kept == {"HCCL_CONNECT_TIMEOUT": "225", "HCCL_EXEC_TIMEOUT": "0"}
@@ -278,12 +283,14 @@ def test_trainer_never_names_a_process_group_backend(monkeypatch):
 
 
 ABORT_HOOK = textwrap.dedent("""\
-    # test only: rank 1 of the trainer dies of SIGABRT (as NCCL's watchdog ends it) once a checkpoint exists; its abort
-    # note names the backend NCCL's (launch.sh reads a gloo rank's SIGABRT as a bug: test_faults.py)
+    # test only: rank 1 of the trainer dies of SIGABRT (as NCCL's watchdog ends it) once a
+    # checkpoint exists; its abort note names the backend NCCL's (launch.sh reads a gloo rank's
+    # SIGABRT as a bug: test_faults.py)
     import os, pathlib, sys, threading, time
     _cmd = open("/proc/self/cmdline", "rb").read().split(b"\\0")
-    if os.environ.get("RANK") == "1" and b"accel_train" in _cmd and os.environ.get("ACCEL_TEST_ABORT_AFTER"):
-        _after, _once = pathlib.Path(os.environ["ACCEL_TEST_ABORT_AFTER"]), pathlib.Path(os.environ["ACCEL_TEST_ONCE"])
+    _abort_after = os.environ.get("ACCEL_TEST_ABORT_AFTER")
+    if os.environ.get("RANK") == "1" and b"accel_train" in _cmd and _abort_after:
+        _after, _once = pathlib.Path(_abort_after), pathlib.Path(os.environ["ACCEL_TEST_ONCE"])
         def _watch():
             while not _after.exists():
                 time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""The start-up check of the reduced precision (accel_train/precision/check.py; issue 27): its
+"""The start-up check of the reduced precision (accel_train/precision/check.py): its
 verdict on an injected wrong gradient, on the real bad shape as this machine's kernel computes it,
 the fall-back to fp32 and the refusal, the cache, and 2 ranks agreeing."""
 
@@ -10,10 +10,10 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from conftest import ROOT, clean_env, run, run_cli
+from wrong_gradients import FORWARDS, Corrupt, Net, wrong_under_autocast
 
 from accel_train.precision import check as gradcheck
-from conftest import ROOT, clean_env, run, run_cli
-from wrong_gradients import FORWARDS, Corrupt, Net
 
 BF16_CPU = json.dumps(
     {"kind": "cpu", "name": "mocked", "cpu_flags": ["avx512f", "avx512_bf16"], "arch": "x86_64"}
@@ -68,9 +68,9 @@ def test_a_non_finite_gradient_fails_with_an_infinite_error():
 
 
 def test_the_fp32_reference_runs_without_tf32_or_hf32(monkeypatch):
-    """issue 41 item 7: cuDNN's fp32 convolutions run in TF32 by default from sm80
-    (torch.backends.cudnn.allow_tf32), torch_npu's in HF32 (torch.npu.conv.allow_hf32): 10 mantissa
-    bits, so the reference of a check of fp16 was as coarse as fp16. Both the forward and the
+    """cuDNN's fp32 convolutions run in TF32 by default from sm80 (torch.backends.cudnn.allow_tf32),
+    torch_npu's in HF32 (torch.npu.conv.allow_hf32): 10 mantissa bits, a reference as coarse as the
+    fp16 it checks. Both the forward and the
     backward of each fp32 pass see every such switch off; the reduced precision passes see them as
     the run has them, and they are as they were after the check."""
     before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -132,18 +132,9 @@ def fp32_reference_flags(monkeypatch):
     ) == (True, True, True, True)
 
 
-class Zeroed(torch.autograd.Function):
-    """Identity on a weight whose gradient is all zero where the forward ran under autocast (what
-    the README says a wrong kernel often leaves inside the model's backward)."""
-
-    @staticmethod
-    def forward(ctx, w):
-        ctx.low = torch.is_autocast_enabled(w.device.type)
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.zeros_like(g) if ctx.low else g
+# a gradient all zero under autocast (what the README says a wrong kernel often leaves inside the
+# model's backward)
+Zeroed = wrong_under_autocast(torch.zeros_like)
 
 
 class DeepNet(nn.Module):
@@ -169,9 +160,9 @@ class DeepNet(nn.Module):
 
 
 def test_a_gradient_that_is_all_zero_where_fp32_s_is_not_fails_whatever_the_bound():
-    # issue 34 item 3: an all-zero gradient has relative error exactly 1.0, and a deep model's bound
-    # is capped at 1.0: `not e <= limit` let it pass (worst ('bn.weight', 1.0)). Zero where fp32 is
-    # not (above the floor) is no rounding
+    # an all-zero gradient has relative error exactly 1.0, and a deep model's bound is capped at
+    # 1.0, so `not e <= limit` would let it pass (worst ('bn.weight', 1.0)). Zero where fp32 is not
+    # (above the floor) is no rounding
     errs = gradcheck.errors(
         {"w": torch.ones(4), "b": torch.zeros(2), "t": torch.ones(2) * 1e-9},
         {"w": torch.zeros(4), "b": torch.zeros(2), "t": torch.zeros(2)},
@@ -188,9 +179,9 @@ def test_a_gradient_that_is_all_zero_where_fp32_s_is_not_fails_whatever_the_boun
 
 
 def test_frozen_layers_are_not_checked_and_a_layer_called_by_keyword_is(monkeypatch):
-    # issue 34 items 4 and 5: a linear probe (every layer frozen but the classifier) made the
-    # layer-alone pass raise "element 0 of tensors does not require grad" (exit 2, even under auto);
-    # a layer called as self.fc(input=x) made its input hook raise IndexError (args was empty)
+    # a linear probe (every layer frozen but the classifier) must not make the layer-alone pass
+    # raise "element 0 of tensors does not require grad" (exit 2, even under auto); a layer called
+    # as self.fc(input=x) must not make its input hook raise IndexError (args is empty)
     import tests_pkg.mod
 
     x, y = batch()
@@ -211,10 +202,10 @@ def test_frozen_layers_are_not_checked_and_a_layer_called_by_keyword_is(monkeypa
 
 
 def test_a_failure_that_comes_from_the_batch_says_so_not_the_device():
-    # issue 34 item 7: resnet18 at 32 px, batch 2: layer4 normalises 2 values per channel (1x1
-    # feature maps), bf16's rounding is amplified past the bound (errors ~1.2; fp32 8e-5 off fp64)
-    # and the run fell back as "bf16 autocast computes wrong gradients on this device". Every layer
-    # alone computes right there: the cause is the batch. (timm's test_resnet does the same, in a
+    # resnet18 at 32 px, batch 2: layer4 normalises 2 values per channel (1x1 feature maps), bf16's
+    # rounding is amplified past the bound (errors ~1.2; fp32 8e-5 off fp64), which is no reason to
+    # say "bf16 autocast computes wrong gradients on this device". Every layer alone computes right
+    # there: the cause is the batch. (timm's test_resnet does the same, in a
     # second)
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=10)
@@ -254,9 +245,9 @@ def test_the_ranks_verdicts_combine_into_one():
 
 
 def wrong_here(trials: int = 6) -> bool:
-    """Issue 27's reproduction, alone: a 3x3/stride-2/padding-1 convolution of a 1x1 input. Every
-    weight tap but the centre sees only padding, so its gradient is exactly 0 (fp32 says so); a
-    kernel that leaves garbage there (over the one-layer bound) in any of `trials` bf16 passes is
+    """The bad kernel's reproduction, alone: a 3x3/stride-2/padding-1 convolution of a 1x1 input.
+    Every weight tap but the centre sees only padding, so its gradient is exactly 0 (fp32 says so);
+    a kernel that leaves garbage there (over the one-layer bound) in any of `trials` bf16 passes is
     wrong on this machine (this Xeon's: in most passes).
     """
     padding_only = torch.ones(3, 3, dtype=torch.bool)
@@ -568,7 +559,7 @@ class _ScaledNet(Net):
 @pytest.mark.parametrize("factor", [1.5, 10.0])
 def test_a_gradient_wrong_by_a_modest_factor_fails_the_check(factor):
     """The check's promise is its bound (0.19 for this 2-layer model in bf16), not only non-finite
-    or 1e15 errors (issue 39: a bound made 1000x looser passed every test): a gradient 1.5x (error
+    or 1e15 errors (a bound made 1000x looser must fail a test): a gradient 1.5x (error
     0.5) or 10x (error 9) of the fp32 one fails, and the right one passes under the same bound."""
     x, y = batch()
     v = gradcheck.check(_ScaledNet(factor), x, y, nn.CrossEntropyLoss(), "bf16")
@@ -581,9 +572,9 @@ def test_a_gradient_wrong_by_a_modest_factor_fails_the_check(factor):
 def test_the_check_runs_on_a_slice_of_a_large_batch_and_on_a_smaller_one_when_out_of_memory(
     tmp_path, monkeypatch
 ):
-    # issue 34 item 6: the check on the whole batch (resnet50, 224 px, batch 64, bf16) peaked
-    # 2.1-2.5 GiB over a training step's peak, so a batch sized to fill the device failed in the
-    # check (exit 2 under auto). It runs on a slice (a quarter of a batch over 32, at least 32
+    # the check on the whole batch (resnet50, 224 px, batch 64, bf16) peaks 2.1-2.5 GiB over a
+    # training step's peak, so a batch sized to fill the device would fail in the check (exit 2
+    # under auto). It runs on a slice (a quarter of a batch over 32, at least 32
     # samples), halves it when out of memory (down to 8), and its line says its time and peak memory
     sizes, real = [], gradcheck.check
 

@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
 from safetensors.torch import load_file
 
 from accel_train.resilience import preempt
-from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
 
 # resnet18 (the default, cifar stem) at 4 images per rank: ~0.3 s a step on 2 cores, long enough for
 # a signal or a kill to land mid-epoch. 256 random samples, global batch 8: 32 steps an epoch (~10
@@ -51,22 +51,19 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
     tmp_path, references
 ):
     # One run, three interruptions, each resumed, ending with the uninterrupted run's weights. One
-    # launch.sh with
-    # --max_restarts 2 --restart_on_preempt:
+    # launch.sh with --max_restarts 2 --restart_on_preempt:
     # 1. SIGUSR1 to rank 1 only, mid epoch 1 (what `scancel --signal=USR1` or SLURM's --signal
-    # delivers): every rank
-    #    stops at one step with a checkpoint; a preemption that did not come through launch.sh,
-    # which relaunches it;
-    # 2. SIGKILL to rank 1 a few steps later: rank 0, the survivor, saves the last step it completed
-    # (issue 23) and the
-    #    job is relaunched from it (the second relaunch: attempt 3 of 3);
+    #    delivers): every rank stops at one step with a checkpoint; a preemption that did not come
+    #    through launch.sh, which relaunches it;
+    # 2. SIGKILL to rank 1 a few steps later: rank 0, the survivor, saves the last step it
+    #    completed and the job is relaunched from it (the second relaunch: attempt 3 of 3);
     # 3. SIGTERM to launch.sh (as Kubernetes / ModelArts / SLURM send it) during epoch 1's
-    # evaluation: the epoch's
-    #    checkpoint is written, its metrics row is not; a signal to launch.sh itself is never
-    # relaunched. Then `--resume auto` redoes only that evaluation and trains epoch 2. (A kill
-    # resumed from a periodic checkpoint: test_faults.py's kill during a save, test_multinode.py's
-    # machines lost with their disks.) 1000 test samples: an evaluation of ~6 s alone (~10 s in the
-    # suite), long enough for a signal to land in it (the test set does not change what is trained).
+    #    evaluation: the epoch's checkpoint is written, its metrics row is not; a signal to
+    #    launch.sh itself is never relaunched. Then `--resume auto` redoes only that evaluation
+    #    and trains epoch 2. (A kill resumed from a periodic checkpoint: test_faults.py's kill
+    #    during a save, test_multinode.py's machines lost with their disks.)
+    # 1000 test samples: an evaluation of ~6 s alone (~10 s in the suite), long enough for a signal
+    # to land in it (the test set does not change what is trained).
     out = tmp_path / "out"
     # the uninterrupted run, launched the same way (its own test set and log settings do not change
     # the weights)

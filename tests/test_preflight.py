@@ -1,12 +1,13 @@
 import socket
-import sys
 import subprocess
+import sys
 import threading
 import time
 
+from conftest import ROOT, clean_env
+
 import accel_train.commands.preflight as preflight_module
 from accel_train.commands.preflight import preflight
-from conftest import ROOT, clean_env
 
 
 def free_port():

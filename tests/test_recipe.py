@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
+from conftest import TINY, clean_env, launch, launcher_env
 from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 
-from accel_train.files import EMA_FILE
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
-from accel_train.training.evaluate import evaluate
+from accel_train.files import EMA_FILE
 from accel_train.model.create import create_model
-from conftest import TINY, clean_env, launch, launcher_env
+from accel_train.training.evaluate import evaluate
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_trainers_ema_is_timms_ema_of_each_optimizer_steps_weights(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's promises about the recipe (issue 29 item 10), checked on the objects the trainer
+# The README's promises about the recipe, checked on the objects the trainer
 # builds: a Run from accel_train.training.startup.setup, in this process, with the environment
 # `accelerate launch --config_file cpu.yaml` gives
 # ---------------------------------------------------------------------------------------------
@@ -296,8 +296,8 @@ def test_ddp_bucket_flags_reach_the_ddp_kwargs_accelerate_passes_to_ddp(tmp_path
 
 def test_model_best_is_the_first_of_equals_and_the_models_not_the_emas(tmp_path):
     from accel_train.files import BEST_FILE
-    from accel_train.training.metrics import MetricsLog
     from accel_train.training.exports import BestModel, exported_best, record_epoch
+    from accel_train.training.metrics import MetricsLog
 
     with built_run(tmp_path, "--ema") as (cfg, run):
         metrics = MetricsLog(cfg, True, run.state, run.history, steps_per_epoch=run.steps_per_epoch)
@@ -357,9 +357,9 @@ def test_device_data_mb_defaults_to_a_quarter_of_the_free_memory():
 
 
 def test_device_budget_without_torch_accelerator_memory_info(monkeypatch):
-    """issue 41 item 5: where torch.accelerator.get_memory_info is missing (older torch within
-    torch>=2.6) or not implemented, the budget was 2**64 bytes: --pipeline auto decoded a whole
-    folder into each device. The backend's own mem_get_info answers instead; where nothing measures,
+    """Where torch.accelerator.get_memory_info is missing (older torch within torch>=2.6) or not
+    implemented, the budget is not 2**64 bytes (--pipeline auto would decode a whole folder into
+    each device): the backend's own mem_get_info answers instead; where nothing measures,
     nothing counts as fitting."""
     from accel_train.data.load import choose_pipeline, device_budget
 

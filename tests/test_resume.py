@@ -11,18 +11,17 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
 from safetensors.torch import load_file
+from test_checkpoint import assert_same_train_rows
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
-from accel_train.files import checkpoint_dirs
+from accel_train.checkpoint.resume import check_data, reconcile
 from accel_train.cli import parse_train_args
 from accel_train.errors import ConfigError
+from accel_train.files import checkpoint_dirs
 from accel_train.model.create import create_model
-from accel_train.checkpoint.resume import check_data, reconcile
-
-from conftest import ROOT, TINY, clean_env, launch, reference_args, run_cli, steps_logged, wait_for
-from test_checkpoint import assert_same_train_rows
 
 
 def small(out, *extra):
@@ -87,8 +86,8 @@ def test_two_rank_checkpoint_continues_on_one_and_four_ranks_exactly(tmp_path, t
             "step 11, " in proc.stderr
             and f"{3 * 32 // (per * ranks)} batches into the epoch" in proc.stderr
         )
-        # ranks the checkpoint had no RNG state for say so themselves, once, with their rank (issue
-        # 40 item 7: the line came twice, without the rank)
+        # ranks the checkpoint had no RNG state for say so themselves, once, with their rank (not
+        # twice, without the rank)
         # (ranks write to stderr concurrently: their lines come in any order, and may share a line)
         said = {r: proc.stderr.count(f"has no RNG state for rank {r} ") for r in range(ranks)}
         assert said == {r: int(r >= 2) for r in range(ranks)}, proc.stderr[-3000:]
@@ -516,11 +515,11 @@ def test_cpu_pipeline_with_workers_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("newest_on", [0, 1, 2])
 def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on):
     """README (resume, each machine's own disk): --resume auto continues from the newest complete
-    step any machine holds. Issue 39: every test put the newest copy on the last machine, so taking
-    the last machine's step passed.
+    step any machine holds, wherever the newest copy is (not always the last machine, where
+    taking the last machine's step would pass).
     """
-    from accel_train.config.train_config import TrainConfig
     from accel_train.checkpoint.resume import _choose
+    from accel_train.config.train_config import TrainConfig
 
     listings = [[(8, "run"), (16, "run")], [(8, "run"), (16, "run")], [(8, "run"), (16, "run")]]
     listings[newest_on].append((24, "run"))
@@ -533,7 +532,7 @@ def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on)
 
 @pytest.mark.launches
 def test_a_second_job_in_a_written_output_dir_is_one_line_naming_the_holder(tmp_path):
-    """Issue 33 item 3: two jobs never write one output directory at once. The holder here is this
+    """Two jobs never write one output directory at once. The holder here is this
     test process (as the ranks of a killed launcher were, training on): the second job gets one line
     with its host and pid, exit 2, and the directory is left as it was; once the holder ends, the
     directory is free again.

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, TINY, Job, clean_env, run, run_cli, trainer_pids, wait_for
 from safetensors.torch import load_file
 
 from accel_train.training.exports import exported_best
-
-from conftest import ROOT, TINY, Job, clean_env, run, run_cli, trainer_pids, wait_for
 
 
 def small(out, *extra):
@@ -65,7 +64,7 @@ def stopped_mid_epoch(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(accel_train.training.loop, "end_of_epoch", end_of_epoch)
-        full = ok(run_cli(small(root / "full", *args)))
+        ok(run_cli(small(root / "full", *args)))
         ok(run_cli(small(root / "part", *args, "--max_steps", "12")))
         stopped = rows(root / "part" / "metrics.jsonl"), rows(root / "part" / "steps.jsonl")
         resumed = ok(run_cli(small(root / "part", *args, "--resume", "auto")))
@@ -189,8 +188,8 @@ def test_resuming_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
     assert all(torch.allclose(final[k], uninterrupted[k], atol=1e-6) for k in final)
 
 
-# --- a fault after a resume from a given checkpoint, through launch.sh --max_restarts (issue 33
-# items 1 and 2) --- 1024 random samples, 2 ranks x 16: 32 steps an epoch (~0.2 s each here: a stop
+# --- a fault after a resume from a given checkpoint, through launch.sh --max_restarts ---
+# 1024 random samples, 2 ranks x 16: 32 steps an epoch (~0.2 s each here: a stop
 # agreed ~2 s of work after the fault still lands before the end); the older run checkpoints steps
 # 16 and 32, the new branch goes back to step 16 with another lr and is killed between steps 18 and
 # 28, before its own first checkpoint (step 32)
@@ -391,10 +390,10 @@ def test_a_killed_launcher_stops_its_ranks_before_the_relaunch(tmp_path):
 
 @pytest.mark.faults
 def test_a_launcher_killed_while_its_ranks_start_leaves_none_behind(tmp_path):
-    """The review of item 3: the agent SIGKILLed while its ranks were still importing or in the
-    rendezvous left them running unwatched (the watch read its parent too late; launch.sh looked for
-    markers they had not written yet) and launch.sh relaunched beside them. Now launch.sh waits for
-    every process of the attempt, the ranks end themselves, and the relaunch is the only job."""
+    """The agent SIGKILLed while its ranks are still importing or in the rendezvous leaves none
+    running unwatched (a watch that reads its parent too late, markers not written yet) for
+    launch.sh to relaunch beside: launch.sh waits for every process of the attempt, the ranks end
+    themselves, and the relaunch is the only job."""
     out = tmp_path / "out"
     with Job(
         [*BRANCH, "--max_steps", "4", "--max_restarts", "1"], out, tmp_path / "run.log"

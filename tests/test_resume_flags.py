@@ -7,11 +7,10 @@ import shutil
 import pytest
 import torch
 import yaml
+from conftest import TINY, run_cli
 from timm.scheduler import create_scheduler_v2
 
 from accel_train.config.train_config import TrainConfig
-
-from conftest import TINY, run_cli
 
 # a changed value of each field on resume; a new TrainConfig field without a row here fails the test
 # below
@@ -223,9 +222,8 @@ def test_a_resume_applies_and_logs_each_optimisation_setting(stopped, tmp_path):
 
 
 def test_a_checkpoint_of_an_earlier_version_says_its_schedule_changes(stopped, tmp_path):
-    """Checkpoints written before the warmup_prefix schedule (issue 26 item 8) record no settings: a
-    resume of one says in a line that the lr now follows the new schedule (a review found it silent:
-    +5% at epoch 15 of 30).
+    """Checkpoints written before the warmup_prefix schedule record no settings: a resume of one
+    says in a line that the lr now follows the new schedule (+5% at epoch 15 of 30, not silent).
     """
     out = shutil.copytree(stopped, tmp_path / "out")
     state = out / "checkpoints" / "step_00000003" / "trainer_state.json"

@@ -1,7 +1,7 @@
-"""A second new-user trial (issue 26, items 2, 3, 9, 11, 12; item 4 is in test_readme.py): a
---resume auto that finds nothing says so, stop lines start a line of their own under tqdm's bar,
-config.yaml records the precision used, a one-class folder is refused, and the words of the start-up
-and done lines, of a file as --output_dir and of an empty image."""
+"""A second new-user trial (another is in test_readme.py): a --resume auto that finds nothing says
+so, stop lines start a line of their own under tqdm's bar, config.yaml records the precision used, a
+one-class folder is refused, and the words of the start-up and done lines, of a file as --output_dir
+and of an empty image."""
 
 import json
 import re
@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import ROOT, TEST_CPU, TINY, clean_env, launch, run_cli, steps_logged, wait_for
+from test_imagefolder import write_image_folder
 
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo, build_data, decode_image
 from accel_train.data.images import check_images
 from accel_train.errors import ConfigError
-from conftest import ROOT, TEST_CPU, TINY, clean_env, launch, run_cli, steps_logged, wait_for
-from test_imagefolder import write_image_folder
 
 SMALL = [
     *TINY,

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from accelerate.test_utils import path_in_accelerate_package
+from conftest import CONFIGS, ROOT, clean_env
 
 from accel_train.commands import smoke
 from accel_train.commands.smoke import check
-from conftest import CONFIGS, ROOT, clean_env
 
 
 def run_smoke(*args, timeout=300):
@@ -96,7 +96,7 @@ def test_a_launcher_that_starts_fewer_ranks_fails_the_smoke_check(tmp_path):
         lines[-3:]
     )
     assert "got 1: the ranks did not join one group of 2" in lines[-1]
-    # the fix (issue 40 item 4)
+    # and the fix
     assert "one process was started" in lines[-1] and "2proc_cpu.yaml" in lines[-1]
 
 

@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from accel_train.resilience import heartbeat, preempt, survivor
 from conftest import (
     CONFIGS,
     ROOT,
@@ -31,6 +28,9 @@ from conftest import (
     trainer_pids,
     wait_for,
 )
+from safetensors.torch import load_file
+
+from accel_train.resilience import heartbeat, preempt, survivor
 
 # 512 random samples, 4 per rank, --grad_accum 2: 32 optimizer steps an epoch of ~0.1 s each
 # (test_resnet), 2 epochs; the kill lands inside an accumulation window with an EMA and a row per
@@ -317,7 +317,7 @@ def test_rank_0_killed_during_a_checkpoint_write_resumes_with_its_batchnorm_stat
     # broadcast since step 32's). The checkpoint's write begins with rank 0's buffers broadcast, so
     # the survivor saves rank 0's statistics, not its own: the relaunch ends equal to the
     # uninterrupted run, BatchNorm buffers and the EMA's included (before: 40 buffers differed)
-    out, hooks, log = tmp_path / "out", tmp_path / "hooks", tmp_path / "run.log"
+    out, hooks = tmp_path / "out", tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(KILL_IN_SAVE_HOOK)
     env = clean_env(
@@ -471,7 +471,7 @@ def test_the_time_interval_keeps_writes_at_one_percent():
 
 
 # ---------------------------------------------------------------------------------------------
-# Where a peer can be lost (issue 23 item 2): a lost-peer error raised in-process at each place a
+# Where a peer can be lost: a lost-peer error raised in-process at each place a
 # step can be, on one process (the same loop and save; group norm: no BatchNorm statistics). The
 # save must be exactly the reference's checkpoint of the step it names, or nothing.
 # ---------------------------------------------------------------------------------------------
@@ -608,8 +608,8 @@ def test_a_lost_peer_anywhere_saves_exactly_the_last_completed_step(
 def test_survivors_that_saved_different_steps_resume_from_the_newest():
     # a ring all-reduce can complete on some ranks and not others: machine 1's survivor saved one
     # step more
-    from accel_train.config.train_config import TrainConfig
     from accel_train.checkpoint.resume import _choose
+    from accel_train.config.train_config import TrainConfig
 
     reports = [{"listing": [(16, "run"), (21, "run")]}, {"listing": [(16, "run"), (22, "run")]}]
     assert _choose(TrainConfig(resume="auto"), reports) == ((22, "run"), {"run"})
@@ -771,9 +771,9 @@ def test_on_an_accelerator_the_survivor_saves_nothing_and_says_why(tmp_path):
 
 
 def test_the_signal_watch_does_not_save_beside_a_checkpoint_being_written(monkeypatch):
-    """Issue 33 (suspected, verified): a SIGTERM during a checkpoint write longer than the watch's
-    wait made it save the same step beside the writer, remove the writer's .tmp-step_N and exit 3
-    instead of the agreed stop's 4. While the checkpoint is written the watch waits; the agreed stop
+    """A SIGTERM during a checkpoint write longer than the watch's wait must not make it save the
+    same step beside the writer, remove the writer's .tmp-step_N and exit 3 instead of the agreed
+    stop's 4. While the checkpoint is written the watch waits; the agreed stop
     after it stands the watch down."""
     import types
 
@@ -892,9 +892,8 @@ def test_a_step_is_updated_under_the_lock_and_a_failure_inside_leaves_it_held(mo
 
 
 def test_on_an_accelerator_no_buffers_are_kept_for_a_save_that_cannot_happen(monkeypatch):
-    # issue 41 item 4: on CUDA/NPU the survivor saves nothing (readable_step), yet on 2+ ranks it
-    # hooked the module and copied its BatchNorm buffers on the device at every accumulation
-    # window's start, for that save
+    # on CUDA/NPU the survivor saves nothing (readable_step), so on 2+ ranks it neither hooks the
+    # module nor copies its BatchNorm buffers on the device at every accumulation window's start
     import types
 
     # a second rank

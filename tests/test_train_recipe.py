@@ -1,9 +1,8 @@
-"""Issue 38 items 1-2: RandomResizedCrop for image folders (timm's parameters, the same math in
-every pipeline, a function of (seed, epoch, sample index)), evaluation at --crop_pct, timm's
-per-sample transforms (--color_jitter,
---aa, --reprob) in the workers, the pipeline choice they force, and resume's refusal of a change.
-The pure functions in process; one test of real launches for all the flags at once (2 ranks, cpu
-pipeline vs 1 rank, cache pipeline; 2 ranks vs 1 rank on the device pipeline)."""
+"""RandomResizedCrop for image folders (timm's parameters, the same math in every pipeline, a
+function of (seed, epoch, sample index)), evaluation at --crop_pct, timm's per-sample transforms
+(--color_jitter, --aa, --reprob) in the workers, the pipeline choice they force, and resume's
+refusal of a change. The pure functions in process; one test of real launches for all the flags at
+once (2 ranks, cpu pipeline vs 1 rank, cache pipeline; 2 ranks vs 1 rank on the device pipeline)."""
 
 import json
 import math
@@ -12,16 +11,16 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_GN, launch
 from PIL import Image
+from test_imagefolder import write_image_folder
 
+from accel_train.checkpoint.resume import keep_run_math
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import build_data
 from accel_train.data.crops import resized_crop, rrc_bicubic, rrc_boxes, store_size
 from accel_train.data.images import Decode, decode_image
 from accel_train.errors import ConfigError
-from accel_train.checkpoint.resume import keep_run_math
-from conftest import TINY_GN, launch
-from test_imagefolder import write_image_folder
 
 PER_SAMPLE = dict(aa="rand-m9-mstd0.5", reprob=0.5, color_jitter=0.4)
 
@@ -83,8 +82,8 @@ def test_the_crop_resamples_the_box_and_mirrors():
 
 def test_the_bilinear_crop_reads_nothing_back_to_the_host(monkeypatch):
     """The device pipeline's default crop is one batched roi_align: no .cpu()/.tolist() of the
-    batch's tensors (on an accelerator each is a sync; the review found `bicubic.bool().cpu()`
-    evaluated for every interpolation).
+    batch's tensors (on an accelerator each is a sync: not even `bicubic.bool().cpu()`
+    for an interpolation).
     """
     reads = []
     for name in ("cpu", "tolist", "item", "__bool__"):
@@ -126,6 +125,7 @@ def test_evaluation_resizes_to_image_size_over_crop_pct_as_timm_does(tmp_path):
     # the default: timm's 0.875, or the weights' own where timm's pretrained weights are used
     # (--pretrained)
     from types import SimpleNamespace
+
     from accel_train.config.recipes import default_crop_pct
 
     assert default_crop_pct(TrainConfig(data="imagefolder")) == 0.875
@@ -322,7 +322,8 @@ def test_timm_per_sample_transforms_run_in_the_workers_alike_and_leave_the_devic
     auto = build_data(TrainConfig(**folder, **PER_SAMPLE), "cpu")
     assert (
         auto.pipeline == "cache"
-        and "--color_jitter 0.4, --aa rand-m9-mstd0.5, --reprob 0.5: timm's per-sample transforms, which DataLoader workers run"
+        and "--color_jitter 0.4, --aa rand-m9-mstd0.5, --reprob 0.5: timm's per-sample transforms,"
+        " which DataLoader workers run"
         in auto.describe()
     )
     cpu = build_data(TrainConfig(pipeline="cpu", **folder, **PER_SAMPLE), "cpu")

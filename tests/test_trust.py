@@ -1,4 +1,4 @@
-"""Trust to import model code (issue 33 item 6): it comes only from the command line
+"""Trust to import model code: it comes only from the command line
 (--trust_model_code, or --model naming the same path) or the train() call, never from a file: not a
 --config YAML, not a config.yaml or model_config.json in an --init_from / --resume / evaluate /
 predict folder. Every entry point that reads such a file is tried with a folder that asks for trust;
@@ -11,9 +11,8 @@ import sys
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
-
 from conftest import ROOT, clean_env, run, run_cli
+from safetensors.torch import save_file
 
 TINY = ["--train_samples", "32", "--test_samples", "16", "--batch_size", "16", "--image_size", "16"]
 PAYLOAD = "tests_pkg.mod:build"  # its import touches $TESTS_PKG_IMPORTED
@@ -105,8 +104,8 @@ def test_a_file_trusts_nothing_but_the_command_line_and_train_do(tmp_path):
     assert "trust_model_code" not in yaml.safe_load((tmp_path / "config.yaml").read_text())
 
 
-def test_the_reviews_shared_folder_runs_no_code(tmp_path):
-    # the issue's case as it was found, a real process: payload.py in the shared folder, imported as
+def test_a_shared_folder_that_asks_for_trust_runs_no_code(tmp_path):
+    # a real process: payload.py in the shared folder, imported as
     # shared_run.payload from the working directory, and a config.yaml that asks for trust
     folder, marker = tmp_path / "shared_run", tmp_path / "payload_ran"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""What a new user trips over (issue 17, items 1, 3, 5, 9, 10): typos, once-per-job lines, the
+"""What a new user trips over: typos, once-per-job lines, the
 process count of a named config, a full disk, and start-up refusals that leave nothing behind and
 name everything at once.
 """
@@ -9,19 +9,21 @@ import re
 import subprocess
 import time
 import types
-from pathlib import Path
 
 import pytest
-
-from accel_train import cli, errors, exits, status
-from accel_train.cli import IGNORE_ARGS, parse_train_args, train_parser
-from accel_train.cli import load_yaml
-from accel_train.errors import ConfigError, Preempted
-from accel_train.data import DataError, check_images, decode_all
-from accel_train.model.create import create_model
-from conftest import TINY, clean_env, launch, run_cli
+from conftest import TINY, launch, run_cli
 from test_imagefolder import write_image_folder
-from test_launch import dry_run, hw, parse  # noqa: F401 (hw: a fixture)
+from test_launch import (
+    dry_run,
+    hw,  # noqa: F401 (a fixture)
+    parse,
+)
+
+from accel_train import cli, exits, status
+from accel_train.cli import IGNORE_ARGS, load_yaml, parse_train_args, train_parser
+from accel_train.data import DataError, check_images, decode_all
+from accel_train.errors import ConfigError, Preempted
+from accel_train.model.create import create_model
 
 
 def one_error_line(stderr: str) -> str:
@@ -123,7 +125,9 @@ def test_preempted_line_comes_from_the_main_process_only(monkeypatch, capsys):
         (True, "accel-train: preempted: stopped by SIGTERM at step 3\n"),
     ):
         monkeypatch.setattr(
-            status, "process_group", lambda: types.SimpleNamespace(is_main_process=main_process)
+            status,
+            "process_group",
+            lambda main_process=main_process: types.SimpleNamespace(is_main_process=main_process),
         )
         assert cli.main([]) == 4
         assert capsys.readouterr().err == printed
@@ -398,7 +402,7 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
         "step_00000006",
         "trainer_state.json",
     ]
-    # issue 40 item 7: the quick start's command run twice is your own finished run, not "another
+    # the quick start's command run twice is your own finished run, not "another
     # run"
     (out / "model.safetensors").write_bytes(b"w")
     # (an epoch's end)
@@ -425,9 +429,9 @@ def test_own_interrupted_run_started_again_suggests_resume_auto(tmp_path):
     ],
 )
 def test_timm_train_flags_are_refused_with_what_this_trainer_does_instead(argv, says):
-    """Issue 40 item 5: --sched got "did you mean --seed?", --aa "--data?", and --opt adamw the hint
-    to let it through ACCEL_TRAIN_IGNORE_ARGS, which then trained SGD with one warning: a different
-    run than asked for.
+    """timm's --sched, --aa and --opt adamw are named with what this trainer does instead, not
+    "did you mean --seed?", "--data?" or the hint to let them through ACCEL_TRAIN_IGNORE_ARGS (which
+    would train SGD with one warning: a different run than asked for).
     """
     for env in (
         {},

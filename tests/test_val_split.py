@@ -10,10 +10,10 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import TINY, clean_env, launch, run_cli
 from PIL import Image
 
 from accel_train.data.folders import held_out, scan_split
-from conftest import TINY, clean_env, launch, run_cli
 
 # unbalanced: 0.25 holds out 3 (2.5 rounded half up), 2 and 2
 COUNTS = {

@@ -15,18 +15,25 @@ FORWARDS: list[
 # start-up check of the logits' shape and the evaluations, which run without gradients)
 
 
-class Corrupt(torch.autograd.Function):
-    """Identity on a weight whose gradient is garbage (x1e15) where the forward ran under autocast:
-    a kernel that is wrong in the reduced precision only."""
+def wrong_under_autocast(wrong):
+    """An autograd Function, the identity on a weight, whose gradient is wrong(g) where the forward
+    ran under autocast: a kernel that is wrong in the reduced precision only."""
 
-    @staticmethod
-    def forward(ctx, w):
-        ctx.low = torch.is_autocast_enabled(w.device.type)
-        return w.view_as(w)
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            ctx.low = torch.is_autocast_enabled(w.device.type)
+            return w.view_as(w)
 
-    @staticmethod
-    def backward(ctx, g):
-        return g * 1e15 if ctx.low else g
+        @staticmethod
+        def backward(ctx, g):
+            return wrong(g) if ctx.low else g
+
+    return Wrong
+
+
+# garbage (x1e15)
+Corrupt = wrong_under_autocast(lambda g: g * 1e15)
 
 
 class Net(nn.Module):

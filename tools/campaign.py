@@ -1,12 +1,13 @@
-"""Fault campaign (issue 36): draw scenarios from a seed (layout x flags x starting point x faults
-at a step or a named event), run each for real, and check it against the uninterrupted run of the
-same flags (tools/ campaign_check.py). A failing scenario prints its seed and the one command that
-replays it.
+"""Fault campaign: scenarios drawn from a seed, each run for real and checked against its reference.
 
-    python tools/campaign.py --seed 1 --minutes 60 --log /tmp/campaign.jsonl   # scenarios until the time is up
-    python tools/campaign.py --seed 1 --scenarios 3                           # three of them
-    python tools/campaign.py --scenario_seed 123456                           # replay one scenario
-    python tools/campaign.py --summary /tmp/campaign.jsonl                    # counts, failures, recovery times
+Draws scenarios (layout x flags x starting point x faults at a step or a named event), runs each for
+real, and checks it against the uninterrupted run of the same flags (tools/campaign_check.py). A
+failing scenario prints its seed and the one command that replays it.
+
+    python tools/campaign.py --seed 1 --minutes 60 --log /tmp/c.jsonl   # scenarios until time is up
+    python tools/campaign.py --seed 1 --scenarios 3                    # three of them
+    python tools/campaign.py --scenario_seed 123456                    # replay one scenario
+    python tools/campaign.py --summary /tmp/c.jsonl    # counts, failures, recovery times
 
 Drawn (tools/campaign_draw.py): layout (launch.sh with 1 or 2 ranks and --max_restarts 2, accelerate
 launch with 2 ranks and a platform-style rerun with --resume auto, two network hosts running
@@ -37,18 +38,14 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# noqa: E402
-from campaign_check import (
+from campaign_check import (  # noqa: E402
     check_faults,
     check_processes,
     check_statuses,
     compare_outputs,
 )
 from campaign_draw import LAYOUTS, Scenario, draw, reference_key, trainer_flags  # noqa: E402
-
-# noqa: E402
-from campaign_jobs import (
-    ROOT,
+from campaign_jobs import (  # noqa: E402
     Layout,
     Observed,
     TwoHosts,
@@ -212,7 +209,7 @@ class Campaign:
                 stop_job([], tag)
             # (the last step's row and a model file are not enough: a --resume auto start's model
             # file is its prefix run's, and a stop during the last evaluation leaves the last step's
-            # row; seed 505389257)
+            # row)
             finished = (
                 [r["step"] for r in rows(out0 / "steps.jsonl")[-1:]] == [total]
                 and (out0 / "model.safetensors").exists()
@@ -299,9 +296,8 @@ def documented(scn: Scenario, layout: Layout, seen: Observed, attempt: int) -> s
         ):
             ok.add(-9)
         if layout.how == "accelerate":
-            # 1 for a failed worker; the launcher itself ended by the signal sent to it,
-            # or (accelerate >= 1.15, commands/launch.py) 128 + N once its agent stopped the workers
-            # (seed 505389257)
+            # 1 for a failed worker; the launcher itself ended by the signal sent to it, or
+            # (accelerate >= 1.15, commands/launch.py) 128 + N once its agent stopped the workers
             ok |= (
                 {1, -SIGNALS[f["fault"]], 128 + SIGNALS[f["fault"]]}
                 if f["fault"] in SIGNALS
@@ -329,8 +325,8 @@ def measure(f: dict, seen: Observed, logs: list[bytes]) -> dict:
     each attempt; a resume counts from the fault's moment in its attempt's log on (log_offset:
     bytes)."""
     # the rest of the fault's attempt counts from launch.sh's relaunch on (a killed simple
-    # launcher's traceback replays the trainer's earlier lines, its 'resumed from' too: seed
-    # 1435089692), else the next attempt's log
+    # launcher's traceback replays the trainer's earlier lines, its 'resumed from' too), else the
+    # next attempt's log
     rest = logs[f["attempt"]][f["log_offset"] :]
     cut = rest.find(b"launch.sh: machine ")
     after = ((rest[cut:] if cut >= 0 else b"") + b"".join(logs[f["attempt"] + 1 :])).decode(

@@ -15,8 +15,8 @@ ELASTIC_TOL = (
     1e-5  # another process count (docs/outputs_and_resume.md: elastic resume, tested within 1e-5)
 )
 # ... in fp32. In bf16 the forward and backward run in 16 bits on another per-process batch: another
-# rounding, not a bug (seed 887942689: a linear probe's fc weights 1.7e-4 apart, its momentum
-# 2.6e-3, losses 6.3e-4). Below the change of a few steps (that run's last 4 steps moved its weights
+# rounding, not a bug (measured: a linear probe's fc weights 1.7e-4 apart, its momentum 2.6e-3,
+# losses 6.3e-4). Below the change of a few steps (that run's last 4 steps moved its weights
 # 5.9e-3)
 ELASTIC_16BIT_TOL = 1e-3  # parameters
 ELASTIC_16BIT_LOSS_TOL = 2e-3
@@ -25,8 +25,8 @@ ELASTIC_16BIT_OPT_TOL = 1e-2  # optimizer state (momentum: a sum of gradients)
 BN_TOL = 0.05
 # ... except after a survivor other than rank 0 saved between windows: its own statistics, off by
 # momentum x (its batch statistics - rank 0's) of that step, decaying by (1 - momentum) a step after
-# (README); with 8 images a rank, a batch's variance of a late layer differs by several units (seed
-# 1014160157: 0.185 at the end, 6 steps after). Then only a gross difference fails
+# (README); with 8 images a rank, a batch's variance of a late layer differs by several units
+# (measured: 0.185 at the end, 6 steps after). Then only a gross difference fails
 BN_SURVIVOR_TOL = 1.0
 LOSS_TOL = 1e-5
 BN_BUFFERS = ("running_mean", "running_var")
@@ -119,7 +119,7 @@ def _optimizer_state(ckpt: Path) -> dict:
     return {f"{i}.{k}": v for i, s in state.items() for k, v in s.items() if hasattr(v, "shape")}
 
 
-# A known difference, listed in bench/RESULTS.md (issue 36): an epoch resumed mid-way gets a row
+# A known difference, listed in bench/RESULTS.md: an epoch resumed mid-way gets a row
 # whose training numbers count the batches trained since the resume only (tests/test_matrix.py: "a
 # resumed epoch counts what it trained"); the checkpoint does not carry the epoch's partial sums
 PARTIAL_EPOCH_COLUMNS = ("train_loss", "train_acc", "train_samples")
@@ -165,14 +165,14 @@ def compare_outputs(
         (ELASTIC_16BIT_LOSS_TOL, ELASTIC_16BIT_OPT_TOL) if rounded else (LOSS_TOL, tol)
     )
     # a survivor whose peer died in the step's loss reduce writes that row with its own loss, marked
-    # "loss_of" (survivor.py; seed 1267: step 10's loss 2.3665, the two ranks' mean 2.3712):
+    # "loss_of" (survivor.py; e.g. step 10's loss 2.3665 where the two ranks' mean is 2.3712):
     # documented, not compared
     got_steps = _rows(out / "steps.jsonl")
     own = {r["step"] for r in got_steps if "loss_of" in r}
-    # noqa: E731
-    keep = lambda rows: [
-        {k: v for k, v in r.items() if k != "loss" or r["step"] not in own} for r in rows
-    ]
+
+    def keep(rows):
+        return [{k: v for k, v in r.items() if k != "loss" or r["step"] not in own} for r in rows]
+
     fails = compare_rows(
         "steps.jsonl",
         keep(got_steps),

@@ -26,8 +26,8 @@ MODELS = (
 NORM_FREE = ("test_resnet_gn", "own", "script")  # comparable across process counts (elastic resume)
 STARTS = ("fresh", "fresh", "resume_auto", "resume_path", "overwrite", "elastic")
 EVENTS = ("step", "step", "step", "checkpoint", "eval", "epoch_end", "startup")
-# issue 38's flags, drawn after everything else (a seed drawn before they existed keeps its layout,
-# flags and faults)
+# the recipe's flags, drawn after everything else (so that adding a recipe keeps every earlier
+# seed's layout, flags and faults)
 RECIPES = {
     "none": [],
     # per sample: workers only
@@ -89,7 +89,8 @@ class Scenario:
         f = " then ".join(f"{x['fault']}@{x['event']}" for x in self.faults)
         return (
             f"{self.layout} {self.model} {self.data}/{self.pipeline}"
-            f" accum{self.grad_accum}{' ema' if self.ema else ''}{' clip' if self.clip_grad else ''}{' cl' if self.channels_last else ''}"
+            f" accum{self.grad_accum}{' ema' if self.ema else ''}"
+            f"{' clip' if self.clip_grad else ''}{' cl' if self.channels_last else ''}"
             f" {self.mixed_precision} ckpt{self.checkpoint_every}"
             f" {self.start}{'' if self.recipe == 'none' else ' ' + self.recipe} | {f}"
         )

@@ -15,16 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-# noqa: E402  (the suite's two network hosts and clean environment)
-from conftest import (
-    TwoHosts,
-    clean_env,
-)
-
 from campaign_draw import LAYOUTS, Scenario  # noqa: E402
-
-# noqa: E402
-from campaign_procs import (
+from campaign_procs import (  # noqa: E402
     NODE_ENV,
     TAG_ENV,
     Watch,
@@ -34,6 +26,7 @@ from campaign_procs import (
     victims,
     writers,
 )
+from conftest import TwoHosts, clean_env  # noqa: E402 (the suite's hosts and clean environment)
 
 SCRIPT = "examples/train_own_data.py"
 ATTEMPT_TIMEOUT = 420

@@ -1,13 +1,13 @@
 """Mutation test: plant each of a fixed list of small, plausible bugs, one at a time, in a copy of
 the tree, run the tests that cover the promise it breaks, and print which survive. A survivor names
-a missing test (issue 39: six of sixteen planted bugs passed the suite). Extend MUTANTS as features
-land: a promise of the README, the one line of code that keeps it, and the tests that must fail
-without it.
+a missing test. Extend MUTANTS as features land: a promise of the README, the one line of code
+that keeps it, and the tests that must fail without it.
 
-    python tools/mutate.py                  # every mutant; exit 1 if any survives; each kill names the run of
-                                            # CI that makes it (readme: the README's command, or a stage)
-    python tools/mutate.py resume_newest    # some of them, by name
-    python tools/mutate.py --check          # only that every mutant still applies to the tree (tests/test_mutate.py)
+    python tools/mutate.py                # every mutant; exit 1 if any survives; each kill names
+                                          # the run of CI that makes it (readme: the README's
+                                          # command, or a stage)
+    python tools/mutate.py resume_newest  # some of them, by name
+    python tools/mutate.py --check        # only that every mutant still applies to the tree
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast, gather_object
 from safetensors.torch import load_file, save
 
-from .changes import settings_from_flags
 from ..errors import ConfigError
 from ..files import (
     CKPT_DIR,
@@ -50,6 +49,7 @@ from ..files import (
     write_output,
 )
 from ..hang import PROGRESS
+from .changes import settings_from_flags
 from .output_dir import delete_set_aside
 
 

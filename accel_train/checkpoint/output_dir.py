@@ -16,6 +16,7 @@ import socket
 import time
 from pathlib import Path
 
+from ..config.recipes import RECIPE_FLAGS
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..files import (
@@ -29,7 +30,6 @@ from ..files import (
     link_refused,
     planted_links,
 )
-from ..config.recipes import RECIPE_FLAGS
 
 # the run's math: a resume that changes one of these is refused (the global batch has its own rule);
 # the input size, normalisation and augmentation too. An automatic value (--stem auto, no
@@ -162,7 +162,7 @@ def set_aside(paths: list[Path], flag: str, why: str) -> None:
             raise ConfigError(
                 f"cannot rename {path} ({e}) to set it aside; delete it by hand, or "
                 "another --output_dir"
-            )
+            ) from e
 
 
 def delete_set_aside(root: Path) -> None:

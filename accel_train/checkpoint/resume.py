@@ -27,7 +27,9 @@ from pathlib import Path
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
-from .changes import PER_MACHINE, check_changes
+from ..config.defaults import BATCH_SIZE
+from ..config.train_config import TrainConfig
+from ..errors import ConfigError
 from ..files import (
     CKPT_DIR,
     MODEL_CONFIG_FILE,
@@ -40,11 +42,9 @@ from ..files import (
     resumed_from,
     step_dir,
 )
-from ..config.train_config import TrainConfig
-from ..config.defaults import BATCH_SIZE
-from ..errors import ConfigError
 from ..model.own_model import same_callable
 from ..platform.ranks import rank0s
+from .changes import PER_MACHINE, check_changes
 from .output_dir import AUTOMATIC, RUN_ID_ENV, RUN_MATH, others, refuse_fresh_run, unfinished_alike
 from .transfer import send_checkpoint
 

@@ -20,10 +20,10 @@ import torch
 
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
-from ..parser import Parser
-from ..training.evaluate import evaluate
 from ..files import BEST_FILE, CONFIG_FILE, EMA_EXPORT_FILE, EMA_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from ..model.own_model import allow_import, same_callable, search_code_dir
+from ..parser import Parser
+from ..training.evaluate import evaluate
 
 # evaluate's batch where the run's is unknown. Memory: 2 ranks at 256 measured 1.35 GiB per rank
 # (resnet18, cifar stem, 32 px) and 2.6 GiB (imagenet stem, 224 px) on a 24 GiB machine; the run's

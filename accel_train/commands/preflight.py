@@ -99,7 +99,7 @@ def check_reachable(ip: str, port: int, deadline: float) -> str | None:
             try:
                 s.connect((ip, port))
                 return None
-            except socket.timeout:
+            except TimeoutError:
                 last = "timed out (firewall, or a wrong address)"
             except OSError as e:
                 last = {

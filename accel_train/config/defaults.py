@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import recipes
 from ..errors import ConfigError
+from . import recipes
 
 # The cifar stem keeps the full resolution into the first block: at 224 px that is ~49x the compute
 # of timm's own stem (7x7/2 conv + maxpool, 4x smaller each side), so it is the default only for

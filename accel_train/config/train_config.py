@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from ..errors import ConfigError
 from . import recipes
 from .defaults import (
     BATCH_SIZE,
@@ -22,7 +23,6 @@ from .defaults import (
     optimizer_family,
     resolve_auto,
 )
-from ..errors import ConfigError
 from .flag_types import at_least, check_types_and_choices, json_kwargs, rgb
 
 # Automatic defaults (docs/own_data_and_models.md): CIFAR_STEM_MAX in defaults.py.

@@ -13,11 +13,11 @@ import numbers
 import torch
 from torch.utils.data import DataLoader
 
-from ..config.train_config import TrainConfig
-from ..platform.cores import worker_count
 from ..config.defaults import auto_batch
-from ..errors import ConfigError
 from ..config.recipes import per_sample
+from ..config.train_config import TrainConfig
+from ..errors import ConfigError
+from ..platform.cores import worker_count
 from .info import DataError, DataInfo
 from .pipeline import Data
 from .workers import loader_kwargs

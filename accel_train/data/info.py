@@ -79,7 +79,7 @@ class DataInfo:
         }
 
     @classmethod
-    def from_model_config(cls, meta: dict, mean=None, std=None) -> "DataInfo":
+    def from_model_config(cls, meta: dict, mean=None, std=None) -> DataInfo:
         """`mean`/`std` (--mean/--std of evaluate and predict) over the recorded ones; a model whose
         data's normalisation is unknown (your own Dataset's) is refused without them: files would be
         scaled at random."""

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ..config.recipes import default_crop_pct, per_sample, train_crop
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..lines import counted
-from ..config.recipes import default_crop_pct, per_sample, train_crop
 from .cache import cache_aspects, cache_path, cache_stats, no_room, open_cache, write_cache
-from .crops import store_size
 from .cifar import read_cifar10
+from .crops import store_size
 from .folders import held_out, image_folder_splits, scan_split, subset
 from .images import Decode, channel_stats, check_images, decode_all, native_size, never
 from .info import CIFAR10, DataInfo

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ..config.train_config import TrainConfig
-from ..platform.cores import worker_count
 from ..config.defaults import BATCH_SIZE, auto_batch
-from ..lines import counted
 from ..config.recipes import per_sample
+from ..config.train_config import TrainConfig
+from ..lines import counted
+from ..platform.cores import worker_count
 from .augment import Normalize, crop_flip, crop_flip_params
 from .cache import as_images, open_cache
 from .images import decode_image, never

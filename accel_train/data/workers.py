@@ -9,9 +9,9 @@ import atexit
 import torch
 
 from ..config.train_config import TrainConfig
-from ..platform.cores import worker_count
 from ..exits import end_workers
 from ..forks import worker_context
+from ..platform.cores import worker_count
 
 # batches each DataLoader worker prepares ahead (torch's default), each in /dev/shm: 8 workers x 2
 # x a uint8 batch of 256 at 224 px is 0.6 GB per rank

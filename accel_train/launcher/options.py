@@ -1,5 +1,4 @@
-"""The launcher's own options and the ModelArts boot arguments; everything else goes to the
-trainer."""
+"""The launcher's own options and the ModelArts boot arguments; the rest goes to the trainer."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ launch.sh: the one launcher for accel_train on clusters and as a ModelArts boot 
 
 Works out the number of machines, this machine's rank, the rank-0 host and port and the processes
 per machine, picks the accelerate config for the hardware it finds, and runs
-  python3 -m accelerate.commands.launch (accelerate launch) --config_file accelerate_configs/<cfg>.yaml
-    <what YAML cannot carry> -m accel_train <args>
+  python3 -m accelerate.commands.launch (accelerate launch)
+    --config_file accelerate_configs/<cfg>.yaml <what YAML cannot carry> -m accel_train <args>
 (launch.sh execs `python3 -m accel_train.launcher`, which does all of this.)
 
 Sources, first match wins for each value:
@@ -21,24 +20,27 @@ Sources, first match wins for each value:
   2. ModelArts:  MA_NUM_HOSTS|VC_WORKER_NUM  VC_TASK_INDEX  first of VC_WORKER_HOSTS  MA_NUM_GPUS
                  (MA_NUM_GPUS=0: a CPU-only flavour) and the boot arguments
                  --init_method tcp://HOST:PORT --rank N --world_size N
-  3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE (a number, or the
-                 operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs; cpu: one CPU process);
-                 an elastic PyTorchJob (PET_NNODES=MIN:MAX, PET_RDZV_BACKEND) is refused: no elasticPolicy
-  4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST (else SLURM_NODELIST,
-                 SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
+  3. Kubeflow:   PET_NNODES PET_NODE_RANK (MASTER_ADDR MASTER_PORT) PET_NPROC_PER_NODE (a number,
+                 or the operator's default auto: the visible GPUs or NPUs, else 1; gpu: the GPUs;
+                 cpu: one CPU process); an elastic PyTorchJob (PET_NNODES=MIN:MAX,
+                 PET_RDZV_BACKEND) is refused: no elasticPolicy
+  4. SLURM:      SLURM_NNODES SLURM_NODEID  first host of the step's SLURM_STEP_NODELIST
+                 (else SLURM_NODELIST, SLURM_JOB_NODELIST)  SLURM_GPUS_ON_NODE
   5. else one machine; processes per machine = the visible GPUs or NPUs, else 1.
-ModelArts' Ascend-Powered-Engine preset runs this file once per card (ASCEND_DEVICE_ID, RANK_ID, RANK_SIZE,
-RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node (without npu-smi:
-RANK_SIZE / machines of them); the other copies exit 0 at once.
-Started as a worker of torchrun (TORCHELASTIC_RUN_ID, RANK set), it runs the trainer for that rank in place.
+ModelArts' Ascend-Powered-Engine preset runs this file once per card (ASCEND_DEVICE_ID, RANK_ID,
+RANK_SIZE, RANK_TABLE_FILE set): only device 0's copy starts the job, for every card of the node
+(without npu-smi: RANK_SIZE / machines of them); the other copies exit 0 at once.
+Started as a worker of torchrun (TORCHELASTIC_RUN_ID, RANK set), it runs the trainer for that rank
+in place.
 NPUs: HCCL_CONNECT_TIMEOUT and HCCL_EXEC_TIMEOUT are set below the trainer's --timeout_s unless set.
 A failed collective raises in the trainer instead of ending the rank, unless you set these yourself:
-TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs), TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs);
+TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (GPUs),
+TORCH_HCCL_ASYNC_ERROR_HANDLING=HCCL_ASYNC_ERROR_HANDLING=0 (NPUs);
 the backend's watchdog monitor on, after --timeout_s: TORCH_{NCCL,HCCL}_ENABLE_MONITORING=1,
 TORCH_{NCCL,HCCL}_HEARTBEAT_TIMEOUT_SEC=<--timeout_s>.
-Devices: nvidia-smi (torch.cuda.device_count() without it, where it fails: a warning, or where it lists MIG
-instances), npu-smi; CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES limit them ("" or -1: none visible, so one
-CPU process).
+Devices: nvidia-smi (torch.cuda.device_count() without it, where it fails: a warning, or where it
+lists MIG instances), npu-smi; CUDA_VISIBLE_DEVICES and ASCEND_RT_VISIBLE_DEVICES limit them
+("" or -1: none visible, so one CPU process).
 
 Own options (everything else goes to the trainer):
   --dry-run             print the exact command and exit
@@ -47,26 +49,28 @@ Own options (everything else goes to the trainer):
   --preflight           check the rank-0 host and port before each attempt (always done for
                         several machines; --no-preflight skips it)
   --rdzv_wait S         how long the first rendezvous of several machines waits for every machine
-                        (a non-zero rank's preflight for rank 0 to come up, rank 0 for the others to join;
-                        or ACCEL_RDZV_WAIT=S; default 600, like torchrun's rendezvous timeout)
-  --rejoin_wait S       how long a relaunch of several machines waits for the other machines to rejoin
-                        (or ACCEL_REJOIN_WAIT=S; default the trainer's --timeout_s + 60: the others find
-                        the loss and relaunch within it); none came: exit status 3, the newest checkpoint
-                        kept, for the platform or you to start every machine again
-  --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named config for
-                        one machine also gives the processes (its num_processes, at most one per visible
-                        GPU/NPU) unless NPROC_PER_NODE or the platform gives a count
+                        (a non-zero rank's preflight for rank 0 to come up, rank 0 for the
+                        others to join; or ACCEL_RDZV_WAIT=S; default 600, like torchrun's
+                        rendezvous timeout)
+  --rejoin_wait S       how long a relaunch of several machines waits for the other machines
+                        to rejoin (or ACCEL_REJOIN_WAIT=S; default the trainer's --timeout_s + 60:
+                        the others find the loss and relaunch within it); none came: exit
+                        status 3, the newest checkpoint kept, for the platform or you to start
+                        every machine again
+  --accel_config NAME   config name or path (or ACCEL_CONFIG=...); default: by hardware. A named
+                        config for one machine also gives the processes (its num_processes, at
+                        most one per visible GPU/NPU) unless NPROC_PER_NODE or the platform
+                        gives a count
   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint of
                         the run it started (or ACCEL_MAX_RESTARTS=N; after --overwrite never the run
-                        that --overwrite replaces); only a lost peer (3) or a killed rank (137) is relaunched:
-                        bad input (2), an error (1) or divergence (5) never are
-  --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this script
-                        (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is passed to the
-                        job, which checkpoints and stops with exit status 4
+                        that --overwrite replaces); only a lost peer (3) or a killed rank (137)
+                        is relaunched: bad input (2), an error (1) or divergence (5) never are
+  --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this
+                        script (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is
+                        passed to the job, which checkpoints and stops with exit status 4
   -h, --help            this text"""
 
-# The options that take a value, as the attribute each one sets (ModelArts' boot arguments among
-# them).
+# The options that take a value, as the attribute each one sets (ModelArts' boot arguments too).
 VALUED = {
     "--rdzv_wait": "rdzv_wait",
     "--rejoin_wait": "rejoin_wait",

@@ -26,20 +26,14 @@ from accelerate.utils import (
 )
 
 from ..config.train_config import TrainConfig
-from .cores import intra_op_threads
+from ..errors import ConfigError
+from ..exits import note_backend
 from .backend_env import (
-    FAILURE_ENV,
-    HCCL_EXEC_TIMEOUT_MAX,
-    HCCL_TIMEOUTS,  # noqa: F401
-    MONITOR_ENV,
-    TORCHRUN_DEFAULT,
-    derived_hccl_timeouts,
     failure_env,
     hccl_timeouts,
     monitor_env,
 )
-from ..errors import ConfigError
-from ..exits import note_backend
+from .cores import intra_op_threads
 from .hardware import (
     DeviceFacts,
     choose_precision,

@@ -47,7 +47,7 @@ class DeviceFacts:
             if self.capability is None:
                 return False, f"{self.name or 'this GPU'}: compute capability unknown"
             ok = self.capability >= (8, 0)
-            cc = "%d.%d" % self.capability
+            cc = "{}.{}".format(*self.capability)
             return ok, (
                 f"{self.name or 'GPU'} (compute capability {cc}) has bf16 tensor cores"
                 if ok

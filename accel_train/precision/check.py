@@ -29,8 +29,8 @@ from functools import partial
 import torch
 from accelerate.utils import gather_object, send_to_device
 
-from ..platform.accelerator import fall_back_to_fp32
 from ..errors import ConfigError
+from ..platform.accelerator import fall_back_to_fp32
 from ..platform.hardware import NAMES
 from ..platform.ranks import said_once
 from .cache import cache_key, cached, remember
@@ -293,7 +293,7 @@ def check_run_precision(cfg, accelerator, data, model, criterion, log) -> None:
     mine = Verdict.from_json(cached(key))
     while mine is None:
         try:
-            mine = measured(lambda: check(model, x, y, criterion, precision))
+            mine = measured(partial(check, model, x, y, criterion, precision))
         # (a kernel that raises; out of memory on the smallest slice): every rank stops with this
         # rank's line
         except Exception as e:

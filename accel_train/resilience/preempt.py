@@ -53,7 +53,7 @@ class StopRequest:
         self.any_launcher_gone = False
         self._previous = {}
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         watch_launcher(self)

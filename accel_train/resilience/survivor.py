@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -40,13 +40,14 @@ import torch
 from accelerate.utils import gather_object
 from accelerate.utils.constants import (
     OPTIMIZER_NAME as ACCELERATE_OPTIMIZER_NAME,
+)
+from accelerate.utils.constants import (
     SAFE_WEIGHTS_NAME,
     SCALER_NAME,
 )
 from accelerate.utils.other import clean_state_dict_for_safetensors
 
 from ..checkpoint.checkpointer import TrainState, save_safetensors
-from .device_copy import state_to_host  # the one place where training state is read off the device
 from ..errors import is_lost_peer
 from ..exits import note_bad_input, peer_gone
 from ..files import (
@@ -62,6 +63,7 @@ from ..files import (
     step_dir,
     write_output,
 )
+from .device_copy import state_to_host  # the one place where training state is read off the device
 from .heartbeat import Heartbeat, alive, reachable
 from .preempt import SIGNALS
 

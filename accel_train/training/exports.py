@@ -17,9 +17,7 @@ from accelerate.logging import get_logger
 from .. import __version__
 from ..checkpoint.checkpointer import _state_dict_cpu, save_safetensors
 from ..config.train_config import TrainConfig
-from ..errors import ConfigError
 from ..files import (
-    open_output,
     BEST_FILE,
     CKPT_DIR,
     CONFIG_FILE,
@@ -29,11 +27,12 @@ from ..files import (
     MODEL_CONFIG_FILE,
     MODEL_FILE,
     STEPS_FILE,
+    open_output,
 )
-from .metrics import MetricsLog
 from ..model.create import bare_model
 from ..model.own_model import code_dir, is_import_path
 from ..platform.ranks import main_process_writes
+from .metrics import MetricsLog
 
 if TYPE_CHECKING:
     from .startup import Run

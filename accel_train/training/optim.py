@@ -24,8 +24,8 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 
-from ..errors import ConfigError
 from ..config.flag_types import json_kwargs
+from ..errors import ConfigError
 
 
 def build_optimizer(cfg, model: torch.nn.Module, num_processes: int) -> torch.optim.Optimizer:

@@ -20,23 +20,21 @@ from accelerate.utils import gather_object, set_seed
 from timm.utils import ModelEmaV3
 
 from .. import __version__
-from ..model import pretrained
-from ..platform.accelerator import make_accelerator, prepare_output_dir, tracker_config
 from ..checkpoint.changes import log_changes, schedule_changed, settings
 from ..checkpoint.checkpointer import TrainState, load_checkpoint, load_ema, read_history
+from ..checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
+from ..checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
+from ..config.defaults import dropped_note
+from ..config.recipes import RECIPE_FLAGS
 from ..config.train_config import TrainConfig
 from ..data import Data, build_data, device_budget, given_data
 from ..data.info import listed
-from ..config.defaults import dropped_note
 from ..errors import ConfigError
 from ..exits import clear_notes
-from ..lines import counted
 from ..files import CONFIG_FILE
-from ..model.freeze import freeze
-from ..precision.check import check_run_precision, first_batch
 from ..hang import PROGRESS
-from ..platform.hardware import channels_last_default
-from .metrics import check_trackers, tracker_init_kwargs
+from ..lines import counted
+from ..model import pretrained
 from ..model.create import (
     bare_model,
     cifar_stem_fits,
@@ -48,20 +46,24 @@ from ..model.create import (
     load_init_weights,
     wrappers,
 )
+from ..model.freeze import freeze
+from ..model.own_model import Given, check_forward, rebuild_problem, unused_parameters
+from ..platform.accelerator import make_accelerator, prepare_output_dir, tracker_config
+from ..platform.hardware import channels_last_default
+from ..platform.ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
+from ..precision.check import check_run_precision, first_batch
+from ..resilience.preempt import checkpoint_interval_text, pending_stop
+from .metrics import check_trackers, tracker_init_kwargs
 from .optim import (
     build_optimizer,
     check_mixing,
-    criterion as loss_of,
     mixing,
     recipe_line,
     schedule,
 )
-from ..resilience.preempt import checkpoint_interval_text, pending_stop
-from ..platform.ranks import main_process_writes, on_every_rank, rank0s, said_once, same_everywhere
-from ..config.recipes import RECIPE_FLAGS
-from ..checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
-from ..checkpoint.output_dir import check_output_dir_free, hold_output_dir, start_branch
-from ..model.own_model import Given, check_forward, rebuild_problem, unused_parameters
+from .optim import (
+    criterion as loss_of,
+)
 
 logger = get_logger("accel_train")
 

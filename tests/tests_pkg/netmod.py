@@ -1,4 +1,4 @@
-"""A model of the user's own given to train() as a module instance (issue 33 item 7): its
+"""A model of the user's own given to train() as a module instance: its
 constructor's arguments are not recorded, so only the instance built with the defaults is rebuilt by
 its import path tests_pkg.netmod:Net.
 """

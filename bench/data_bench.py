@@ -39,9 +39,9 @@ from PIL import JpegImagePlugin
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# as the trainer sets it (accel_train/cli.py main), before torch:
+# as the trainer sets it (accel_train/cli.py main), before torch: every case here (timm's too)
+# allocates with it
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-# every case here (timm's too) allocates with it
 DRAFT = JpegImagePlugin.JpegImageFile.draft  # Pillow's own: libjpeg's reduced-scale decode
 
 
@@ -294,9 +294,8 @@ def main(argv=None) -> int:
     )
     for r in range(args.rounds):
         for case in cases:
-            batches, workers, notes = makers[
-                case
-            ]()  # a fresh loader per round: the cases share the cores fairly
+            # a fresh loader per round: the cases share the cores fairly
+            batches, workers, notes = makers[case]()
             if r == 0:
                 print(f"# {case}: {notes}", flush=True)
             for _ in range(1 + 4 * workers):

@@ -281,9 +281,8 @@ def test_a_checkpoint_is_complete_only_with_every_file_recorded_and_publish_repl
     meta = json.loads((step_dir(out, 16) / "trainer_state.json").read_text())
     assert meta["files"] == {"model.safetensors": 100, "optimizer.bin": 50} and meta["step"] == 16
     assert checkpoint_dirs(out) == [step_dir(out, 8), step_dir(out, 16)]
-    with open(
-        step_dir(out, 16) / "model.safetensors", "r+b"
-    ) as f:  # what a crash can leave of unflushed data
+    with open(step_dir(out, 16) / "model.safetensors", "r+b") as f:
+        # what a crash can leave of unflushed data
         f.truncate(40)
     # resume takes step 8
     assert not complete(step_dir(out, 16)) and checkpoint_dirs(out) == [step_dir(out, 8)]
@@ -306,9 +305,8 @@ def test_a_checkpoint_is_complete_only_with_every_file_recorded_and_publish_repl
     (tmp / "model.safetensors").write_bytes(b"x")
     seal(tmp, {"step": 16, "run_id": "r"})
     assert not publish(tmp, step_dir(out, 16)) and not tmp.exists()
-    assert (
-        step_dir(out, 16) / "model.safetensors"
-    ).read_bytes() == b"n" * 100  # the first complete copy stays
+    # the first complete copy stays
+    assert (step_dir(out, 16) / "model.safetensors").read_bytes() == b"n" * 100
 
 
 def test_a_checkpoint_whose_files_were_swapped_with_another_runs_is_refused_naming_them(tmp_path):
@@ -348,8 +346,7 @@ def test_a_checkpoint_whose_files_were_swapped_with_another_runs_is_refused_nami
         in errors[0]
     )
     assert "resumed from" not in proc.stderr
-    assert {
-        p: p.read_bytes() for p in sorted(runs[1].rglob("*")) if p.is_file()
-    } == before  # nothing touched
+    # nothing touched
+    assert {p: p.read_bytes() for p in sorted(runs[1].rglob("*")) if p.is_file()} == before
     # an honest checkpoint resumes
     assert run_cli(["--output_dir", runs[2], "--resume", "auto", "--epochs", "3"]).returncode == 0

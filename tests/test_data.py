@@ -198,9 +198,8 @@ def test_build_data_train_loader_shards_disjointly_and_reshuffles_per_epoch(worl
 
     data, batches = epoch_batches("device", 1)
     assert {len(y) for _, y in batches} == {bs}  # every step a full batch on every rank
-    seen = torch.cat(
-        [idx for idx, _ in batches]
-    ).tolist()  # the device pipeline yields sample indices
+    # the device pipeline yields sample indices
+    seen = torch.cat([idx for idx, _ in batches]).tolist()
     assert len(seen) == len(set(seen)), "ranks saw the same sample"
     # the whole epoch, minus the incomplete last step
     assert len(seen) == (n // (bs * world)) * bs * world

@@ -54,9 +54,10 @@ def test_a_peer_lost_at_the_epoch_end_leaves_the_real_row_or_none(
     (ref,) = rows(every_step)
     if where == "the row's collective":  # the evaluation redone, the training numbers kept
         (row,) = rows(out)
+        # (its own)
         assert {k: row[k] for k in TRAIN} == {k: ref[k] for k in TRAIN} and row[
             "images_per_sec"
-        ] > 0  # (its own)
+        ] > 0
         assert {k: row[k] for k in ("test_acc", "test_acc_ema", "step")} == {
             k: ref[k] for k in ("test_acc", "test_acc_ema", "step")
         }

@@ -252,9 +252,8 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     try:
         pid = int(wait_for(lambda: holding.exists() and holding.read_text(), timeout=180))
         tmp = out / "checkpoints" / ".tmp-step_00000004"
-        assert (
-            tmp / "model.safetensors"
-        ).is_file()  # the save is under way: Accelerate's part written
+        # the save is under way: Accelerate's part written
+        assert (tmp / "model.safetensors").is_file()
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:

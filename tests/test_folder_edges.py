@@ -156,9 +156,8 @@ def test_runs_with_different_sample_limits_keep_each_others_caches(tmp_path, mon
         data = build_data(TrainConfig(**cfg), "cpu")
     assert data.describe().count("read, not decoded") == 2 and len(cache_files(home)) == 4
     assert "read, not decoded" in build_data(TrainConfig(**smoke), "cpu").describe()
-    (
-        root / "train" / "apple" / "img_000.png"
-    ).unlink()  # a changed folder: each run's cache is replaced by one
+    # a changed folder: each run's cache is replaced by one
+    (root / "train" / "apple" / "img_000.png").unlink()
     for cfg in (smoke, kw):
         build_data(TrainConfig(**cfg), "cpu")
     assert len(cache_files(home)) == 4

@@ -198,9 +198,8 @@ def test_a_check_whose_trainer_fails_after_writing_a_row_is_a_failed_check(tmp_p
             os.kill(pid, 9)
     summary = json.loads((tmp_path / "gpu_check" / "summary.json").read_text())
     assert summary["precision"]["exit"] == 0, proc.stdout  # the probe answered
-    assert (
-        tmp_path / "gpu_check" / "fp16" / "metrics.jsonl"
-    ).is_file()  # the row was written, then the run failed
+    # the row was written, then the run failed
+    assert (tmp_path / "gpu_check" / "fp16" / "metrics.jsonl").is_file()
     assert (tmp_path / "gpu_check" / "syncs.json").is_file()
     failed = {name: c["exit"] for name, c in summary.items() if name != "precision"}
     # (launch.sh passes the status on)

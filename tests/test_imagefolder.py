@@ -133,12 +133,10 @@ def test_exif_orientation_is_applied(tmp_path):
     exif = img.getexif()
     exif[0x0112] = 6
     img.save(tmp_path / "phone.jpg", exif=exif, quality=95)
-    x = decode_image(
-        tmp_path / "phone.jpg", 20
-    ).float()  # 20 x 40 upright, centre crop: rows 10..30
-    assert x[:, :8].mean() > 230 and x[:, 12:].mean() < 25, x[
-        0, :, 10
-    ].tolist()  # top white, bottom black
+    # 20 x 40 upright, centre crop: rows 10..30
+    x = decode_image(tmp_path / "phone.jpg", 20).float()
+    # top white, bottom black
+    assert x[:, :8].mean() > 230 and x[:, 12:].mean() < 25, x[0, :, 10].tolist()
     assert abs(x[:, :, :10].mean() - x[:, :, 10:].mean()) < 10  # left and right alike
 
 
@@ -172,9 +170,8 @@ def test_a_large_jpeg_is_decoded_at_reduced_scale_close_to_a_full_decode(tmp_pat
     # the reduced-scale path, at the right scale
     assert drafted == [((size, size), (400, 300))], drafted
     assert reduced.shape == (3, size, size) and reduced.dtype == torch.uint8
-    with Image.open(
-        tmp_path / "big.jpg"
-    ) as img:  # the full decode: every pixel, then the same resize and crop
+    with Image.open(tmp_path / "big.jpg") as img:
+        # the full decode: every pixel, then the same resize and crop
         img = to_rgb(img)
         assert img.size == (1600, 1200)
         img = img.resize((round(1600 * size / 1200), size), Image.BILINEAR)
@@ -811,9 +808,8 @@ def test_init_from_other_class_count_recreates_the_head_on_the_cpu_pipeline(trai
         (out / "model_config.json").read_text()
     )["classes"] == ["dark", "light"]
     assert rows(out)[-1]["test_samples"] == 8
-    assert (
-        before["conv1.weight"] - after["conv1.weight"]
-    ).abs().max() < 0.05  # fine-tuned, not re-drawn
+    # fine-tuned, not re-drawn
+    assert (before["conv1.weight"] - after["conv1.weight"]).abs().max() < 0.05
 
 
 @pytest.mark.launches

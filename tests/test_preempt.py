@@ -98,14 +98,14 @@ def test_preempted_twice_and_a_rank_killed_each_resumed_ends_with_the_uninterrup
         code, elapsed = sigterm_when(job, lambda: steps_logged(out) >= 32, sleep=1, interval=0.01)
     text = (tmp_path / "run.log").read_text()
     assert code == 4 and elapsed < 30, (elapsed, text[-3000:])
-    assert (out / "config.yaml").is_file() and not (
-        out / "model.safetensors"
-    ).exists()  # written at the start
+    # written at the start
+    assert (out / "config.yaml").is_file() and not (out / "model.safetensors").exists()
     stops = re.findall(r"stopped by (SIGUSR1|a signal on another rank) at step (\d+)", text)
+    # rank 1 got it
     assert sorted(s[0] for s in stops) == [
         "SIGUSR1",
         "a signal on another rank",
-    ], stops  # rank 1 got it
+    ], stops
     assert {int(s[1]) for s in stops} == {step}  # every rank at the same step
     assert (
         text.count("relaunching to resume from the newest checkpoint") == 2

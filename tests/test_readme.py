@@ -137,10 +137,11 @@ def test_ci_tests_the_lower_bounds_of_pyproject():
     # one bound per package, extras included
     assert all(len(v) == 1 for v in bounds.values()), bounds
     untested = {name for name in bounds if name not in pins}
+    # the two the min-version venv reuses, not reinstalls
     assert untested == {
         "torch",
         "torchvision",
-    }, untested  # the two the min-version venv reuses, not reinstalls
+    }, untested
     assert {name: bounds[name].pop() for name in pins} == pins
     ci = (ROOT / ".ci" / "run").read_text()
     # (as the CPU with native bf16: the README's command runs as the one without, tests/conftest.py)

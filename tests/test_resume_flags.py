@@ -64,9 +64,8 @@ APPLIED = {  # take effect from the resumed step, logged (--epochs: test_resume'
     "cutmix": "0.5",
 }
 # leave the weights' math alone: paths, logging, checkpointing, performance, evaluation only;
-# init_from:
+# init_from: the checkpoint's weights win; max_steps: where this run stops
 FREE = {
-    # the checkpoint's weights win; max_steps: where this run stops
     "data_dir",
     "test_samples",
     "pipeline",

@@ -398,9 +398,8 @@ def test_sigterm_while_a_peer_is_stopped_saves_at_once_not_at_an_agreed_check(tm
         wait_for(lambda: SAVED.search(log.read_text()), timeout=60, interval=0.02)
         took = time.monotonic() - sent
     finally:
-        for pid in trainer_pids(
-            tag
-        ).values():  # (torchrun starts each rank in a session of its own)
+        for pid in trainer_pids(tag).values():
+            # (torchrun starts each rank in a session of its own)
             os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -333,9 +333,8 @@ def test_timm_per_sample_transforms_run_in_the_workers_alike_and_leave_the_devic
     # (restored)
     assert random.getstate() == state and torch.equal(torch.get_rng_state(), torch_state)
     assert torch.equal(train_batch(cpu, [4, 5, 6, 7], epoch=1), a[4:])  # any batch, any pipeline
-    assert (
-        a != train_batch(plain, list(range(8)), epoch=1)
-    ).float().mean() > 0.3  # they do something
+    # they do something
+    assert (a != train_batch(plain, list(range(8)), epoch=1)).float().mean() > 0.3
     assert (a != train_batch(auto, list(range(8)), epoch=2)).float().mean() > 0.3
     random_data = dict(data="random", train_samples=8, test_samples=4, batch_size=4, num_workers=0)
     on_cpu = build_data(TrainConfig(aa="trivial", **random_data), "cpu")

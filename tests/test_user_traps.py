@@ -65,9 +65,8 @@ def test_every_unknown_argument_is_named_and_a_stray_word_too():
 
 
 def test_platform_arguments_still_accepted_and_others_only_when_named(tmp_path):
-    (
-        tmp_path / "cifar-10-batches-py"
-    ).mkdir()  # a ModelArts data_url without --custom_data: the data it holds
+    # a ModelArts data_url without --custom_data: the data it holds
+    (tmp_path / "cifar-10-batches-py").mkdir()
     cfg = parse_train_args(
         [
             f"--data_url={tmp_path}",
@@ -295,9 +294,8 @@ def test_an_export_that_cannot_be_written_is_one_line_and_resume_auto_writes_it(
     proc = run_cli([*run, "--resume", "auto"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not note.exists()  # removed by the next run that writes the directory
-    assert (
-        out / "model.safetensors"
-    ).is_file() and "train loss" not in proc.stderr  # nothing trained again
+    # nothing trained again
+    assert (out / "model.safetensors").is_file() and "train loss" not in proc.stderr
 
 
 # ---- 10. start-up refusals -----------------------------------------------------------------------

@@ -125,10 +125,11 @@ def test_two_ranks_train_on_the_hold_out_and_a_bare_resume_continues_the_run(tmp
         env=env,
     )
     (row,) = rows(out)
+    # 17 to train on: 2 steps of 2 x 4
     assert (row["test_samples"], row["train_samples"]) == (
         7,
         16,
-    ), row  # 17 to train on: 2 steps of 2 x 4
+    ), row
     caches = sorted(p.name for p in (home / "accel_train" / "decoded").glob("*.npy"))
     assert len(caches) == 2 and {re.search(r"_(fit|val)0\.25s42-", c).group(1) for c in caches} == {
         "fit",

@@ -9,10 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.models import register_model
 
-FORWARDS: list[
-    bool
-] = []  # per forward with gradients of the registered models: was autocast on? (not counted: the
+# per forward with gradients of the registered models: was autocast on? (not counted: the
 # start-up check of the logits' shape and the evaluations, which run without gradients)
+FORWARDS: list[bool] = []
 
 
 def wrong_under_autocast(wrong):

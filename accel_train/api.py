@@ -10,6 +10,7 @@ same run as the command line's, with every guarantee; it returns what that run r
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import sys
@@ -37,7 +38,9 @@ def train(
     model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a stop
     by a signal raises Preempted (the checkpoint is written: run again with resume="auto");
     divergence raises Diverged."""
-    cfg = config if config is not None else TrainConfig()
+    # the run resolves its automatic settings (image size, batch, precision, ...) on a copy of its
+    # own: the caller's config stays as built, and a script that trains twice with it trains alike
+    cfg = copy.deepcopy(config) if config is not None else TrainConfig()
     cfg.validate()  # (a config changed after it was made: checked again before anything is touched)
     if (train_set is None) != (test_set is None):
         raise ConfigError("pass train_set and test_set together (or neither: config.data)")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tests_pkg.mod
 import torch
+import yaml
 from conftest import (
     CONFIGS,
     ROOT,
@@ -191,9 +192,8 @@ def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(
 
     before = snapshot(existing_run)
     good = Items((torch.zeros(3, 8, 8), 1))
-    with pytest.raises(
-        ConfigError
-    ) as e:  # (the label 7: outside the classes; the loss raised at the first step)
+    with pytest.raises(ConfigError) as e:
+        # (the label 7: outside the classes; the loss raised at the first step)
         in_process_train(
             TrainConfig(output_dir=str(existing_run), epochs=1),
             model="tests_pkg.mod:build",
@@ -203,6 +203,27 @@ def test_a_data_set_item_that_is_not_an_image_and_a_label_is_one_line(
         )
     assert said in str(e.value) and "\n" not in str(e.value)
     assert snapshot(existing_run) == before
+
+
+def test_train_leaves_the_callers_config_as_it_was_built(tmp_path):
+    # an image folder and every automatic setting left unset: the run resolves the image size,
+    # batch, stem, mean/std, pipeline, crops, workers, precision and memory format for itself
+    import dataclasses
+
+    from test_imagefolder import write_image_folder
+
+    from accel_train import TrainConfig
+
+    data = write_image_folder(tmp_path / "d", train=4, val=2)
+    cfg = TrainConfig(data_dir=str(data), model="test_resnet", epochs=1, output_dir=str(tmp_path))
+    built = dataclasses.asdict(cfg), dict(vars(cfg))
+    result = in_process_train(cfg)
+    assert (dataclasses.asdict(cfg), dict(vars(cfg))) == built
+    # what the run resolved is its own: config.yaml records values the caller left unset
+    recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    unset = [k for k in ("image_size", "batch_size", "mean", "num_workers") if built[0][k] is None]
+    assert unset and all(recorded[k] is not None for k in unset), recorded
+    assert result["output_dir"] == str(tmp_path)
 
 
 def test_numpy_and_narrow_integer_labels_are_labels():

@@ -15,7 +15,7 @@
 #   resume          a run stopped at --max_steps and resumed equals the uninterrupted one (deterministic kernels)
 #   bigdata         a folder of 1600 JPEGs (~450x350) larger than --device_data_mb: the data-only bench on CUDA (cpu
 #                   pipeline, its cache, timm's loader) and a 2-epoch resnet18 run at 224 px under --pipeline auto with
-#                   the default workers; bigdata.json: the 2nd epoch's data wait fraction (issue 25)
+#                   the default workers; bigdata.json: the 2nd epoch's data wait fraction
 # What one GPU cannot show (a lost NCCL peer, several machines): bench/RESULTS.md.
 # Each check has one deadline (its CHECKS entry, in seconds from its start) shared by its commands: each gets SIGTERM
 # GRACE_S before it (the trainer answers it as a preemption: a checkpoint) and SIGKILL at it (timeout -k); what it
@@ -72,8 +72,8 @@ check_launch() {  # launch.sh picks the config, process count, precision and NCC
   local status=0 printed v
   printed="$(run bash launch.sh --dry-run --data random --timeout_s 120)" || return
   echo "$printed"
-  # NCCL's settings (docs/failures.md, accel_train/platform/accelerator.py FAILURE_ENV and MONITOR_ENV: the watchdog's monitor
-  # after --timeout_s; issue 37), exported on a real GPU host; the 2-epoch run below starts its group under them
+  # NCCL's settings (docs/failures.md, accel_train/platform/backend_env.py FAILURE_ENV and MONITOR_ENV: the watchdog's
+  # monitor after --timeout_s), exported on a real GPU host; the 2-epoch run below starts its group under them
   for v in TORCH_NCCL_ASYNC_ERROR_HANDLING=2 TORCH_NCCL_ENABLE_MONITORING=1 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=120; do
     ((dry)) || [[ "$printed" == *" $v "* ]] || { echo "launch: launch.sh --dry-run does not export $v"; keep 1; }
   done

@@ -10,12 +10,12 @@ same run as the command line's, with every guarantee; it returns what that run r
 
 from __future__ import annotations
 
-import copy
 import logging
 import signal
 import sys
 from pathlib import Path
 
+from .config.resolved import NOTHING_TAKEN, Taken, with_values
 from .config.train_config import TrainConfig
 from .errors import ConfigError, Diverged, Preempted, is_lost_peer
 from .exits import exit_rank, lost_peer, note_aborts
@@ -38,16 +38,18 @@ def train(
     model_file). Bad input raises accel_train.errors.ConfigError (one line, nothing written); a stop
     by a signal raises Preempted (the checkpoint is written: run again with resume="auto");
     divergence raises Diverged."""
-    # the run resolves its automatic settings (image size, batch, precision, ...) on a copy of its
-    # own: the caller's config stays as built, and a script that trains twice with it trains alike
-    cfg = copy.deepcopy(config) if config is not None else TrainConfig()
+    # only read: what start-up resolves (image size, batch, precision, ...) goes into new configs,
+    # so the caller's stays as built and a script that trains twice with it trains alike
+    cfg = config if config is not None else TrainConfig()
+    taken = cfg.taken  # (what the command line took from the resumed run's record: cli.py)
     cfg.validate()  # (a config changed after it was made: checked again before anything is touched)
     if (train_set is None) != (test_set is None):
         raise ConfigError("pass train_set and test_set together (or neither: config.data)")
     if isinstance(model, str):  # a timm name or module.path:callable, as config.model takes it
-        cfg.model, model = model, None
+        cfg, model = with_values(cfg, {"model": model}), None
     if model is not None:
-        cfg.model = name_of(model)  # what config.yaml and model_config.json record
+        # what config.yaml and model_config.json record
+        cfg = with_values(cfg, {"model": name_of(model)})
     # a script that set up no logging still sees the run's lines
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -56,7 +58,7 @@ def train(
         logging.getLogger("accelerate").setLevel(logging.WARNING)
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     try:
-        summary = run_training(cfg, Given(model, train_set, test_set, classes))
+        summary = run_training(cfg, Given(model, train_set, test_set, classes), taken)
     # the script goes on (a notebook, a sweep): its Ctrl-C and SIGTERM are its own again; not
     # after a stop: a further SIGTERM while the process ends is no death by it
     except Exception as e:
@@ -71,10 +73,12 @@ def train(
     }
 
 
-def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
+def run_training(
+    cfg: TrainConfig, given: Given | None = None, taken: Taken = NOTHING_TAKEN
+) -> dict:
     """The run (loop.train) for the command line and for train(): a refused start leaves no empty
     --output_dir behind; a stop by a signal is said by every rank under --log_all_ranks; a lost peer
-    is one line and exit 3."""
+    is one line and exit 3. `taken`: what the command line took from a resumed run's record."""
     note_aborts()
     watch_launcher()  # (from here: a launcher that ends during start-up leaves no rank behind)
     created = missing_dirs(cfg.output_dir)
@@ -86,7 +90,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     try:
         # log lines while the progress bar is open go above it, each on its own line
         with logging_redirect_tqdm():
-            return loop_train(cfg, given)
+            return loop_train(cfg, given, taken)
     except ConfigError:
         release_output_dir(cfg.output_dir, refused=True)
         remove_if_empty(created)
@@ -100,7 +104,7 @@ def run_training(cfg: TrainConfig, given: Given | None = None) -> dict:
     except Exception as e:
         if isinstance(e, Diverged) or not is_lost_peer(e):
             raise
-        lost_peer(e, cfg)
+        lost_peer(e, cfg.output_dir)
     finally:
         release_output_dir(cfg.output_dir)
 

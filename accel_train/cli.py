@@ -21,6 +21,7 @@ import yaml
 from . import __version__
 from .checkpoint.changes import run_settings
 from .config.flag_types import base_type
+from .config.resolved import Taken, read_yaml
 from .config.train_config import TrainConfig, fields
 from .errors import EXIT_OK, ConfigError
 from .exits import exit_rank
@@ -41,7 +42,8 @@ def str2bool(value: str) -> bool:
 
 
 def load_yaml(path) -> dict:
-    """Read a config.yaml written by save_yaml (or by hand); unknown keys are an error."""
+    """Read a config.yaml written by a run (config.resolved: any format so far) or by hand: the
+    settings it holds; unknown keys are an error."""
     try:
         with open(path) as f:
             values = yaml.safe_load(f) or {}
@@ -54,6 +56,7 @@ def load_yaml(path) -> dict:
         raise ConfigError(f"--config {path} is not valid YAML ({where}{what})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"--config {path} must hold a mapping of option: value")
+    values, _ = read_yaml(values, path)  # (the run's settings; what was asked replays nothing)
     known = {f.name for f in fields()}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -114,6 +117,9 @@ IGNORE_ARGS = "ACCEL_TRAIN_IGNORE_ARGS"
 
 
 def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
+    """The run's TrainConfig from the command line (and its --config), with what a resume took from
+    the run's record (`taken`: said by the main process once the run starts, its settings shared
+    with a machine that has no record; a script passes the config to train(), which reads it)."""
     parser = train_parser()
     args, unknown = parser.parse_known_args(argv)
     file = load_yaml(args.config) if args.config else {}
@@ -134,8 +140,7 @@ def parse_train_args(argv: list[str], env=os.environ) -> TrainConfig:
     # a resume's settings that the command line leaves out: the run's own
     said, taken = run_settings(values, flags | set(file), load_yaml)
     cfg = TrainConfig(**seed_data_alias(values, flags, file))
-    cfg.notes = [said] if said else []  # (said by the main process once the run starts: setup)
-    cfg.from_run = taken  # (None: no record here; resume.decide gives it another machine's)
+    cfg.taken = Taken(said, taken)
     return cfg
 
 
@@ -270,7 +275,7 @@ def cmd_train(argv: list[str]) -> int:
     cfg = parse_train_args(argv)
     from .api import run_training  # heavy imports after the arguments are known to be good
 
-    run_training(cfg)
+    run_training(cfg, taken=cfg.taken)
     return EXIT_OK
 
 

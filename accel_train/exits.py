@@ -234,7 +234,7 @@ def peer_gone(text: str, said: str, output_dir, pids) -> None:
     os._exit(EXIT_BAD_INPUT if bad else EXIT_LOST_PEER)
 
 
-def lost_peer(error: Exception, cfg) -> None:
+def lost_peer(error: Exception, output_dir) -> None:
     """A collective failed: a peer died or stopped answering. One line, then exit without teardown
     (destroying a process group whose peer is gone can hang); the bad input a peer met, if it left a
     note, exit 2."""
@@ -246,7 +246,7 @@ def lost_peer(error: Exception, cfg) -> None:
     )
     detail = re.sub(r"\[/?[^\]]*\.(cc|cpp|hpp):\d+\]\s*", "", text)[:160]
     # (or its start)
-    found = checkpoint_dirs(cfg.output_dir) or [p for p in [resumed_from(cfg.output_dir)] if p]
+    found = checkpoint_dirs(output_dir) or [p for p in [resumed_from(output_dir)] if p]
     where = f"newest complete checkpoint: {found[-1]}" if found else "no complete checkpoint yet"
     # the last completed step, written by this machine's survivor (survivor.py)
     if getattr(error, "survivor", None):
@@ -256,7 +256,7 @@ def lost_peer(error: Exception, cfg) -> None:
             else f"{error.survivor}; {where}"
         )
     end_progress_line()
-    if (bad := bad_input_of_peer(cfg.output_dir)) is not None:
+    if (bad := bad_input_of_peer(output_dir)) is not None:
         print(f"accel-train: error: {bad} (met by a peer); {where}", file=sys.stderr, flush=True)
         report_status(EXIT_BAD_INPUT)
         os._exit(EXIT_BAD_INPUT)

@@ -5,19 +5,18 @@ run on a busy 2-core machine runs 7x slower with torch's default threads than wi
 import torch
 from conftest import clean_env, run_cli
 
-from accel_train import TrainConfig
 from accel_train.platform import cores
 
 
 def test_threads_follow_the_flag_the_environment_the_cores_and_the_load(monkeypatch):
     monkeypatch.setattr(cores, "usable_cores", lambda: (8, "in this process's CPU affinity", 2))
-    assert cores.intra_op_threads(TrainConfig(threads=3), {}, load=0.0)[0] == 3
-    n, why = cores.intra_op_threads(TrainConfig(), {"OMP_NUM_THREADS": "2"}, load=0.0)
+    assert cores.intra_op_threads(3, {}, load=0.0)[0] == 3
+    n, why = cores.intra_op_threads(None, {"OMP_NUM_THREADS": "2"}, load=0.0)
     # (torchrun's, the user's: kept)
     assert n is None and "intra-op threads 2 per process (OMP_NUM_THREADS)" == why
-    n, why = cores.intra_op_threads(TrainConfig(), {}, load=0.5)
+    n, why = cores.intra_op_threads(None, {}, load=0.5)
     assert n == 4 and "8 cores in this process's CPU affinity / 2 process(es)" in why
-    n, why = cores.intra_op_threads(TrainConfig(), {}, load=9.3)
+    n, why = cores.intra_op_threads(None, {}, load=9.3)
     assert n == 1 and "the machine was busy as the run started (load 9.3 on 8 cores" in why
 
 

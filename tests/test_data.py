@@ -350,17 +350,14 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
     ):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
-        n, why = worker_count(TrainConfig(pipeline="cpu"))
+        n, why = worker_count(None)
         assert (
             n == expected
             and f"{cores} cores in this process's CPU affinity / {local} process" in why
         ), why
-    assert (
-        "at most 8" in worker_count(TrainConfig())[1]
-        and worker_count(TrainConfig(num_workers=0))[0] == 0
-    )
+    assert "at most 8" in worker_count(None)[1] and worker_count(0)[0] == 0
     # an accelerator: pinned, persistent, prefetching
-    kw = loader_kwargs(TrainConfig(pipeline="cpu"), "cuda")
+    kw = loader_kwargs(None, "cuda")
     assert (
         kw["pin_memory"]
         and kw["persistent_workers"]
@@ -368,7 +365,7 @@ def test_workers_default_to_the_cores_of_each_process_on_this_machine(monkeypatc
         and kw["num_workers"] == 8
     )
     assert kw["worker_init_fn"] is _leave_signals_to_the_trainer
-    assert loader_kwargs(TrainConfig(), "cpu", workers=0) == dict(
+    assert loader_kwargs(None, "cpu", workers=0) == dict(
         num_workers=0,
         persistent_workers=False,
         prefetch_factor=None,

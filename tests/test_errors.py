@@ -151,7 +151,7 @@ def test_a_script_that_raises_while_its_workers_start_still_exits(tmp_path):
         " loader_kwargs\nfrom accel_train.resilience.preempt import StopRequest\nif __name__ =="
         " '__main__':\n    os.register_at_fork(after_in_child=lambda: time.sleep(1))\n   "
         " StopRequest().install()\n    loader = DataLoader(list(range(8)), batch_size=2,"
-        " **loader_kwargs(TrainConfig(), 'cpu', workers=2))\n    batches = iter(loader)\n    raise"
+        " **loader_kwargs(None, 'cpu', workers=2))\n    batches = iter(loader)\n    raise"
         " ValueError('a bug in the script')\n"
     )
     proc = run_script(script, timeout=30)

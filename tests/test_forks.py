@@ -16,7 +16,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_train import forks
-from accel_train.config.train_config import TrainConfig
 from accel_train.data.workers import loader_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +47,7 @@ def test_a_worker_stuck_before_python_is_forked_again_and_the_loader_delivers(
     token.write_text("")
     monkeypatch.setitem(_STALL, "token", str(token))
     data = TensorDataset(torch.arange(12.0).view(6, 2), torch.arange(6))
-    kwargs = loader_kwargs(TrainConfig(num_workers=1), "cpu")
+    kwargs = loader_kwargs(1, "cpu")
     assert kwargs["multiprocessing_context"] is forks.FORK
     loader = DataLoader(data, batch_size=3, **kwargs)
     got = []
@@ -78,7 +77,7 @@ def test_a_worker_that_was_only_slow_is_not_blamed_on_the_fork_bug(tmp_path, mon
     monkeypatch.setitem(_STALL, "token", str(token))
     monkeypatch.setitem(_STALL, "busy", True)  # (the child computes: state R)
     data = TensorDataset(torch.arange(12.0).view(6, 2), torch.arange(6))
-    loader = DataLoader(data, batch_size=3, **loader_kwargs(TrainConfig(num_workers=1), "cpu"))
+    loader = DataLoader(data, batch_size=3, **loader_kwargs(1, "cpu"))
     assert [y.tolist() for _, y in loader] == [[0, 1, 2], [3, 4, 5]]
     err = capfd.readouterr().err
     assert "did not reach Python in 0.5 s (still running: slow, on a busy machine)" in err, err
@@ -178,7 +177,7 @@ def test_workers_are_forked_by_it_only_where_they_would_be_forked(monkeypatch):
     monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: None)
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
     assert forks.worker_context() is forks.FORK
-    assert loader_kwargs(TrainConfig(num_workers=0), "cpu")["multiprocessing_context"] is None
+    assert loader_kwargs(0, "cpu")["multiprocessing_context"] is None
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["forkserver", "fork"])
     assert forks.worker_context() is None  # (Python 3.14's Linux default: nothing is forked)
     monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])

@@ -217,12 +217,13 @@ def test_compile_on_npu_without_an_inductor_backend_is_one_line(monkeypatch):
 def test_asked_precision_flag_then_launcher_then_nothing():
     from accel_train.platform.accelerator import asked_precision
 
-    assert asked_precision(
-        TrainConfig(mixed_precision="fp16"), {"ACCELERATE_MIXED_PRECISION": "bf16"}
-    ) == ("fp16", "--mixed_precision fp16")
-    asked, source = asked_precision(TrainConfig(), {"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert asked_precision("fp16", {"ACCELERATE_MIXED_PRECISION": "bf16"}) == (
+        "fp16",
+        "--mixed_precision fp16",
+    )
+    asked, source = asked_precision("auto", {"ACCELERATE_MIXED_PRECISION": "bf16"})
     assert asked == "bf16" and "accelerate config" in source
-    asked, source = asked_precision(TrainConfig(), {})
+    asked, source = asked_precision("auto", {})
     assert (
         asked is None and "neither --mixed_precision nor a launcher's config states one" in source
     )
@@ -235,7 +236,7 @@ def test_a_launch_config_without_mixed_precision_leaves_it_to_the_device(tmp_pat
 
     launched = {"ACCELERATE_MIXED_PRECISION": "no"}
     ours = ["--config_file", "accelerate_configs/2proc_cpu.yaml"]
-    asked, source = asked_precision(TrainConfig(), launched, launch=(ours, ROOT))
+    asked, source = asked_precision("auto", launched, launch=(ours, ROOT))
     assert (
         asked is None
         and source
@@ -248,22 +249,16 @@ def test_a_launch_config_without_mixed_precision_leaves_it_to_the_device(tmp_pat
     stated = tmp_path / "fp32.yaml"
     stated.write_text((ROOT / ours[1]).read_text() + "mixed_precision: 'no'\n")
     assert (
-        asked_precision(TrainConfig(), launched, launch=(["--config_file", str(stated)], ROOT))[0]
-        == "no"
+        asked_precision("auto", launched, launch=(["--config_file", str(stated)], ROOT))[0] == "no"
     )
     assert (
-        asked_precision(TrainConfig(), launched, launch=([*ours, "--mixed_precision", "no"], ROOT))[
-            0
-        ]
+        asked_precision("auto", launched, launch=([*ours, "--mixed_precision", "no"], ROOT))[0]
         == "no"
     )
-    assert (
-        asked_precision(TrainConfig(), launched, launch=([f"--config_file={stated}"], ROOT))[0]
-        == "no"
-    )
+    assert asked_precision("auto", launched, launch=([f"--config_file={stated}"], ROOT))[0] == "no"
     assert (
         asked_precision(
-            TrainConfig(), {**launched, "ACCELERATE_MIXED_PRECISION": "bf16"}, launch=(ours, ROOT)
+            "auto", {**launched, "ACCELERATE_MIXED_PRECISION": "bf16"}, launch=(ours, ROOT)
         )[0]
         == "bf16"
     )

@@ -22,6 +22,7 @@ from test_imagefolder import write_image_folder
 from accel_train.checkpoint.resume import keep_run_math, reconcile
 from accel_train.commands.evaluate import load_exported
 from accel_train.commands.predict import main_predict
+from accel_train.config.resolved import with_values
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo, build_data, native_size
 from accel_train.errors import ConfigError
@@ -85,8 +86,10 @@ def test_image_folder_defaults_follow_the_images_own_size(tmp_path):
 
 
 def test_resolve_replaces_every_automatic_value_once():
-    cfg = TrainConfig(data="imagefolder", data_dir="x")
-    line = cfg.resolve(info(size=160), "cpu")
+    asked = TrainConfig(data="imagefolder", data_dir="x")
+    values, line = asked.resolve(info(size=160), "cpu")
+    cfg = with_values(asked, values)
+    assert asked == TrainConfig(data="imagefolder", data_dir="x")  # what was asked: only read
     assert (cfg.image_size, cfg.stem, cfg.pipeline) == (160, "imagenet", "cpu")
     assert cfg.normalisation() == ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
     # (the info's crop_pct)
@@ -100,15 +103,15 @@ def test_resolve_replaces_every_automatic_value_once():
 
 def test_a_run_that_will_take_hours_says_so_once_with_the_flags_that_help(caplog):
     cfg = TrainConfig(data="imagefolder", image_size=224, stem="cifar")
-    line = slow_run_warning(cfg, 24.9, 900)
+    line = slow_run_warning(224, "cifar", 24.9, 900)
     assert (
         "6.2 h" in line
         and "--stem imagenet" in line
         and "--image_size 112" in line
         and "--max_steps" in line
     )
-    assert slow_run_warning(cfg, 0.1, 900) is None
-    small = slow_run_warning(TrainConfig(image_size=32, stem="cifar"), 10.0, 1000)
+    assert slow_run_warning(224, "cifar", 0.1, 900) is None
+    small = slow_run_warning(32, "cifar", 10.0, 1000)
     assert "--stem imagenet" not in small and "--image_size" not in small
     pace = Pace(cfg, first_step=10, total_steps=1000, enabled=True)
     said = [pace.step_done(step, now=100.0 + 25 * (step - 11)) for step in range(11, 20)]
@@ -174,12 +177,16 @@ def test_resume_refuses_a_changed_input_size_normalisation_or_augmentation(flag,
 
 
 def test_resume_takes_the_checkpoints_values_for_automatic_ones():
-    cfg = TrainConfig(data="imagefolder", batch_size=8, epochs=2)
-    keep_run_math(OLD_RUN, cfg)
+    cfg = with_values(
+        TrainConfig(data="imagefolder", batch_size=8, epochs=2),
+        keep_run_math(OLD_RUN, TrainConfig(data="imagefolder", batch_size=8, epochs=2)),
+    )
     assert (cfg.image_size, cfg.stem) == (48, "cifar")
     assert cfg.normalisation() == ((0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
     same = TrainConfig(data="imagefolder", image_size=48, mean="0.5,0.4,0.3", stem="cifar")
-    keep_run_math(OLD_RUN, same)  # the same values given: accepted
+    assert keep_run_math(OLD_RUN, same) == {  # the same values given: accepted, none taken
+        "std": "0.2,0.25,0.3"
+    }
     older = {
         k: v
         for k, v in OLD_RUN.items()
@@ -452,8 +459,8 @@ def test_auto_stem_fits_the_model_and_the_fine_tuned_weights(tmp_path):
     assert cifar_stem_fits("resnet18") and not cifar_stem_fits("efficientnet_b0")
     assert not cifar_stem_fits("resnet18d") and not cifar_stem_fits("vit_tiny_patch16_224")
     cfg = TrainConfig(model="efficientnet_b0")
-    cfg.resolve(info(size=32), "device", cifar_fits=cifar_stem_fits(cfg.model))
-    assert cfg.stem == "imagenet"
+    values, _ = cfg.resolve(info(size=32), "device", cifar_fits=cifar_stem_fits(cfg.model))
+    assert values["stem"] == "imagenet"
     # a checkpoint's model.safetensors is the prepared model's (DDP `module.`, compile
     # `_orig_mod.`): it loads, and --init_from takes the folder, whose model_config.json says the
     # stem the weights were trained with
@@ -484,7 +491,7 @@ def test_resolved_mean_std_round_trip_exactly():
         (0.26862954, 0.26130258, 0.27577711),
         32,
     )
-    cfg.resolve(clip, "device")
+    cfg = with_values(cfg, cfg.resolve(clip, "device")[0])
     # config.yaml -> resume compares equal values
     assert cfg.normalisation() == (
         clip.mean,

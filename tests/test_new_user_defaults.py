@@ -15,6 +15,7 @@ from test_imagefolder import write_image_folder
 from accel_train.checkpoint.resume import reconcile
 from accel_train.commands.evaluate import load_exported
 from accel_train.config.defaults import dropped_note
+from accel_train.config.resolved import with_values
 from accel_train.config.train_config import TrainConfig
 from accel_train.data import DataInfo
 from accel_train.errors import ConfigError
@@ -128,15 +129,15 @@ def info(size=32):
 
 
 def test_auto_stem_says_why_a_model_keeps_timms_stem_at_32_px():
-    line = TrainConfig(model="efficientnet_b0").resolve(info(32), "device", cifar_fits=False)
+    _, line = TrainConfig(model="efficientnet_b0").resolve(info(32), "device", cifar_fits=False)
     assert (
         "--stem imagenet (efficientnet_b0 has no ResNet conv1 + maxpool for the cifar stem to"
         " replace: timm's stem unchanged; --stem cifar fits resnet18-style models)" in line
     )
     # a ResNet: nothing to explain
-    assert "--stem cifar," in TrainConfig().resolve(info(32), "device")
+    assert "--stem cifar," in TrainConfig().resolve(info(32), "device")[1]
     # above 64 px: the documented rule
-    assert "--stem imagenet," in TrainConfig().resolve(info(96), "device")
+    assert "--stem imagenet," in TrainConfig().resolve(info(96), "device")[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,8 +148,9 @@ def test_auto_stem_says_why_a_model_keeps_timms_stem_at_32_px():
 def test_the_default_batch_fits_a_small_data_set():
     cfg = TrainConfig(data="imagefolder")
     assert cfg.batch_size is None  # automatic until the data is known
-    line = cfg.resolve(info(32), "device", train_size=240, num_processes=1)
-    assert cfg.batch_size == 16  # main: 128, one step an epoch and 112 of 240 images dropped
+    values, line = cfg.resolve(info(32), "device", train_size=240, num_processes=1)
+    # main: 128, one step an epoch and 112 of 240 images dropped; the asked config is only read
+    assert values["batch_size"] == 16 and cfg.batch_size is None
     assert (
         "--batch_size 16 (240 training samples: 15 steps an epoch, none dropped; 128 would give 1"
         " step and drop 112)" in line
@@ -161,8 +163,10 @@ def test_the_default_batch_fits_a_small_data_set():
         (1300, 1, 1),
         (7, 1, 1),
     ):
-        cfg = TrainConfig(grad_accum=grad_accum)
-        cfg.resolve(info(32), "device", train_size=samples, num_processes=processes)
+        asked = TrainConfig(grad_accum=grad_accum)
+        cfg = with_values(
+            asked, asked.resolve(info(32), "device", train_size=samples, num_processes=processes)[0]
+        )
         step = cfg.batch_size * processes * grad_accum
         # at most a tenth dropped where the data has 10 steps of the smallest batch (2: BatchNorm's
         # least)
@@ -170,26 +174,23 @@ def test_the_default_batch_fits_a_small_data_set():
             samples,
             step,
         )
-    big = TrainConfig()
-    assert "--batch_size 128" in big.resolve(info(32), "device", train_size=50000, num_processes=2)
-    assert big.batch_size == 128  # a large data set keeps the recipe's batch
-    given = TrainConfig(batch_size=128)
-    assert (
-        "batch_size" not in given.resolve(info(32), "device", train_size=240)
-        and given.batch_size == 128
-    )
+    values, line = TrainConfig().resolve(info(32), "device", train_size=50000, num_processes=2)
+    assert "--batch_size 128" in line
+    assert values["batch_size"] == 128  # a large data set keeps the recipe's batch
+    values, line = TrainConfig(batch_size=128).resolve(info(32), "device", train_size=240)
+    assert "batch_size" not in line and "batch_size" not in values
 
 
 def test_a_given_batch_that_drops_much_of_the_data_is_said_in_one_line():
-    note = dropped_note(TrainConfig(batch_size=128), 240, 1)
+    note = dropped_note(128, 1, 240, 1)
     assert (
         note
         == "--batch_size 128 leaves 112 of the 240 training samples (47%) out of every epoch (an"
         " epoch is whole global batches of 128); --batch_size 16 (the default for this data)"
         " drops none"
     )
-    assert dropped_note(TrainConfig(batch_size=16), 240, 1) is None
-    assert dropped_note(TrainConfig(batch_size=64), 1000, 1) is None  # 40 of 1000: under 10%
+    assert dropped_note(16, 1, 240, 1) is None
+    assert dropped_note(64, 1, 1000, 1) is None  # 40 of 1000: under 10%
 
 
 def test_a_small_image_folder_trains_at_the_default_batch_it_resolves(tmp_path):
@@ -258,9 +259,9 @@ def test_a_resume_keeps_the_checkpoints_global_batch():
     )
     for processes, per in ((1, 16), (2, 8)):
         # the default batch: not re-derived from the data, the checkpoint's global batch kept
-        cfg = TrainConfig()
-        reconcile({"step": 4, "run": old}, cfg, processes, print)
-        assert cfg.batch_size == per
+        assert reconcile({"step": 4, "run": old}, TrainConfig(), processes, print) == {
+            "batch_size": per
+        }
 
 
 # ---------------------------------------------------------------------------------------------

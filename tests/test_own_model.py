@@ -223,6 +223,11 @@ def test_train_leaves_the_callers_config_as_it_was_built(tmp_path):
     recorded = yaml.safe_load((tmp_path / "config.yaml").read_text())
     unset = [k for k in ("image_size", "batch_size", "mean", "num_workers") if built[0][k] is None]
     assert unset and all(recorded[k] is not None for k in unset), recorded
+    # ... beside what was asked of each (format 2: config/resolved.py)
+    assert recorded["format"] == 2 and {
+        k: recorded["asked"][k] for k in ("image_size", "batch_size", "mean", "mixed_precision")
+    } == {"image_size": None, "batch_size": None, "mean": None, "mixed_precision": "auto"}
+    assert recorded["mixed_precision"] in ("no", "bf16", "fp16")  # the run's, at its end
     assert result["output_dir"] == str(tmp_path)
 
 

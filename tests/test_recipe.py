@@ -337,8 +337,7 @@ def test_model_best_is_the_first_of_equals_and_the_models_not_the_emas(tmp_path)
 def test_device_data_mb_defaults_to_a_quarter_of_the_free_memory():
     from accel_train.data.load import device_budget
 
-    cfg = TrainConfig()
-    assert cfg.device_data_mb is None
+    assert TrainConfig().device_data_mb is None  # automatic by default
     page = os.sysconf("SC_PAGE_SIZE")
     real = os.sysconf
 
@@ -346,14 +345,14 @@ def test_device_data_mb_defaults_to_a_quarter_of_the_free_memory():
         return 1000 if name == "SC_AVPHYS_PAGES" else real(name)
 
     with mock.patch("os.sysconf", sysconf):  # a CPU device: the available physical memory
-        assert device_budget(cfg, "cpu") == 1000 * page // 4
+        assert device_budget(None, "cpu") == 1000 * page // 4
     with mock.patch(
         "torch.accelerator.get_memory_info", create=True, return_value=(8 * 2**30, 80 * 2**30)
     ) as info:
         # an accelerator: a quarter of its free memory
-        assert device_budget(cfg, "cuda:0") == 2 * 2**30
+        assert device_budget(None, "cuda:0") == 2 * 2**30
         assert info.call_args.args[0] == torch.device("cuda:0")
-    assert device_budget(TrainConfig(device_data_mb=3), "cpu") == 3 * 2**20  # given: as given
+    assert device_budget(3, "cpu") == 3 * 2**20  # given: as given
 
 
 def test_device_budget_without_torch_accelerator_memory_info(monkeypatch):
@@ -363,22 +362,21 @@ def test_device_budget_without_torch_accelerator_memory_info(monkeypatch):
     nothing counts as fitting."""
     from accel_train.data.load import choose_pipeline, device_budget
 
-    cfg = TrainConfig()
     monkeypatch.delattr(torch.accelerator, "get_memory_info", raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 2**30, 80 * 2**30))
-    assert device_budget(cfg, "cuda:0") == 2 * 2**30
+    assert device_budget(None, "cuda:0") == 2 * 2**30
     monkeypatch.setattr(
         torch.accelerator,
         "get_memory_info",
         mock.Mock(side_effect=NotImplementedError),
         raising=False,
     )
-    assert device_budget(cfg, "cuda:0") == 2 * 2**30  # (an allocator without it)
+    assert device_budget(None, "cuda:0") == 2 * 2**30  # (an allocator without it)
 
     def unknown(device=None):
         raise RuntimeError("no memory info")
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", unknown)
-    assert device_budget(cfg, "cuda:0") == 0
-    pipeline, why = choose_pipeline(cfg, 3 * 2**20, "cuda:0")
+    assert device_budget(None, "cuda:0") == 0
+    pipeline, why = choose_pipeline(TrainConfig(), 3 * 2**20, "cuda:0")
     assert pipeline == "cpu" and "torch cannot measure its free memory here" in why, why

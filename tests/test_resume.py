@@ -519,15 +519,14 @@ def test_resume_auto_takes_the_newest_step_whichever_machine_holds_it(newest_on)
     taking the last machine's step would pass).
     """
     from accel_train.checkpoint.resume import _choose
-    from accel_train.config.train_config import TrainConfig
 
     listings = [[(8, "run"), (16, "run")], [(8, "run"), (16, "run")], [(8, "run"), (16, "run")]]
     listings[newest_on].append((24, "run"))
     reports = [{"listing": listing, "launch": "run", "explicit": None} for listing in listings]
-    assert _choose(TrainConfig(resume="auto"), reports) == ((24, "run"), {"run"})
+    assert _choose("auto", False, reports) == ((24, "run"), {"run"})
     # launch.sh's relaunch of an --overwrite run (--resume auto --overwrite): that run's newest,
     # wherever it is
-    assert _choose(TrainConfig(resume="auto", overwrite=True), reports) == ((24, "run"), {"run"})
+    assert _choose("auto", True, reports) == ((24, "run"), {"run"})
 
 
 @pytest.mark.launches
@@ -705,7 +704,6 @@ def test_a_machine_whose_disk_lost_the_runs_record_takes_another_machines():
     # machine 0's command line took --epochs 3 and --lr 0.01 from its config.yaml; machine 1's disk
     # was replaced
     mine = TrainConfig(resume="auto", model="test_resnet")
-    mine.from_run = None
     flags = {k: v for k, v in mine.to_dict().items() if k not in ("output_dir", "resume")}
     reports = [
         {
@@ -715,11 +713,12 @@ def test_a_machine_whose_disk_lost_the_runs_record_takes_another_machines():
         },
         {"rank": 1, "flags": dict(flags), "from_run": None},
     ]
-    share_the_record(mine, reports, 1, said.append)
+    adopted = share_the_record(mine, reports, 1, said.append)
     _check_flags(reports)  # (no "started with different flags")
-    assert (
-        (mine.epochs, mine.lr) == (3, 0.01) and said and "rank 0's: --epochs 3 --lr 0.01" in said[0]
+    assert adopted == {"epochs": 3, "lr": 0.01} and mine == TrainConfig(
+        resume="auto", model="test_resnet"
     )
+    assert said and "rank 0's: --epochs 3 --lr 0.01" in said[0]
     # without the share, the machines would disagree (and train two runs)
     reports[1]["flags"] = dict(flags)
     with pytest.raises(ConfigError, match="started with different flags"):

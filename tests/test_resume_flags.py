@@ -264,18 +264,16 @@ def test_a_resume_takes_every_setting_the_command_line_leaves_out_from_the_runs_
     )
     # this invocation's own: where it stops, the machine's workers, what it resumes
     assert (cfg.max_steps, cfg.num_workers, cfg.resume) == (None, TrainConfig().num_workers, "auto")
-    assert len(cfg.notes) == 1 and cfg.notes[0].startswith(
-        f"resume: the run's own settings from {out / 'config.yaml'}"
-    )
+    assert cfg.taken.said.startswith(f"resume: the run's own settings from {out / 'config.yaml'}")
     assert (
-        "--epochs 3" in cfg.notes[0]
-        and "--lr 0.01" in cfg.notes[0]
-        and "--model test_resnet" in cfg.notes[0]
+        "--epochs 3" in cfg.taken.said
+        and "--lr 0.01" in cfg.taken.said
+        and "--model test_resnet" in cfg.taken.said
     )
-    assert "max_steps" not in cfg.notes[0] and "num_workers" not in cfg.notes[0]
+    assert "max_steps" not in cfg.taken.said and "num_workers" not in cfg.taken.said
     # a flag typed here wins; the others are still the run's
     cfg = parse_train_args(["--output_dir", str(out), "--resume", "auto", "--epochs", "5"])
-    assert (cfg.epochs, cfg.lr) == (5, 0.01) and "--epochs" not in cfg.notes[0]
+    assert (cfg.epochs, cfg.lr) == (5, 0.01) and "--epochs" not in cfg.taken.said
     # a --resume PATH reads the record beside its checkpoints
     ckpt = out / "checkpoints" / "step_00000004"
     ckpt.mkdir(parents=True)

@@ -248,3 +248,112 @@ def test_no_binary_or_large_file_is_tracked():
         )
     ]
     assert not big and not archives, f"binaries or files over 1 MB are tracked: {big + archives}"
+
+
+# What was asked is only read: a TrainConfig is written by its parser and validation alone
+# (TrainConfig.__post_init__); start-up returns what it decides (config/resolved.py).
+CONFIG_NAMES = {"cfg", "config", "asked"}
+PARSER_AND_VALIDATION = {
+    ("config/train_config.py", "TrainConfig.__post_init__"),
+    ("cli.py", "parse_train_args"),
+}
+
+
+def config_writes(path, relative: str) -> list[str]:
+    """Every assignment to a config's attribute in `path` (`x.field = ...`, `+=`, setattr,
+    object.__setattr__, vars()/__dict__ writes), where x is a name a config goes by, a parameter
+    annotated TrainConfig, an attribute `.cfg` / `.config`, or TrainConfig's own self."""
+    found = []
+
+    def visit(node, where: str, names: set[str]):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = child.args.posonlyargs + child.args.args + child.args.kwonlyargs
+                typed = {
+                    a.arg
+                    for a in params
+                    if a.annotation is not None and "TrainConfig" in ast.unparse(a.annotation)
+                }
+                inner = f"{where}.{child.name}" if where else child.name
+                visit(child, inner, names | typed)
+            elif isinstance(child, ast.ClassDef):
+                own = {"self"} if child.name == "TrainConfig" else set()
+                visit(child, child.name, (names - {"self"}) | own)
+            else:
+                check(child, where, names)
+                visit(child, where, names)
+
+    def is_config(expr, names) -> bool:
+        if isinstance(expr, ast.Name):
+            return expr.id in names
+        if isinstance(expr, ast.Attribute) and expr.attr in ("cfg", "config"):
+            return True
+        # vars(cfg)[...] / cfg.__dict__[...]
+        if isinstance(expr, ast.Call) and getattr(expr.func, "id", None) == "vars":
+            return any(is_config(a, names) for a in expr.args)
+        if isinstance(expr, ast.Attribute) and expr.attr == "__dict__":
+            return is_config(expr.value, names)
+        return False
+
+    def check(node, where, names):
+        if (relative, where) in PARSER_AND_VALIDATION:
+            return
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        flat = []
+        for t in targets:
+            flat.extend(t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+        for t in flat:
+            if isinstance(t, ast.Attribute) and is_config(t.value, names):
+                found.append(f"{relative}:{t.lineno} {where}: {ast.unparse(t)}")
+            if isinstance(t, ast.Subscript) and is_config(t.value, names):
+                found.append(f"{relative}:{t.lineno} {where}: {ast.unparse(t)}")
+        if isinstance(node, ast.Call) and node.args:
+            name = ast.unparse(node.func)
+            if name in ("setattr", "object.__setattr__", "delattr") and is_config(
+                node.args[0], names
+            ):
+                found.append(f"{relative}:{node.lineno} {where}: {ast.unparse(node)}")
+
+    visit(ast.parse(path.read_text()), "", CONFIG_NAMES)
+    return found
+
+
+def test_no_module_writes_into_a_config_after_parsing():
+    writes = [
+        w
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for w in config_writes(path, path.relative_to(PACKAGE).as_posix())
+    ]
+    assert not writes, "start-up returns what it decides (config/resolved.py):\n" + "\n".join(
+        writes
+    )
+
+
+def test_the_config_write_check_finds_each_kind_of_write(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def a(cfg):\n    cfg.batch_size = 2\n"
+        "def b(c: TrainConfig):\n    c.stem, x = 'cifar', 1\n"
+        "def c(run):\n    run.config.lr += 1\n"
+        "def d(config):\n    setattr(config, 'seed', 1)\n"
+        "def e(cfg):\n    vars(cfg)['seed'] = 1\n"
+        "class TrainConfig:\n    def validate(self):\n        self.data = 'x'\n"
+        "    def __post_init__(self):\n        self.data = 'x'\n"
+        "def fine(cfg, other):\n    other.batch_size = 2\n    cfg = cfg\n"
+    )
+    assert [w.split(" ", 1)[0] for w in config_writes(source, "m.py")] == [
+        "m.py:2",
+        "m.py:4",
+        "m.py:6",
+        "m.py:8",
+        "m.py:10",
+        "m.py:13",
+        "m.py:15",
+    ]
+    # TrainConfig's __post_init__ (its own file's) is the parser's: validate is checked
+    allowed = config_writes(source, "config/train_config.py")
+    assert allowed[-1].startswith("config/train_config.py:13 TrainConfig.validate")

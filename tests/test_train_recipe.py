@@ -370,8 +370,7 @@ def test_a_resume_refuses_another_recipe():
         train_interpolation="bilinear",
     )
     cfg = TrainConfig(data="random", pipeline="cpu", aa="rand-m9-mstd0.5", reprob=0.25)
-    keep_run_math(old, cfg)
-    assert cfg.train_crop == "random_resized"  # (auto: the checkpoint's)
+    assert keep_run_math(old, cfg)["train_crop"] == "random_resized"  # (auto: the checkpoint's)
     for flag, value in (
         ("aa", "rand-m7"),
         ("reprob", 0.5),

@@ -28,6 +28,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 
 from ..config.defaults import BATCH_SIZE
+from ..config.resolved import with_values
 from ..config.train_config import TrainConfig
 from ..errors import ConfigError
 from ..files import (
@@ -68,9 +69,11 @@ class Decision:
     abandoned: list[Path] = field(default_factory=list)
     # the checkpoint an explicit --resume PATH starts from (recorded for relaunches)
     origin: Path | None = None
+    # the run's own settings this machine takes from another machine's record (share_the_record)
+    adopted: dict = field(default_factory=dict)
 
 
-def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
+def _report(accelerator, cfg: TrainConfig, out: Path, job: str, taken: dict | None = None) -> dict:
     listing = []
     for path in checkpoint_dirs(out):
         try:
@@ -100,7 +103,6 @@ def _report(accelerator, cfg: TrainConfig, out: Path, job: str) -> dict:
         else None
     )
     flags = {k: v for k, v in cfg.to_dict().items() if k not in PER_MACHINE}
-    taken = getattr(cfg, "from_run", None)
     # the resume mode must agree (the path itself may be each machine's own), and so must
     # init_from's presence
     flags["resume"] = cfg.resume if cfg.resume in (None, "auto") else "a checkpoint path"
@@ -158,26 +160,27 @@ def say_damaged(reports: list[dict], out: Path, step: int | None, log) -> None:
         )
 
 
-def share_the_record(cfg: TrainConfig, reports: list[dict], rank: int, log) -> None:
+def share_the_record(cfg: TrainConfig, reports: list[dict], rank: int, log) -> dict:
     """A resume on a machine whose disk lost the run's config.yaml (a machine replaced with an empty
     disk) takes what the other machines' command lines took from theirs: every machine then trains
-    the same run (their command lines are the same; _check_flags). Changes cfg in place."""
+    the same run (their command lines are the same; _check_flags). Returns the settings this
+    machine takes ({}: none); the reports' flags say them for the check."""
     if not cfg.resume:
-        return
+        return {}
     donor = next((r for r in reports if r.get("from_run") is not None), None)
     if donor is None:
-        return
+        return {}
     for r in reports:
         if r.get("from_run") is None:
             r["flags"].update(donor["from_run"])
     if reports[rank].get("from_run") is None and donor["from_run"]:
-        for key, value in donor["from_run"].items():
-            setattr(cfg, key, value)
-        cfg.validate()
+        with_values(cfg, donor["from_run"])  # (validated: a value it refuses is refused here)
         log(
             f"resume: this machine has no record of the run; rank {donor['rank']}'s: "
             + " ".join(f"--{k} {v}" for k, v in donor["from_run"].items())
         )
+        return dict(donor["from_run"])
+    return {}
 
 
 def _check_flags(reports: list[dict]) -> None:
@@ -210,14 +213,16 @@ def _storage(reports: list[dict], rank: int) -> tuple[bool, bool, int]:
     return writer, shared or len(mains) == 1, len(mains)
 
 
-def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | None, set[str]]:
-    """The (step, run_id) every rank resumes from, or None; and the runs found in the output
-    dirs."""
+def _choose(
+    resume: str | None, overwrite: bool, reports: list[dict]
+) -> tuple[tuple[int, str] | None, set[str]]:
+    """The (step, run_id) every rank resumes from (--resume `resume`, --overwrite `overwrite`), or
+    None; and the runs found in the output dirs."""
     runs = {run for r in reports for _, run in r["listing"]}
-    if not cfg.resume:
+    if not resume:
         return None, runs
     # launch.sh's relaunch of an --overwrite run: that run's only
-    if cfg.resume == "auto" and cfg.overwrite:
+    if resume == "auto" and overwrite:
         ours = {r["launch"] for r in reports} | {
             r["explicit"][1] for r in reports if r.get("explicit")
         }
@@ -234,7 +239,7 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
             e for r in reports for e in [*r["listing"], r.get("explicit")] if e and e[1] in ours
         ]
         return (max(found) if found else None), runs
-    if cfg.resume == "auto":
+    if resume == "auto":
         if len(runs) > 1:
             raise ConfigError(
                 f"--output_dir holds checkpoints of {len(runs)} different runs "
@@ -247,16 +252,17 @@ def _choose(cfg: TrainConfig, reports: list[dict]) -> tuple[tuple[int, str] | No
     held = [r["explicit"] for r in reports if r["explicit"]]
     if not held:
         raise ConfigError(
-            f"--resume {cfg.resume}: not a complete checkpoint on any machine (no "
+            f"--resume {resume}: not a complete checkpoint on any machine (no "
             f"{STATE_FILE} / {MODEL_FILE}, or a file shorter than it recorded); pass "
             f"a {CKPT_DIR}/step_N directory or --resume auto"
         )
     return held[0], runs
 
 
-def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
+def decide(accelerator, cfg: TrainConfig, out: Path, log, taken: dict | None = None) -> Decision:
     """Every rank calls this once, right after the Accelerator is built and the output dir
-    checked."""
+    checked. `taken`: what this machine's command line took from the run's record (Taken.settings;
+    None: it read none)."""
     rank = accelerator.process_index
     job = rank0s(uuid.uuid4().hex[:12] if rank == 0 else None)  # this job's probes only
     probe = out / f"{PROBE}{job}-{rank}"
@@ -264,17 +270,17 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         probe.touch()
     accelerator.wait_for_everyone()
     try:
-        reports = gather_object([_report(accelerator, cfg, out, job)])
+        reports = gather_object([_report(accelerator, cfg, out, job, taken)])
         accelerator.wait_for_everyone()  # every machine has looked before the probes go
     finally:
         probe.unlink(missing_ok=True)
         for stale in out.glob(PROBE + "*"):  # left by a job killed here
             if not stale.name.startswith(f"{PROBE}{job}-"):
                 stale.unlink(missing_ok=True)
-    share_the_record(cfg, reports, rank, log)
+    adopted = share_the_record(cfg, reports, rank, log)
     _check_flags(reports)
     writer, shared, machines = _storage(reports, rank)
-    target, runs = _choose(cfg, reports)
+    target, runs = _choose(cfg.resume, cfg.overwrite, reports)
     if cfg.resume == "auto":
         say_damaged(reports, out, target[0] if target else None, log)
 
@@ -293,6 +299,7 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
             None,
             run_id,
             others(out, run_id) if runs and writer else [],
+            adopted=adopted,
         )
 
     step, run_id = target
@@ -347,14 +354,16 @@ def decide(accelerator, cfg: TrainConfig, out: Path, log) -> Decision:
         others(out, run_id) if replacing and writer else [],
         abandoned,
         local if explicit else None,
+        adopted,
     )
 
 
-def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
+def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> dict:
     """Keep the checkpoint's math on resume: refuse what would change it, derive the per-process
     batch when the number of processes changed or --batch_size is left to its default (the
-    checkpoint's global batch is kept, never re-derived from the data). Changes cfg.batch_size in
-    place."""
+    checkpoint's global batch is kept, never re-derived from the data). Returns the settings the
+    resume takes: {setting: the run's value} (the automatic ones the checkpoint's, the per-process
+    batch); `cfg` is only read."""
     old = meta.get("run")
     if not old:  # a checkpoint of an older accel_train: only its process count was recorded
         if meta.get("num_processes", num_processes) != num_processes:
@@ -363,18 +372,17 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
                 f"{meta['num_processes']} processes and records no global batch; "
                 f"resume it on {meta['num_processes']} processes"
             )
-        cfg.batch_size = cfg.batch_size or BATCH_SIZE  # (its default then)
-        return
+        return {"batch_size": cfg.batch_size or BATCH_SIZE}  # (its default then)
     if cfg.grad_accum != old["grad_accum"]:
         raise ConfigError(
             f"--grad_accum {cfg.grad_accum} differs from the checkpoint's "
             f"{old['grad_accum']}; resume with --grad_accum {old['grad_accum']} (the "
             "per-process batch follows the process count)"
         )
-    keep_run_math(old, cfg)
-    check_changes(old.get("settings") or {}, cfg)
-    glob = old["global_batch"]
-    if num_processes != old["num_processes"] or cfg.batch_size is None:
+    kept = keep_run_math(old, cfg)
+    check_changes(old.get("settings") or {}, with_values(cfg, kept))
+    glob, batch = old["global_batch"], kept.get("batch_size", cfg.batch_size)
+    if num_processes != old["num_processes"] or batch is None:
         per, rest = divmod(glob, num_processes * cfg.grad_accum)
         if rest or per < 1:
             works = [
@@ -385,16 +393,16 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
                 f"{num_processes} processes x --grad_accum {cfg.grad_accum}; resume "
                 f"on one of {works} processes"
             )
-        if num_processes != old["num_processes"] and per != cfg.batch_size:
+        if num_processes != old["num_processes"] and per != batch:
             log(
                 f"elastic resume: {old['num_processes']} -> {num_processes} processes; per-process "
-                f"batch {cfg.batch_size or old['batch_size']} -> {per} keeps the checkpoint's "
+                f"batch {batch or old['batch_size']} -> {per} keeps the checkpoint's "
                 f"global batch {glob}"
             )
-        cfg.batch_size = per
-    elif cfg.batch_size * num_processes * cfg.grad_accum != glob:
+        kept["batch_size"] = per
+    elif batch * num_processes * cfg.grad_accum != glob:
         raise ConfigError(
-            f"--batch_size {cfg.batch_size} x {num_processes} processes x "
+            f"--batch_size {batch} x {num_processes} processes x "
             f"--grad_accum {cfg.grad_accum} changes the checkpoint's global batch "
             f"{glob}; resume with --batch_size "
             f"{glob // (num_processes * cfg.grad_accum)} (or start a fresh run)"
@@ -404,6 +412,7 @@ def reconcile(meta: dict, cfg: TrainConfig, num_processes: int, log) -> None:
             f"--epochs {old['epochs']} -> {cfg.epochs}: the lr schedule is rebuilt for "
             f"{cfg.epochs} epochs and continues from the current step on it"
         )
+    return kept
 
 
 def _flag_value(key: str, value):
@@ -413,10 +422,11 @@ def _flag_value(key: str, value):
     )
 
 
-def keep_run_math(old: dict, cfg: TrainConfig) -> None:
+def keep_run_math(old: dict, cfg: TrainConfig) -> dict:
     """Refuse a flag that changes the checkpoint's run math (one line naming it); automatic values
-    take the checkpoint's (so a resume neither re-derives the image size nor recomputes mean/std).
-    Pure: changes cfg."""
+    take the checkpoint's (so a resume neither re-derives the image size nor recomputes mean/std):
+    returns them, {setting: the checkpoint's value}; `cfg` is only read."""
+    kept = {}
     mean_std = dict(zip(("mean", "std"), cfg.normalisation()))
     for key in RUN_MATH:
         if key not in old:  # a checkpoint of an older accel_train
@@ -430,7 +440,7 @@ def keep_run_math(old: dict, cfg: TrainConfig) -> None:
         )
         then = tuple(old[key]) if key in mean_std and old[key] is not None else old[key]
         if now in AUTOMATIC:
-            setattr(cfg, key, _flag_value(key, then))
+            kept[key] = _flag_value(key, then)
         elif now != then and not (key == "model" and same_callable(now, then)):
             raise ConfigError(
                 f"--{key} {_flag_value(key, now)!r} differs from the checkpoint's "
@@ -442,6 +452,7 @@ def keep_run_math(old: dict, cfg: TrainConfig) -> None:
                 )
                 + " or start a fresh run in another --output_dir"
             )
+    return kept
 
 
 def batches_done(meta: dict, batch_size: int, num_processes: int) -> int:

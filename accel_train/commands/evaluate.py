@@ -288,7 +288,8 @@ def main_evaluate(argv: list[str]) -> int:
         image_size=info.image_size if data_name != "cifar10" else None,
     )
     accelerator = Accelerator(cpu=not has_accelerator())
-    budget = rank0s(device_budget(cfg, accelerator.device))  # one pipeline for all ranks
+    # one pipeline for all ranks
+    budget = rank0s(device_budget(cfg.device_data_mb, accelerator.device))
     # (on_every_rank: a bad folder on one rank is one line on every rank, not a wait in the next
     # collective; its gather is also the point past which a machine's other ranks may map the
     # decoded cache its local main writes)

@@ -63,28 +63,28 @@ def auto_batch_said(samples: int, batch: int, replicas: int) -> str:
     )
 
 
-def resolve_batch(cfg, train_size: int | None, num_processes: int) -> str | None:
-    """An automatic --batch_size (None) becomes auto_batch's for the training set's size; returns
-    what the resolved-defaults line says of it (None when given, or before the data's size is
-    known). data/pipeline.py built the loaders with the same auto_batch."""
+def resolve_batch(cfg, train_size: int | None, num_processes: int) -> tuple[dict, str | None]:
+    """An automatic --batch_size (None) becomes auto_batch's for the training set's size: ({the
+    batch_size}, what the resolved-defaults line says of it); ({}, None) when given, or before the
+    data's size is known. data/pipeline.py built the loaders with the same auto_batch."""
     if cfg.batch_size is not None or train_size is None:
-        return None
-    cfg.batch_size = auto_batch(train_size, num_processes * cfg.grad_accum)
-    return auto_batch_said(train_size, cfg.batch_size, num_processes * cfg.grad_accum)
+        return {}, None
+    batch = auto_batch(train_size, num_processes * cfg.grad_accum)
+    return {"batch_size": batch}, auto_batch_said(train_size, batch, num_processes * cfg.grad_accum)
 
 
-def dropped_note(cfg, samples: int, num_processes: int) -> str | None:
+def dropped_note(batch_size: int, grad_accum: int, samples: int, num_processes: int) -> str | None:
     """One line when a given --batch_size leaves more than MAX_DROP of the training samples out of
     every epoch."""
-    replicas = num_processes * cfg.grad_accum
-    lost = dropped(samples, cfg.batch_size * replicas)
+    replicas = num_processes * grad_accum
+    lost = dropped(samples, batch_size * replicas)
     if lost <= MAX_DROP * samples:
         return None
     better = auto_batch(samples, replicas)
     return (
-        f"--batch_size {cfg.batch_size} leaves {lost} of the {samples} training samples "
+        f"--batch_size {batch_size} leaves {lost} of the {samples} training samples "
         f"({lost / samples:.0%}) out of every epoch (an epoch is whole global batches of "
-        f"{cfg.batch_size * replicas}); --batch_size {better} (the default for this data) "
+        f"{batch_size * replicas}); --batch_size {better} (the default for this data) "
         f"drops {dropped(samples, better * replicas) or 'none'}"
     )
 
@@ -208,11 +208,11 @@ def resolve_auto(
     cifar_fits: bool = True,
     train_size: int | None = None,
     num_processes: int = 1,
-) -> str:
+) -> tuple[dict, str]:
     """The one place where automatic values become the run's: 'auto'/None replaced by what the data
     (its DataInfo: image size, mean/std; its size: the batch) and the machine (the pipeline chosen)
     gave, so the log, config.yaml, model_config.json and the checkpoints all say the values the run
-    used. Returns the log line."""
+    used. Returns ({setting: the run's value}, the log line); `cfg` is only read."""
     auto = [
         name
         for name in ("image_size", "stem", "mean", "std", "pipeline", "train_crop")
@@ -223,23 +223,24 @@ def resolve_auto(
         if cfg.stem == "auto" and not cifar_fits and info.image_size <= CIFAR_STEM_MAX
         else {}
     )
-    cfg.image_size = info.image_size
-    cfg.stem = cfg.stem_for(info.image_size, cifar_fits)
+    values = {"image_size": info.image_size, "stem": cfg.stem_for(info.image_size, cifar_fits)}
     if info.mean is not None:  # (None: your own Dataset's, not seen: config.yaml keeps null)
-        cfg.mean, cfg.std = (
-            ",".join(repr(float(v)) for v in values) for values in (info.mean, info.std)
+        values["mean"], values["std"] = (
+            ",".join(repr(float(v)) for v in rgb) for rgb in (info.mean, info.std)
         )
-    cfg.pipeline = pipeline
-    cfg.train_crop = recipes.train_crop(cfg)
-    cfg.crop_pct = info.crop_pct if cfg.data == "imagefolder" else None
+    values["pipeline"] = pipeline
+    values["train_crop"] = recipes.train_crop(cfg.data, cfg.train_crop)
+    values["crop_pct"] = info.crop_pct if cfg.data == "imagefolder" else None
     # workers had nothing to do; config.yaml must load again (see validate)
     if pipeline == "device":
-        cfg.num_workers = 0
+        values["num_workers"] = 0
     said = [
-        why.get(name, f"--{name} {getattr(cfg, name)}")
+        why.get(name, f"--{name} {values.get(name, getattr(cfg, name))}")
         for name in auto
-        if getattr(cfg, name) is not None
+        if values.get(name, getattr(cfg, name)) is not None
     ]
-    # (None: given, or no data size to follow)
-    said.append(resolve_batch(cfg, train_size, num_processes))
-    return "resolved defaults: " + (", ".join(filter(None, said)) or "none (all given)")
+    batch, batch_said = resolve_batch(cfg, train_size, num_processes)
+    said.append(batch_said)  # (None: given, or no data size to follow)
+    return {**values, **batch}, "resolved defaults: " + (
+        ", ".join(filter(None, said)) or "none (all given)"
+    )

@@ -48,11 +48,12 @@ def parse_pair(name: str, text, low: float, high: float | None = None) -> tuple[
     return a, b
 
 
-def train_crop(cfg) -> str:
-    """'random_resized' or 'pad': --train_crop, 'auto' by the data (the module's text)."""
-    if cfg.train_crop != "auto":
-        return cfg.train_crop
-    return "random_resized" if cfg.data == "imagefolder" else "pad"
+def train_crop(data: str, asked: str) -> str:
+    """'random_resized' or 'pad': --train_crop (`asked`), 'auto' by the --data kind (the module's
+    text)."""
+    if asked != "auto":
+        return asked
+    return "random_resized" if data == "imagefolder" else "pad"
 
 
 def default_crop_pct(cfg) -> float:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-
-import yaml
+from typing import ClassVar
 
 from ..errors import ConfigError
 from . import recipes
@@ -24,6 +23,7 @@ from .defaults import (
     resolve_auto,
 )
 from .flag_types import at_least, check_types_and_choices, json_kwargs, rgb
+from .resolved import NOTHING_TAKEN, Taken, write_yaml
 
 # Automatic defaults (docs/own_data_and_models.md): CIFAR_STEM_MAX in defaults.py.
 MAX_AUTO_SIZE = 224  # largest image size --image_size auto picks (timm's resnet input size)
@@ -39,6 +39,10 @@ def opt(default, help, group, **extra):
 
 @dataclass
 class TrainConfig:
+    # what the command line took from the record of the run a --resume continues: set by the parser
+    # (cli.parse_train_args), read by train(); no flag and no setting (a ClassVar is no field)
+    taken: ClassVar[Taken] = NOTHING_TAKEN
+
     # data
     data: str | None = opt(
         None,
@@ -615,9 +619,9 @@ class TrainConfig:
         cifar_fits: bool = True,
         train_size: int | None = None,
         num_processes: int = 1,
-    ) -> str:
-        """The one place where automatic values become the run's (defaults.resolve_auto): the log
-        line."""
+    ) -> tuple[dict, str]:
+        """The one place where automatic values become the run's (defaults.resolve_auto): ({setting:
+        the run's value}, the log line). This config is only read."""
         return resolve_auto(self, info, pipeline, cifar_fits, train_size, num_processes)
 
     def normalisation(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
@@ -646,20 +650,10 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save_yaml(self, path, **recorded) -> None:
-        """`recorded`: values in place of the run's. Never trust_model_code: a file does not grant
-        it (cli.py)."""
-        from ..files import open_output
-
-        with open_output(path) as f:
-            f.write(
-                "# accel_train resolved configuration: `accel-train --config config.yaml` "
-                "reproduces it\n"
-            )
-            values = {
-                k: v for k, v in {**self.to_dict(), **recorded}.items() if k != "trust_model_code"
-            }
-            yaml.safe_dump(values, f, sort_keys=False)
+    def save_yaml(self, path, asked: dict | None = None, **recorded) -> None:
+        """config.yaml (config/resolved.py): this config as the run's settings (`recorded`: values
+        in place of its own), and what was `asked` ({setting: as asked}) where it differs."""
+        write_yaml(path, self, asked, **recorded)
 
 
 def fields():

@@ -276,8 +276,8 @@ def given_data(cfg: TrainConfig, given, device, processes: int = 1) -> Data:
     for dataset, name in ((given.train_set, "train_set"), (given.test_set, "test_set")):
         check_labels(dataset, name, info.classes)
     batch = cfg.batch_size or auto_batch(len(given.train_set), processes * cfg.grad_accum)
-    workers, why = worker_count(cfg)
-    common = dict(batch_size=batch, **loader_kwargs(cfg, device, workers))
+    workers, why = worker_count(cfg.num_workers)
+    common = dict(batch_size=batch, **loader_kwargs(cfg.num_workers, device, workers))
     # training workers start anew each epoch: your Dataset's set_epoch (if any) reaches them
     classes = info.num_classes
     train_loader = DataLoader(

@@ -46,13 +46,14 @@ class Split:
         return len(self.labels)
 
 
-def device_budget(cfg: TrainConfig, device) -> int:
+def device_budget(device_data_mb: float | None, device) -> int:
     """Bytes of decoded images the device pipeline may keep on `device`, as measured here: a quarter
     of its free memory (on a CPU, of the available memory shared by the processes on this machine:
     each keeps a copy), none where it cannot be measured. Under several ranks, take rank 0's measure
-    for every rank (broadcast it before build_data): all ranks must choose the same pipeline."""
-    if cfg.device_data_mb is not None:
-        return int(cfg.device_data_mb * 2**20)
+    for every rank (broadcast it before build_data): all ranks must choose the same pipeline.
+    `device_data_mb`: --device_data_mb, the budget given."""
+    if device_data_mb is not None:
+        return int(device_data_mb * 2**20)
     device = torch.device(device)
     free = free_memory(device)
     if free is None:
@@ -103,7 +104,7 @@ def choose_pipeline(
         return (
             ("cache", why) if reason is None else ("cpu", f"{why}; not the decoded cache: {reason}")
         )
-    budget = device_budget(cfg, device) if budget is None else budget
+    budget = device_budget(cfg.device_data_mb, device) if budget is None else budget
     size = f"{nbytes / 2**20:.1f} MiB of decoded uint8 images"
     allowed = f"the {budget / 2**20:.0f} MiB allowed on {device} (--device_data_mb" + (
         "; torch cannot measure its free memory here: none counted)"
@@ -211,7 +212,8 @@ def load_image_folder(
         )
     )
     crop_pct = info.crop_pct if info else default_crop_pct(cfg)
-    whole = "train" in found and cfg.augment and train_crop(cfg) == "random_resized"  # (crops.py)
+    crop = train_crop(cfg.data, cfg.train_crop)
+    whole = "train" in found and cfg.augment and crop == "random_resized"  # (crops.py)
     specs = {
         "train": Decode(store_size(size), whole=True) if whole else Decode(size),
         "test": Decode(size, crop_pct),

@@ -320,13 +320,15 @@ def build_data(
             else None
         )
         test_ds = TransformDataset(test, info.image_size, None, memory_format)
-        workers, why = worker_count(cfg)
+        workers, why = worker_count(cfg.num_workers)
         notes.append(why)
 
     batch = cfg.batch_size or (
         BATCH_SIZE if train is None else auto_batch(len(train), processes * cfg.grad_accum)
     )
-    common = dict(batch_size=batch, collate_fn=_identity, **loader_kwargs(cfg, device, workers))
+    common = dict(
+        batch_size=batch, collate_fn=_identity, **loader_kwargs(cfg.num_workers, device, workers)
+    )
     train_loader = (
         DataLoader(train_ds, shuffle=True, drop_last=True, **common) if train is not None else None
     )

@@ -202,7 +202,7 @@ def plan(cfg, info, pad: int | None = None) -> TrainAugment | None:
     return TrainAugment(
         cfg.seed,
         cfg.hflip,
-        train_crop(cfg),
+        train_crop(cfg.data, cfg.train_crop),
         info.image_size,
         info.pad if pad is None else pad,
         parse_pair("scale", cfg.scale, 0, 1),

@@ -8,7 +8,6 @@ import atexit
 
 import torch
 
-from ..config.train_config import TrainConfig
 from ..exits import end_workers
 from ..forks import worker_context
 from ..platform.cores import worker_count
@@ -18,14 +17,14 @@ from ..platform.cores import worker_count
 PREFETCH = 2
 
 
-def loader_kwargs(cfg: TrainConfig, device, workers: int | None = None) -> dict:
+def loader_kwargs(num_workers: int | None, device, workers: int | None = None) -> dict:
     """The DataLoader settings of a loader that prepares samples on the CPU: `workers` (default
-    worker_count) persistent workers, each seen to start (forks.py: a fork beside other threads can
-    leave a child that never runs), that leave stop signals to the trainer, PREFETCH batches each
-    ahead, and on an accelerator pinned batches, so that Accelerate's copy to the device
-    (non_blocking=True, see accelerator.make_accelerator) does not wait for it: a copy from pageable
-    memory is a host sync."""
-    workers = worker_count(cfg)[0] if workers is None else workers
+    worker_count of --num_workers, `num_workers`) persistent workers, each seen to start (forks.py:
+    a fork beside other threads can leave a child that never runs), that leave stop signals to the
+    trainer, PREFETCH batches each ahead, and on an accelerator pinned batches, so that Accelerate's
+    copy to the device (non_blocking=True, see accelerator.make_accelerator) does not wait for it: a
+    copy from pageable memory is a host sync."""
+    workers = worker_count(num_workers)[0] if workers is None else workers
     # (after multiprocessing's own exit handler, so it runs before it)
     if workers and not _ends_workers_at_exit:
         atexit.register(end_workers)

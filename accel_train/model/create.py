@@ -259,22 +259,22 @@ def init_facts(path) -> dict:
         return {}
 
 
-def init_model_code(cfg) -> str | None:
+def init_model_code(cfg) -> tuple[dict, str | None]:
     """--init_from weights of a model built by code (an import path in their model_config.json) and
-    --model names no code of its own: that model, its kwargs, when --trust_model_code allows the
-    import (the line to log); else one line naming the path and how to allow it."""
+    --model names no code of its own: that model and its kwargs when --trust_model_code allows the
+    import ({model, model_kwargs}, the line to log); else one line naming the path and how to allow
+    it. ({}, None): the weights name no code, or --model does."""
     import json
 
     from .own_model import allow_import
 
     arch = init_facts(cfg.init_from).get("architecture")
     if not is_import_path(arch) or is_import_path(cfg.model):
-        return None
+        return {}, None
     allow_import(arch, cfg.trust_model_code, None, f"--init_from {cfg.init_from}")
-    kwargs = init_facts(cfg.init_from).get("model_kwargs") or {}
-    cfg.model, cfg.model_kwargs = arch, cfg.model_kwargs or json.dumps(kwargs)
-    return (
-        f"--init_from: --model {arch} --model_kwargs '{cfg.model_kwargs}', as the weights were "
+    kwargs = cfg.model_kwargs or json.dumps(init_facts(cfg.init_from).get("model_kwargs") or {})
+    return {"model": arch, "model_kwargs": kwargs}, (
+        f"--init_from: --model {arch} --model_kwargs '{kwargs}', as the weights were "
         "trained (--trust_model_code)"
     )
 

@@ -22,13 +22,14 @@ from ..errors import ConfigError
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
 
 
-def wanted(cfg) -> bool:
-    return bool(cfg.pretrained or cfg.pretrained_path)
+def wanted(pretrained: bool, pretrained_path: str | None) -> bool:
+    """--pretrained, or --pretrained_path (timm's weights from a file)."""
+    return bool(pretrained or pretrained_path)
 
 
 def create_kwargs(cfg) -> dict:
     """What timm.create_model needs to load the weights."""
-    if not wanted(cfg):
+    if not wanted(cfg.pretrained, cfg.pretrained_path):
         return {}
     return dict(
         pretrained=True,

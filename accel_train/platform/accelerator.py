@@ -47,12 +47,12 @@ from .ranks import said_once
 logger = get_logger("accel_train")
 
 
-def asked_precision(cfg: TrainConfig, env=os.environ, launch=None) -> tuple[str | None, str]:
+def asked_precision(mixed_precision: str, env=os.environ, launch=None) -> tuple[str | None, str]:
     """The precision asked for and where: the trainer's flag, else the launcher's config, else
     nothing. Where nothing is asked, the second value names the rule that leaves the precision to
     the device. `launch`: parent_launch()'s answer (tests state it)."""
-    if cfg.mixed_precision != "auto":
-        return cfg.mixed_precision, f"--mixed_precision {cfg.mixed_precision}"
+    if mixed_precision != "auto":
+        return mixed_precision, f"--mixed_precision {mixed_precision}"
     launched = env.get("ACCELERATE_MIXED_PRECISION")  # accelerate launch sets it from the config
     if launched and launched.lower() == env.get("ACCEL_TRAIN_AUTO_PRECISION", "").lower():
         return None, "launch.sh's pick"  # launch.sh's own pick from the device's facts
@@ -143,7 +143,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
             f"{', '.join(LoggerType.list())}"
         )
     facts = facts or device_facts(cpu=True if cpu else None)
-    asked, source = asked_precision(cfg)
+    asked, source = asked_precision(cfg.mixed_precision)
     # docs/speed.md: Precision and memory format per platform
     choice = choose_precision(facts, asked, source, force=cfg.force_precision)
     refusal = choice.error or (compile_problem(facts.kind) if cfg.compile else None)
@@ -172,7 +172,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     with said_once(accelerator):  # the same facts on every rank: one line
         if refusal:
             raise ConfigError(refusal)
-    check_one_group(accelerator.num_processes, cfg)
+    check_one_group(accelerator.num_processes, cfg.world_size)
     if accelerator.num_processes > 1:
         # how launch.sh reads this rank's SIGABRT, if it dies of one
         note_backend(accelerator.state.backend)
@@ -180,7 +180,7 @@ def make_accelerator(cfg: TrainConfig, facts: DeviceFacts | None = None) -> Acce
     asked_for = choice.precision != "no" and asked is not None
     accelerator.precision_source = source if asked_for else ""  # "": not asked
     logger.info(choice.reason, main_process_only=not cfg.log_all_ranks)
-    threads, why = intra_op_threads(cfg)
+    threads, why = intra_op_threads(cfg.threads)
     if threads:
         torch.set_num_threads(threads)
     logger.info(why, main_process_only=not cfg.log_all_ranks)
@@ -198,8 +198,9 @@ def fall_back_to_fp32(accelerator) -> None:
     accelerator.scaler = None
 
 
-def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> None:
-    """Refuse silent duplicate training: N processes launched that each train alone."""
+def check_one_group(num_processes: int, world_size: int | None, env=os.environ) -> None:
+    """Refuse silent duplicate training: N processes launched that each train alone (`world_size`:
+    --world_size, the nodes ModelArts says the job has)."""
     # torchrun counts ranks
     launched = int(env.get("WORLD_SIZE", 1)) if "TORCHELASTIC_RUN_ID" in env else 1
     if launched > 1 and num_processes != launched:
@@ -208,9 +209,9 @@ def check_one_group(num_processes: int, cfg: TrainConfig, env=os.environ) -> Non
             f"process group (each sees {num_processes}); on a CPU host set use_cpu: "
             "true in the accelerate config or ACCELERATE_USE_CPU=1"
         )
-    if (cfg.world_size or 1) > 1 and num_processes == 1:
+    if (world_size or 1) > 1 and num_processes == 1:
         raise ConfigError(
-            f"--world_size {cfg.world_size} (nodes) but this is a single process: "
+            f"--world_size {world_size} (nodes) but this is a single process: "
             "start the job with launch.sh (or accelerate launch with a multi-node "
             "config), not python directly"
         )

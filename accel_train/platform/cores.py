@@ -8,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-from ..config.train_config import MAX_WORKERS, TrainConfig
+from ..config.train_config import MAX_WORKERS
 from ..lines import counted
 
 
@@ -32,15 +32,15 @@ def usable_cores() -> tuple[int, str, int]:
 
 
 def intra_op_threads(
-    cfg: TrainConfig, env=os.environ, load: float | None = None
+    threads: int | None, env=os.environ, load: float | None = None
 ) -> tuple[int | None, str]:
     """torch's intra-op threads for this process and the line saying why (None: leave torch's own).
     --threads N; else OMP_NUM_THREADS where the launcher or the user set it (torchrun sets 1 per
     rank); else the cores per process, and 1 where the machine was busy as the run started (the
     1-minute load average, `load`, at least the cores: other work holds them; a one-process run on a
     busy 2-core machine measured 9 img/s with torch's default 2 threads and 67 with 1)."""
-    if cfg.threads:
-        return cfg.threads, f"intra-op threads {cfg.threads} per process (--threads)"
+    if threads:
+        return threads, f"intra-op threads {threads} per process (--threads)"
     if env.get("OMP_NUM_THREADS"):
         return None, f"intra-op threads {env['OMP_NUM_THREADS']} per process (OMP_NUM_THREADS)"
     cores, where, local = usable_cores()
@@ -64,13 +64,13 @@ def intra_op_threads(
     )
 
 
-def worker_count(cfg: TrainConfig) -> tuple[int, str]:
+def worker_count(num_workers: int | None) -> tuple[int, str]:
     """DataLoader workers per process and why: --num_workers, else the cores this process may run on
     (its CPU affinity, os.sched_getaffinity, or its cgroup's CPU quota where that is fewer) shared
     by the processes on this machine (Accelerate's get_cpu_distributed_information:
     LOCAL_WORLD_SIZE, which torchrun sets), at most MAX_WORKERS."""
-    if cfg.num_workers is not None:
-        return cfg.num_workers, f"{counted(cfg.num_workers, 'worker')} per process (--num_workers)"
+    if num_workers is not None:
+        return num_workers, f"{counted(num_workers, 'worker')} per process (--num_workers)"
     cores, where, local = usable_cores()
     n = max(1, min(MAX_WORKERS, cores // local))
     capped = f", at most {MAX_WORKERS}" if cores // local > MAX_WORKERS else ""

@@ -263,14 +263,12 @@ def finish(
     if best.row is not None:
         summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
 
-    # config.yaml reproduces the precision used, not 'auto'
-    cfg.mixed_precision = accelerator.mixed_precision
-
     def write():
         path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, run))
         if ema is not None:
             export_model(ema.module, out, model_config(cfg, summary, run), filename=EMA_EXPORT_FILE)
-        cfg.save_yaml(out / CONFIG_FILE, model=run.architecture)
+        # (the precision used, not 'auto': Run.config's)
+        cfg.save_yaml(out / CONFIG_FILE, run.resolved.asked, model=run.architecture)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(
             metrics.rows,
             out / CURVES_FILE,

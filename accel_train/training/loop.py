@@ -25,6 +25,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import tqdm
 
 from ..checkpoint.checkpointer import Checkpointer
+from ..config.resolved import NOTHING_TAKEN, Taken
 from ..config.train_config import TrainConfig
 from ..data import set_loader_epoch
 from ..hang import PROGRESS, HangReport
@@ -40,10 +41,14 @@ from .startup import Run, setup
 logger = get_logger("accel_train")
 
 
-def train(cfg: TrainConfig, given=None) -> dict:
+def train(cfg: TrainConfig, given=None, taken: Taken = NOTHING_TAKEN) -> dict:
+    """`cfg`: what was asked (only read); `given`: a script's own model and Datasets (api.train);
+    `taken`: what the command line took from a resumed run's record (cli.py)."""
     stop = StopRequest().install()  # SIGTERM / SIGUSR1 / Ctrl-C: every rank stops at one step
     with HangReport(cfg, stop).start() as hang:  # no progress: where every rank waits (hang.py)
-        run = setup(cfg, given)  # given: a script's own model and Datasets (api.train), else None
+        # given: a script's own model and Datasets (api.train), else None
+        run = setup(cfg, given, taken)
+        cfg = run.config  # the run's settings: what was asked, with what start-up resolved
         stop.check_start_up(run.accelerator, run.state.step)
         parts = Parts.of(run, cfg, stop)
         started = time.perf_counter()

@@ -86,14 +86,16 @@ class EpochMeter:
 SLOW_RUN_S = 3600
 
 
-def slow_run_warning(cfg, seconds_per_step: float, steps_left: int) -> str | None:
+def slow_run_warning(
+    image_size: int | None, stem: str, seconds_per_step: float, steps_left: int
+) -> str | None:
     """One line when `steps_left` steps at `seconds_per_step` take longer than SLOW_RUN_S: the
-    estimate and the flags that would shorten it for this configuration; None otherwise."""
+    estimate and the flags that would shorten it at this --image_size and --stem; None otherwise."""
     eta = seconds_per_step * steps_left
     if eta <= SLOW_RUN_S:
         return None
-    size, hints = cfg.image_size or 32, []
-    if cfg.stem == "cifar" and size > 32:
+    size, hints = image_size or 32, []
+    if stem == "cifar" and size > 32:
         hints.append(
             f"--stem imagenet (timm's stem: ~16x less compute than the cifar stem at {size} px)"
         )
@@ -127,7 +129,9 @@ class Pace:
             return None
         if step < self.first + 1 + self.K or self.start is None:
             return None
-        line = slow_run_warning(self.cfg, (now - self.start) / self.K, self.total - step)
+        line = slow_run_warning(
+            self.cfg.image_size, self.cfg.stem, (now - self.start) / self.K, self.total - step
+        )
         if line:
             import logging
 

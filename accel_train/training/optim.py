@@ -110,38 +110,37 @@ def known_optimizers() -> list[str]:
     return list_optimizers()
 
 
-def mixing(cfg, num_classes: int) -> Mixup | None:
+def mixing(mixup: float, cutmix: float, label_smoothing: float, num_classes: int) -> Mixup | None:
     """timm's Mixup for --mixup/--cutmix (its defaults: every batch, mixup or cutmix half each when
     both, one lambda per batch), or None."""
-    if not (cfg.mixup or cfg.cutmix):
+    if not (mixup or cutmix):
         return None
     return Mixup(
-        mixup_alpha=cfg.mixup,
-        cutmix_alpha=cfg.cutmix,
-        label_smoothing=cfg.label_smoothing,
+        mixup_alpha=mixup,
+        cutmix_alpha=cutmix,
+        label_smoothing=label_smoothing,
         num_classes=num_classes,
     )
 
 
-def criterion(cfg, soft: bool = False) -> torch.nn.Module:
-    """The training loss: on Mixup's soft targets (`soft`), else label smoothing (or plain
+def criterion(label_smoothing: float, soft: bool = False) -> torch.nn.Module:
+    """The training loss: on Mixup's soft targets (`soft`), else --label_smoothing's (or plain
     cross-entropy)."""
     if soft:
         return SoftTargetCrossEntropy()
     return (
-        LabelSmoothingCrossEntropy(cfg.label_smoothing)
-        if cfg.label_smoothing
+        LabelSmoothingCrossEntropy(label_smoothing)
+        if label_smoothing
         else torch.nn.CrossEntropyLoss()
     )
 
 
-def check_mixing(cfg) -> None:
+def check_mixing(mixup: float, cutmix: float, batch_size: int) -> None:
     """Mixup pairs each sample with the batch's mirror image (flip(0)): it needs an even per-process
     batch."""
-    if (cfg.mixup or cfg.cutmix) and cfg.batch_size % 2:
+    if (mixup or cutmix) and batch_size % 2:
         raise ConfigError(
-            "--mixup/--cutmix pair the samples of a batch: "
-            f"--batch_size {cfg.batch_size} must be even"
+            f"--mixup/--cutmix pair the samples of a batch: --batch_size {batch_size} must be even"
         )
 
 

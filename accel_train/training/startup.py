@@ -26,6 +26,7 @@ from ..checkpoint.output_dir import check_output_dir_free, hold_output_dir, star
 from ..checkpoint.resume import Decision, batches_done, check_data, decide, reconcile
 from ..config.defaults import dropped_note
 from ..config.recipes import RECIPE_FLAGS
+from ..config.resolved import NOTHING_TAKEN, Resolved, Taken, with_values
 from ..config.train_config import TrainConfig
 from ..data import Data, build_data, device_budget, given_data
 from ..data.info import listed
@@ -85,6 +86,8 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     decision: Decision  # who writes checkpoints, where training resumed from
+    config: TrainConfig  # the run's settings: what was asked, with what start-up resolved
+    resolved: Resolved  # what start-up decided (config.yaml records it beside what was asked)
     # what the run computes, recorded in every checkpoint (a resume checks it)
     run_math: dict
     history: dict | None  # metrics rows of the checkpoint resumed from
@@ -119,24 +122,28 @@ class Run:
         )
 
 
-def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
-    """`given`: the model and Datasets a script passed to accel_train.train() (api.py), else
-    None."""
+def setup(asked: TrainConfig, given: Given | None = None, taken: Taken = NOTHING_TAKEN) -> Run:
+    """`asked`: the run's TrainConfig, only read: each phase returns what it decides and the run's
+    settings are a new config with it (Run.config; the record: Run.resolved). `given`: the model and
+    Datasets a script passed to accel_train.train() (api.py), else None. `taken`: what the command
+    line took from the record of the run a resume continues (cli.py)."""
     PROGRESS.mark("start-up: the Accelerator and its process group")
-    accelerator = make_accelerator(cfg)
-    log = partial(logger.info, main_process_only=not cfg.log_all_ranks)
-    decision = agree_on_start(cfg, accelerator, log)
+    accelerator = make_accelerator(asked)
+    log = partial(logger.info, main_process_only=not asked.log_all_ranks)
+    cfg, decision = agree_on_start(asked, accelerator, log, taken)
     PROGRESS.mark("start-up: the data")
-    data, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
+    data, cfg, resolved = load_inputs(cfg, accelerator, decision, log, given or Given())
     PROGRESS.mark("start-up: the model")
     model, optimizer, loaded, architecture = build_model(
         cfg, accelerator, data, given or Given(), decision, log
     )
-    mixup = mixing(cfg, data.info.num_classes)  # timm's Mixup (--mixup/--cutmix), or None
+    # timm's Mixup (--mixup/--cutmix), or None
+    mixup = mixing(cfg.mixup, cfg.cutmix, cfg.label_smoothing, data.info.num_classes)
     # the reduced precision computes right here (on hard labels, whatever the run's loss: the
     # kernels are what it checks)
     PROGRESS.mark("start-up: the precision check")
-    check_run_precision(cfg, accelerator, data, model, loss_of(cfg), log)
+    check_run_precision(cfg, accelerator, data, model, loss_of(cfg.label_smoothing), log)
+    cfg = with_values(cfg, {"mixed_precision": accelerator.mixed_precision})  # (the check's)
     PROGRESS.mark("start-up: accelerator.prepare")
     # (--compile happens here, last)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
@@ -151,7 +158,7 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     state, history, ema = resume(cfg, accelerator, decision, model, scheduler, log)
     PROGRESS.mark("start-up: the outputs", state.step)
     total_steps = min(cfg.max_steps or steps_per_epoch * cfg.epochs, steps_per_epoch * cfg.epochs)
-    criterion = loss_of(cfg, soft=mixup is not None)
+    criterion = loss_of(cfg.label_smoothing, soft=mixup is not None)
     run = Run(
         accelerator,
         data,
@@ -166,6 +173,8 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
         steps_per_epoch,
         total_steps,
         decision,
+        cfg,
+        Resolved.of(cfg, asked, [taken.said] if taken.said else []),
         run_math(cfg, accelerator, decision, data),
         history,
         architecture,
@@ -183,69 +192,87 @@ def setup(cfg: TrainConfig, given: Given | None = None) -> Run:
     # every input is checked by now
     on_every_rank(accelerator, start_branch, cfg.output_dir, decision, cfg.resume == "auto")
     # the run's flags as resolved, from its start (a run stopped by Ctrl-C has a config.yaml to
-    # replay); the end writes it again
+    # replay); the end writes it again, with the precision used: until then the precision as asked,
+    # which a resume of a stopped run checks again
     main_process_writes(
         accelerator,
-        partial(cfg.save_yaml, Path(cfg.output_dir) / CONFIG_FILE, model=architecture),
+        partial(
+            cfg.save_yaml,
+            Path(cfg.output_dir) / CONFIG_FILE,
+            run.resolved.asked,
+            model=architecture,
+            mixed_precision=asked.mixed_precision,
+        ),
         cfg.output_dir,
     )
     return run
 
 
-def agree_on_start(cfg: TrainConfig, accelerator, log) -> Decision:
+def agree_on_start(
+    cfg: TrainConfig, accelerator, log, taken: Taken
+) -> tuple[TrainConfig, Decision]:
     """The memory format, a writable --output_dir on every rank, and one resume decision (flags
     agree, who writes, which checkpoint, copied to machines that lack it; a resume that would change
-    the run refused)."""
-    for note in getattr(cfg, "notes", ()):  # what the command line took from the run (cli.py)
-        log(note)
+    the run refused). Returns the run's settings with what it decided, and the decision."""
+    if taken.said:  # what the command line took from the run (cli.py)
+        log(taken.said)
     # the memory format where it is measured faster (hardware.channels_last_default)
     if cfg.channels_last is None:
-        # (in place: the run's value)
-        cfg.channels_last, why = channels_last_default(accelerator.device_facts.kind)
+        channels_last, why = channels_last_default(accelerator.device_facts.kind)
+        cfg = with_values(cfg, {"channels_last": channels_last})
         log(f"memory format {why}")
     # weights of a model built by code
-    if cfg.init_from and (said := on_every_rank(accelerator, init_model_code, cfg)):
-        log(said)
+    if cfg.init_from:
+        code, said = on_every_rank(accelerator, init_model_code, cfg)
+        cfg = with_values(cfg, code)
+        if said:
+            log(said)
     out = on_every_rank(accelerator, prepare_output_dir, cfg.output_dir)
     # (rank 0 alone: the machines of one job may share the directory, and two looks at once would
     # see each other)
     on_every_rank(accelerator, lambda: accelerator.is_main_process and check_output_dir_free(out))
     with said_once(accelerator):
-        decision = decide(accelerator, cfg, out, log)
+        decision = decide(accelerator, cfg, out, log, taken.settings)
+        cfg = with_values(cfg, decision.adopted)  # (another machine's record of the run)
         # one job writes it at a time
         on_every_rank(accelerator, lambda: decision.writer and hold_output_dir(out))
         # (earlier runs' notes)
         on_every_rank(accelerator, lambda: decision.writer and clear_notes(out))
         if decision.meta:
-            # may derive the per-process batch
-            reconcile(decision.meta, cfg, accelerator.num_processes, log)
-    return decision
+            # the checkpoint's run math, and the per-process batch it derives
+            cfg = with_values(cfg, reconcile(decision.meta, cfg, accelerator.num_processes, log))
+    return cfg, decision
 
 
 def load_inputs(
     cfg: TrainConfig, accelerator, decision: Decision, log, given: Given
-) -> tuple[Data, str]:
+) -> tuple[Data, TrainConfig, str]:
     """The data (the same on every machine, enough for one batch per rank) and the defaults it
-    resolves: image size, stem, mean/std, pipeline. Returns the data and the line saying what was
-    resolved."""
+    resolves: image size, stem, mean/std, pipeline. Returns the data, the run's settings with what
+    was resolved, and the line saying it."""
     set_seed(cfg.seed)  # before prepare: the seedable sampler takes its seed from here
     batch_given = cfg.batch_size is not None  # (resolve() fills in an automatic one from the data)
-    budget = rank0s(device_budget(cfg, accelerator.device))  # rank 0's: one pipeline choice
+    # rank 0's: one pipeline choice
+    budget = rank0s(device_budget(cfg.device_data_mb, accelerator.device))
+    timms_weights = pretrained.wanted(cfg.pretrained, cfg.pretrained_path)
     # timm's weights: on disk (or allowed to download), first
-    if pretrained.wanted(cfg) and not decision.meta:
+    if timms_weights and not decision.meta:
         log(on_every_rank(accelerator, pretrained.check_on_disk, cfg))
     # fine-tuning keeps the weights' normalisation: --init_from's record of it, or timm's
     # pretrained_cfg
-    if (cfg.init_from or pretrained.wanted(cfg)) and (cfg.mean is None or cfg.std is None):
+    if (cfg.init_from or timms_weights) and (cfg.mean is None or cfg.std is None):
         mean, std, source = (
             on_every_rank(accelerator, init_normalisation, cfg.init_from, cfg.model)
             if cfg.init_from
             else (*pretrained.normalisation(cfg.model)[:2], f"timm's pretrained_cfg of {cfg.model}")
         )
         if mean is not None:
-            cfg.mean, cfg.std = (
-                cfg.mean or ",".join(map(str, mean)),
-                cfg.std or ",".join(map(str, std)),
+            cfg = with_values(
+                cfg,
+                {
+                    "mean": cfg.mean or ",".join(map(str, mean)),
+                    "std": cfg.std or ",".join(map(str, std)),
+                },
             )
             log(
                 f"{'--init_from' if cfg.init_from else '--pretrained'}: mean/std "
@@ -271,33 +298,30 @@ def load_inputs(
     # fine-tuning keeps the weights' stem
     if cfg.stem == "auto" and (
         stem := (
-            init_stem(cfg.init_from)
-            if cfg.init_from
-            else "imagenet"
-            if pretrained.wanted(cfg)
-            else None
+            init_stem(cfg.init_from) if cfg.init_from else "imagenet" if timms_weights else None
         )
     ):
-        cfg.stem = stem
+        cfg = with_values(cfg, {"stem": stem})
         log(
             f"{'--init_from' if cfg.init_from else '--pretrained'}: stem {cfg.stem}, "
             "as the weights were trained (pass --stem to override)"
         )
     # image size, stem, mean/std, pipeline, batch
-    resolved = cfg.resolve(
+    values, resolved = cfg.resolve(
         data.info,
         data.pipeline,
         cifar_stem_fits(cfg.model),
         data.train_size,
         accelerator.num_processes,
     )
+    cfg = with_values(cfg, values)
     same_everywhere(
         accelerator,
         "the data (training / test samples, classes)",
         (data.train_size, data.test_size, data.info.classes),
     )
     with said_once(accelerator):
-        check_mixing(cfg)
+        check_mixing(cfg.mixup, cfg.cutmix, cfg.batch_size)
         if decision.meta:
             check_data(decision.meta, data.train_size, data.info.classes, decision.resume_from)
         if data.train_size < cfg.batch_size * accelerator.num_processes:
@@ -317,10 +341,14 @@ def load_inputs(
     if (
         not decision.meta
         and batch_given
-        and (note := dropped_note(cfg, data.train_size, accelerator.num_processes))
+        and (
+            note := dropped_note(
+                cfg.batch_size, cfg.grad_accum, data.train_size, accelerator.num_processes
+            )
+        )
     ):
         logger.warning(note)  # a given --batch_size that leaves much of the data out of every epoch
-    return data, resolved
+    return data, cfg, resolved
 
 
 def build_model(cfg: TrainConfig, accelerator, data: Data, given: Given, decision: Decision, log):

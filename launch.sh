@@ -13,12 +13,18 @@ if ! command -v "$PYTHON" >/dev/null 2>&1; then
   exit 2
 fi
 # (this checkout's accel_train before any installed one, as for the job's own processes: the launcher's PYTHONPATH)
-exec "$PYTHON" -c 'import sys
+# LC_CTYPE as it is here ("=value", or empty when unset): under a C locale Python sets LC_CTYPE=C.UTF-8 in its own
+# environment (PEP 538), which the job would inherit; the launcher puts back what the job was given
+exec "$PYTHON" -c 'import os, sys
 if sys.version_info < (3, 10):
     sys.stderr.write("launch.sh: error: %s is Python %d.%d; accel_train needs 3.10 or newer: activate the"
                      " environment accel_train is installed in, or set PYTHON=/path/to/its/python\n"
                      % ((sys.argv[2],) + sys.version_info[:2]))
     sys.exit(2)
+if sys.argv[3]:
+    os.environ["LC_CTYPE"] = sys.argv[3][1:]
+else:
+    os.environ.pop("LC_CTYPE", None)
 sys.path.insert(0, sys.argv[1])
 from accel_train.launcher.__main__ import main
-sys.exit(main(sys.argv[3:], python=sys.argv[2]))' "$HERE" "$PYTHON" "$@"
+sys.exit(main(sys.argv[4:], python=sys.argv[2]))' "$HERE" "$PYTHON" "${LC_CTYPE+=$LC_CTYPE}" "$@"

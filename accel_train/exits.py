@@ -130,19 +130,31 @@ def says_shared_errors() -> bool:
     return False
 
 
+# A rank's note of a SIGTERM that ended it before the run's own stop handler was installed: its
+# note's name with this suffix (launcher/policy.py reads it)
+TERM_NOTE = ".SIGTERM"
+
+
 def note_aborts() -> None:
     """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no
     Python exception) leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which
-    launch.sh reads as a lost peer."""
+    launch.sh reads as a lost peer. A SIGTERM during start-up (torchrun stops the other ranks when
+    one fails; the rank's own launcher watch), before the run's stop handler replaces it, ends the
+    rank as before, with its stack in the note's TERM_NOTE file: launch.sh then names the rank that
+    was killed, not every rank that ended."""
     folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
     if not folder:
         return
+    name = Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}")
     try:
-        Path(folder, "faults").mkdir(exist_ok=True)
-        note = open(Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}"), "w")
+        name.parent.mkdir(exist_ok=True)
+        note = open(name, "w")
+        term = open(name.with_name(name.name + TERM_NOTE), "w")
     except OSError:
         return
     faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
+    # (in C, at once, then the default action: a start-up blocked in C still ends)
+    faulthandler.register(signal.SIGTERM, file=term, all_threads=False, chain=True)
     if not _fault_notes:
         atexit.register(_note_exit)
     _fault_notes.append(note)

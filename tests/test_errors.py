@@ -2,6 +2,7 @@
 tests/test_launcher_policy.py)."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -169,3 +170,34 @@ def run_script(script, timeout: float = 60) -> subprocess.CompletedProcess:
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+
+
+def test_a_sigterm_in_start_up_ends_the_rank_at_once_and_leaves_its_stack_in_a_note(tmp_path):
+    """Before the run's stop handler exists (torchrun stopping the ranks beside a failed one), a
+    SIGTERM still ends the rank at once, and its note's TERM_NOTE file says so (the launcher then
+    names only the rank that was killed); the run's own handler replaces it."""
+    import socket
+
+    from accel_train.exits import TERM_NOTE
+
+    def rank(handler: str):
+        code = (
+            "import signal, sys, time\nfrom accel_train.exits import note_aborts\nnote_aborts()\n"
+            f"{handler}\nprint('ready', flush=True)\ntime.sleep(30)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "ACCEL_TRAIN_STATUS_DIR": str(tmp_path)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=10)
+        note = tmp_path / "faults" / f"{socket.gethostname()}-{proc.pid}{TERM_NOTE}"
+        return status, note.read_text()
+
+    status, note = rank("")
+    assert status == -signal.SIGTERM and "most recent call first" in note, (status, note)
+    status, note = rank("signal.signal(signal.SIGTERM, lambda *a: sys.exit(4))")
+    assert status == 4 and note == ""

@@ -814,6 +814,35 @@ def run_rank1(tmp_path, port, args, listen_after=None, statuses=(0,)):
     return proc, calls, time.monotonic() - start
 
 
+def test_the_job_gets_the_locale_launch_sh_was_given(tmp_path):
+    """Under a C locale Python sets LC_CTYPE=C.UTF-8 in its own environment (PEP 538): the job sees
+    LC_CTYPE as launch.sh was given it, unset or set, not the launcher interpreter's coercion."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    seen = tmp_path / "seen"
+    (bindir / "python3").write_text(
+        f'#!/bin/bash\n[[ "$1 $2" == "-m accelerate.commands.launch" ]] || exec {sys.executable}'
+        f' "$@"\necho "${{LC_CTYPE-unset}}" >> {seen}\n'
+    )
+    (bindir / "python3").chmod(0o755)
+    base = {
+        k: v
+        for k, v in clean_env().items()
+        if k not in PLATFORM_VARS and not k.startswith("LC_") and k != "LANG"
+    }
+    for given, expected in (({}, "unset"), ({"LC_CTYPE": "C"}, "C"), ({"LC_CTYPE": ""}, "")):
+        env = {**base, "PATH": tool_path(bindir), "LANG": "C", **given}
+        proc = subprocess.run(
+            ["bash", str(LAUNCH), "--epochs", "1"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert seen.read_text().splitlines()[-1] == expected, (given, seen.read_text())
+
+
 def test_a_rank_started_before_rank0_waits_for_it(tmp_path):
     port = free_port()
     proc, calls, elapsed = run_rank1(

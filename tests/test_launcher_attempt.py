@@ -3,6 +3,7 @@ the stop signals passed on to the job's group but its leader, the group waited f
 processes killed, a frozen rank killed after its limit only where no rank of the machine runs, the
 ranks that outlive their launcher waited for."""
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -116,6 +117,32 @@ def test_attempt_processes_are_found_by_their_status_folder_and_stopped_ones_kil
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_a_process_in_tracing_stop_is_killed_as_a_stopped_one(capsys):
+    """A process stopped under a tracer (state t: a debugger's breakpoint, ptrace) cannot answer
+    the job's stop either."""
+    PTRACE_ATTACH, PTRACE_DETACH = 16, 17  # sys/ptrace.h
+    libc = ctypes.CDLL(None, use_errno=True)
+    proc = child("import time; time.sleep(60)")
+    try:
+        assert libc.ptrace(PTRACE_ATTACH, proc.pid, None, None) == 0, ctypes.get_errno()
+        os.waitpid(proc.pid, 0)  # (the tracee's attach stop, reported to its tracer)
+        assert attempt.state(psutil.Process(proc.pid)) == psutil.STATUS_TRACING_STOP
+        attempt.kill_stopped([psutil.Process(proc.pid)])
+        deadline = time.monotonic() + 10
+        while attempt.state(psutil.Process(proc.pid)) != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the traced process was left stopped"
+            time.sleep(0.05)
+        _, status = os.waitpid(proc.pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        proc.returncode = -9  # (reaped here)
+        assert f"process(es) {proc.pid} of this attempt are stopped" in capsys.readouterr().err
+    finally:
+        if proc.returncode is None:
+            libc.ptrace(PTRACE_DETACH, proc.pid, None, None)
+            proc.kill()
+            proc.wait()
 
 
 def test_a_frozen_rank_is_killed_after_its_limit_only_where_no_rank_of_the_machine_runs(
@@ -243,6 +270,50 @@ def test_a_rank_is_told_from_its_agent_and_its_dataloader_workers(tmp_path, laun
         os.killpg(pids["launcher"], signal.SIGKILL)
 
 
+def test_the_job_hears_a_sigterm_when_its_launcher_is_killed_outright(tmp_path):
+    """kill -9 of the launcher runs no handler of its own: its job's first process gets SIGTERM
+    from the kernel (PR_SET_PDEATHSIG), as from a stop signal, instead of running on alone."""
+    heard, ready = tmp_path / "heard", tmp_path / "ready"
+    job = (
+        "import os, signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(heard)!r}, 'w')"
+        ".write(str(os.getppid())), sys.exit(4)))\n"
+        f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)"
+    )
+    launcher = (
+        "import os, sys\nfrom accel_train.launcher import attempt\n"
+        f"sys.exit(attempt.Supervisor().run([sys.executable, '-c', {job!r}], dict(os.environ)))"
+    )
+    proc = child(launcher, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not heard.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # heard, and reparented: the launcher was gone when it was told
+        assert heard.exists() and int(heard.read_text()) != proc.pid
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    # a child whose launcher is gone before its death signal was set is told at once
+    sentinel = tmp_path / "early"
+    code = (
+        "import os, signal, sys\nfrom accel_train.launcher import attempt\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(sentinel)!r}, 'w').close(),"
+        " sys.exit(4)))\n"
+        "attempt.job_process_setup(launcher=-1)\nimport time; time.sleep(5)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 4
+    assert sentinel.exists()
+
+
 def restore_signals():
     for sig in attempt.FORWARDED:
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
@@ -303,7 +374,9 @@ def test_ranks_left_by_a_signalled_launcher_are_told_to_stop(tmp_path):
         start = time.monotonic()
         attempt.ranks_ended(str(tmp_path), sup, stop_s=30)
         assert time.monotonic() - start < 10
-        assert rank.wait(10) == 4 and heard.read_text() == "TERM"
+        # (its status is read by the wait for it: here, the launcher's child, it is reaped there)
+        rank.wait(10)
+        assert heard.read_text() == "TERM"
     finally:
         rank.kill()
         rank.wait()

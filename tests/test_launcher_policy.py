@@ -5,6 +5,7 @@ relaunch or exit, with which status and line, for every status and the mixes the
 import pytest
 
 from accel_train import errors
+from accel_train.exits import TERM_NOTE
 from accel_train.launcher import policy
 from accel_train.launcher.policy import Report, decide
 
@@ -196,9 +197,9 @@ def test_a_relaunch_whose_rendezvous_waited_in_vain_for_the_other_machines_ends_
     )
     assert gave_up == policy.Decision([policy.not_rejoined(120)], errors.EXIT_LOST_PEER)
     assert "did not rejoin within 120 s (--rejoin_wait)" in gave_up.lines[0]
-    # the first attempt, one machine, or an attempt that failed before the wait ran out: the usual
-    # policy
-    for attempt, machines, waited in ((0, 2, 700.0), (1, 1, 700.0), (1, 2, 5.0)):
+    # the first attempt, or an attempt that failed before the wait ran out: relaunched (a machine
+    # missing from the rendezvous)
+    for attempt, machines, waited in ((0, 2, 700.0), (1, 2, 5.0)):
         got = decide(
             1,
             Report(),
@@ -227,3 +228,57 @@ def test_a_relaunch_resumes_and_its_rendezvous_waits_rejoin_wait():
     assert second[-2:] == ["--resume", "auto"] and (plan.wait_s(0), plan.wait_s(1)) == (600, 150)
     plan = Plan(options.parse(["--dry-run", "--rejoin_wait", "30"], env), env, "python3")
     assert plan.attempt_cmd(1)[plan.attempt_cmd(1).index("--rdzv_conf") + 1] == "timeout=30"
+
+
+def test_a_one_machine_job_that_fails_before_any_rank_starts_is_an_error_never_relaunched():
+    # --help: an error (1) is never relaunched. On one machine no rendezvous can fail: the
+    # launcher's 1 with nothing written is accelerate's error or the trainer's failed start
+    for attempt in (0, 1):
+        got = decide(1, Report(), nproc=2, attempt=attempt, max_restarts=3, machines=1)
+        assert got == policy.Decision(
+            [
+                "launch.sh: the job failed (exit status 1) before any rank started: an error (the"
+                " cause is above); not relaunched"
+            ],
+            1,
+        )
+    # a rank that got as far as its first file (killed during start-up), another status, a signal:
+    # as before
+    assert decide(1, report(notes=KILLED), nproc=2, max_restarts=3).exit_status is None
+    assert decide(137, Report(), nproc=1, max_restarts=3).exit_status is None
+    assert decide(1, Report(), nproc=2, max_restarts=3, signalled="TERM").exit_status != 1
+    assert decide(1, Report(), nproc=2, max_restarts=3, machines=2).exit_status is None
+
+
+def test_a_rank_killed_during_start_up_is_named_alone_not_the_ranks_torchrun_stopped(tmp_path):
+    # kill -9 of one rank while the job starts: torchrun SIGTERMs the others before their stop
+    # handler is installed; each leaves its stack in its note's TERM_NOTE file (exits.note_aborts)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    for name in ("h-1", "h-2", "h-3"):
+        (faults / name).write_text("")
+    (faults / f"h-1{TERM_NOTE}").write_text("")  # (never signalled: empty)
+    (faults / f"h-2{TERM_NOTE}").write_text(
+        'Current thread 0x1 (most recent call first):\n  File "x"'
+    )
+    (faults / f"h-3{TERM_NOTE}").write_text(
+        'Current thread 0x2 (most recent call first):\n  File "y"'
+    )
+    got = policy.read_report(tmp_path)
+    assert set(got.notes) == {"h-1", "h-2", "h-3"} and got.terminated == {"h-2", "h-3"}
+    assert policy.killed_ranks(got) == ["h-1"]
+    decided = decide(1, got, nproc=3, max_restarts=1)
+    assert decided.exit_status is None  # (137: relaunched)
+    assert any("host-pid h-1) and reported nothing: exit status 137" in x for x in decided.lines)
+    assert any(
+        x.startswith("launch.sh: rank(s) host-pid h-2 h-3 ended by SIGTERM while the job started")
+        for x in decided.lines
+    ), decided.lines
+    # the agent killed alone: its ranks stop themselves, none named as killed
+    (faults / f"h-1{TERM_NOTE}").write_text("Current thread 0x3 (most recent call first):\n")
+    alone = decide(137, policy.read_report(tmp_path), nproc=3, max_restarts=1)
+    assert not any("killed by a signal it cannot handle" in x for x in alone.lines), alone.lines
+    assert alone.lines[-1] == (
+        "launch.sh: the job failed (exit status 137); relaunching to resume from the newest"
+        " checkpoint"
+    )

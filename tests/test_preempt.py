@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
 from safetensors.torch import load_file
@@ -266,3 +267,39 @@ def test_the_stop_line_says_what_accelerate_launchs_130_after_one_ctrl_c_means()
     assert (
         "accelerate launch" in row and "checkpoint" in row and "exit status 4 on every rank" in row
     ), row
+
+
+def job_processes(tag: str, launcher: int) -> list[psutil.Process]:
+    """Every process started with ACCEL_TEST_TAG=tag but the launcher: the agent, the ranks, their
+    DataLoader workers."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != launcher and proc.environ().get("ACCEL_TEST_TAG") == tag:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.faults
+def test_kill_9_of_launch_sh_ends_its_job_within_10_s_with_a_checkpoint(tmp_path):
+    # kill -9 runs no handler of launch.sh's own: the kernel tells its job (the launcher's death
+    # signal), whose ranks stop as on a SIGTERM, with a checkpoint of the step reached, every
+    # process gone within 10 s
+    out = tmp_path / "out"
+    with Job(RUN, out, tmp_path / "log") as job:
+        job.steps(3)
+        job.pids()  # (every rank is there)
+        procs = job_processes(job.tag, job.proc.pid)
+        os.kill(job.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        job.proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(procs, timeout=10)
+        took = time.monotonic() - killed
+        left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, (left, job.text[-3000:])
+    assert took < 10, took
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert saved and int(saved[-1].name.split("_")[1]) >= 3, job.text[-3000:]
+    assert "preempted: stopped by SIGTERM at step" in job.text, job.text[-3000:]

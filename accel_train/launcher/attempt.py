@@ -14,15 +14,18 @@ by SIGTERMing the trainer and SIGKILLing it 5 s later (accelerate 1.15 commands/
 _terminate_process_tree: a Ctrl-C then read as a second one, the step lost), so the trainer (and its
 workers) alone hear it. torchrun's ranks run in sessions of their own: its group is the agent alone,
 which gets the signal and passes it on to its ranks. SIGHUP (the terminal closed: the job, in its
-own session, would not hear of it) is a SIGTERM."""
+own session, would not hear of it) is a SIGTERM. The launcher killed outright (kill -9 runs no
+handler): the kernel sends the job's first process SIGTERM (job_process_setup), as a stop signal."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import psutil
 
@@ -35,6 +38,7 @@ FORWARDED = {
     signal.SIGHUP: "TERM",
 }
 LOOK_S = 0.5  # how often a running attempt is looked at
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent thread ends
 GROUP_WAIT_S = (
     60  # how long a trainer its launcher left (a signal) may go on writing its checkpoint
 )
@@ -42,6 +46,31 @@ GROUP_WAIT_S = (
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _libc():
+    """The C library, loaded before any fork (a child between fork and exec loads nothing); None
+    where prctl is not Linux's."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+LIBC = _libc()
+
+
+def job_process_setup(launcher: int) -> None:
+    """The job's first process, between fork and exec: SIGUSR1 ignored (the module's text), and
+    SIGTERM when the launcher ends, even by SIGKILL (prctl PR_SET_PDEATHSIG, kept across exec): the
+    job then stops as on a stop signal (the ranks checkpoint and exit 4) instead of training on with
+    no one to pass it a signal or relaunch it. A launcher gone before the prctl: SIGTERM at once."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if LIBC is not None and LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def group_but_leader(pgid: int) -> list[int]:
@@ -210,7 +239,8 @@ class Supervisor:
             env=env,
             start_new_session=True,
             stdout=stdout,
-            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN),
+            # (the death signal is sent when the thread that forks ends: this one, the main thread)
+            preexec_fn=partial(job_process_setup, os.getpid()),
         )
         try:
             while True:
@@ -304,4 +334,5 @@ def ranks_ended(status_dir: str, supervisor: Supervisor, stop_s: float) -> None:
             kill(left)
             psutil.wait_procs(left, timeout=1)
             return
-        time.sleep(0.5)
+        # (then looked for again: a zombie a dead agent left is no process of the attempt)
+        psutil.wait_procs(left, timeout=min(0.5, deadline - time.monotonic()))

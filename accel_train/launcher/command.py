@@ -5,6 +5,7 @@ precision probe."""
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -212,29 +213,11 @@ def probe_precision(
     return args, ({"ACCEL_TRAIN_AUTO_PRECISION": precision} if auto else {})
 
 
-def shell_quote(word: str) -> str:
-    """A word as bash's printf %q writes it (backslashes before the characters the shell would
-    read)."""
-    if word == "":
-        return "''"
-    if any(not c.isprintable() for c in word):
-        return "$'" + word.encode("unicode_escape").decode().replace("'", "\\'") + "'"
-    out = []
-    for i, c in enumerate(word):
-        if c in " \t'\"\\|&;()<>!{}*[?]^$`,":
-            out.append("\\" + c)
-        elif c == "#" and i == 0 or c == "~" and (i == 0 or word[i - 1] in "=:"):
-            out.append("\\" + c)
-        else:
-            out.append(c)
-    return "".join(out)
-
-
 def dry_run_line(env_vars: dict[str, str], cmd: list[str]) -> str:
-    """`env K=V ... CMD`, each word quoted for a shell (and a space after each, as the line has
-    always been)."""
+    """`env K=V ... CMD`, each word quoted for a shell (shlex.quote; a space after each, as the line
+    has always been)."""
     return "".join(
-        shell_quote(w) + " " for w in ["env", *(f"{k}={v}" for k, v in env_vars.items()), *cmd]
+        shlex.quote(w) + " " for w in ["env", *(f"{k}={v}" for k, v in env_vars.items()), *cmd]
     )
 
 

@@ -64,7 +64,9 @@ Own options (everything else goes to the trainer):
   --max_restarts N      relaunch a failed job up to N times, resuming from the newest checkpoint of
                         the run it started (or ACCEL_MAX_RESTARTS=N; after --overwrite never the run
                         that --overwrite replaces); only a lost peer (3) or a killed rank (137)
-                        is relaunched: bad input (2), an error (1) or divergence (5) never are
+                        is relaunched: bad input (2), an error (1) or divergence (5) never are;
+                        a job of several machines that fails before any rank starts (1) is a
+                        machine missing from the rendezvous, relaunched as a lost peer
   --restart_on_preempt  also relaunch after a preemption (exit 4) that did not come through this
                         script (or ACCEL_RESTART_ON_PREEMPT=1); SIGTERM/SIGUSR1 to this script is
                         passed to the job, which checkpoints and stops with exit status 4

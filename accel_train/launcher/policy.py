@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import errors
+from ..exits import TERM_NOTE
 from . import PREFIX
 
 
@@ -30,6 +31,8 @@ class Report:
     statuses: dict[str, str] = field(default_factory=dict)
     # a rank's host-pid -> its fault note (faults/)
     notes: dict[str, str] = field(default_factory=dict)
+    # the host-pid of each rank a SIGTERM ended during start-up (its note's TERM_NOTE file)
+    terminated: set[str] = field(default_factory=set)
     anything: bool = False  # the folder holds anything at all (a rank started far enough to write)
 
 
@@ -48,7 +51,12 @@ def read_report(folder) -> Report:
             report.statuses[path.name] = path.read_text(errors="replace")
     faults = folder / "faults"
     for path in faults.iterdir() if faults.is_dir() else ():
-        if path.is_file():
+        if not path.is_file():
+            continue
+        if path.name.endswith(TERM_NOTE):
+            if path.stat().st_size:  # (written only when the signal came)
+                report.terminated.add(path.name.removesuffix(TERM_NOTE))
+        else:
             report.notes[path.name] = path.read_text(errors="replace")
     return report
 
@@ -77,12 +85,13 @@ def crashed(report: Report) -> bool:
 
 
 def killed_ranks(report: Report) -> list[str]:
-    """The host-pid of each rank that ended without a fault, without Python's exit and without a
-    status."""
+    """The host-pid of each rank that ended without a fault, without Python's exit, without a
+    status and without a SIGTERM in start-up (torchrun stopping the ranks a killed one left)."""
     return sorted(
         name
         for name, note in report.notes.items()
         if name not in report.statuses
+        and name not in report.terminated
         and not _lines_starting(note, "Fatal Python error")
         and not _lines_starting(note, "exit: python")
     )
@@ -185,6 +194,25 @@ def decide(
         )
     if status == 0:
         return Decision(lines, 0)
+    stopped = sorted(report.terminated - set(report.statuses))
+    if stopped and not signalled:
+        lines.append(
+            f"{PREFIX}: rank(s) host-pid {' '.join(stopped)} ended by SIGTERM while the job started"
+            " (torchrun stops the ranks beside one that failed; a rank whose launcher is gone stops"
+            " itself)"
+        )
+    # The launcher's 1 before any rank wrote anything: on one machine (no rendezvous to fail) an
+    # error of accelerate's or of the trainer's start (traceback above), never relaunched; across
+    # machines the rendezvous failing, a machine missing, which a relaunch is for
+    if status == errors.EXIT_ERROR and reported is None and not report.anything and machines == 1:
+        return Decision(
+            lines
+            + [
+                f"{PREFIX}: the job failed (exit status 1) before any rank started: an error (the"
+                " cause is above); not relaunched"
+            ],
+            errors.EXIT_ERROR,
+        )
     final = {
         errors.EXIT_BAD_INPUT: "bad input (exit status 2, the cause is above); not relaunched",
         errors.EXIT_DIVERGED: "the training diverged (exit status 5); not relaunched",

@@ -272,10 +272,9 @@ def main(argv=None) -> int:
         # this process is the device: it normalises (every case: timm's prefetcher, our inputs)
         # with one thread; two oversubscribe the cores the workers use (0.67 vs 0.24 ms/img)
         torch.set_num_threads(1)
-    from accel_train.config.train_config import TrainConfig
     from accel_train.platform.cores import worker_count
 
-    default_workers = worker_count(TrainConfig())[0]
+    default_workers = worker_count(None)[0]
     cores = len(os.sched_getaffinity(0))
     makers = {
         "cpu0": lambda: ours(args, "cpu", 0),

@@ -1,18 +1,15 @@
 """What ends a run other than success and the exit status each gives (docs/failures.md: Exit
 statuses), and how it is reported: one line, by the process that should say it.
 
-Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`), because `accelerate
-launch` returns 1 for any failed worker. The launcher reads those files and acts on the most telling
-one, in the order of STATUS_PRIORITY (launcher/policy.py). A lost peer is told from a bug by the
-exception's type and origin (`is_lost_peer`), never by its words alone.
+Every rank writes its status to ACCEL_TRAIN_STATUS_DIR (`report_status`, rank_files.py), because
+`accelerate launch` returns 1 for any failed worker. The launcher reads those files and acts on the
+most telling one, in the order of STATUS_PRIORITY (launcher/policy.py). A lost peer is told from a
+bug by the exception's type and origin (`is_lost_peer`), never by its words alone.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -79,13 +76,10 @@ STATUS_PRIORITY = (
 
 def report_status(code: int) -> None:
     """Tell launch.sh this process's exit status (`accelerate launch` itself returns 1 for any
-    failure)."""
-    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
-    if folder:
-        try:
-            Path(folder, f"{socket.gethostname()}-{os.getpid()}").write_text(f"{code}\n")
-        except OSError:
-            pass
+    failure): rank_files.py."""
+    from .rank_files import write_status
+
+    write_status(code)
 
 
 def of_step(rows: list, step: int, what: str) -> list:

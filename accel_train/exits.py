@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .errors import EXIT_BAD_INPUT, EXIT_LOST_PEER, ConfigError, report_status
 from .lines import end_progress_line
+from .rank_files import BACKEND, PYTHON_EXIT, open_notes
 
 
 def process_group():
@@ -130,28 +131,17 @@ def says_shared_errors() -> bool:
     return False
 
 
-# A rank's note of a SIGTERM that ended it before the run's own stop handler was installed: its
-# note's name with this suffix (launcher/policy.py reads it)
-TERM_NOTE = ".SIGTERM"
-
-
 def note_aborts() -> None:
     """Under launch.sh: a rank ended by SIGABRT (NCCL's watchdog at the collective timeout, no
-    Python exception) leaves a note in ACCEL_TRAIN_STATUS_DIR/faults/ (Python's faulthandler), which
-    launch.sh reads as a lost peer. A SIGTERM during start-up (torchrun stops the other ranks when
-    one fails; the rank's own launcher watch), before the run's stop handler replaces it, ends the
-    rank as before, with its stack in the note's TERM_NOTE file: launch.sh then names the rank that
-    was killed, not every rank that ended."""
-    folder = os.environ.get("ACCEL_TRAIN_STATUS_DIR")
-    if not folder:
+    Python exception) leaves a note (rank_files.py: Python's faulthandler), which launch.sh reads as
+    a lost peer. A SIGTERM during start-up (torchrun stops the other ranks when one fails; the
+    rank's own launcher watch), before the run's stop handler replaces it, ends the rank as before,
+    with its stack in the note's SIGTERM file: launch.sh then names the rank that was killed, not
+    every rank that ended."""
+    opened = open_notes()
+    if opened is None:
         return
-    name = Path(folder, "faults", f"{socket.gethostname()}-{os.getpid()}")
-    try:
-        name.parent.mkdir(exist_ok=True)
-        note = open(name, "w")
-        term = open(name.with_name(name.name + TERM_NOTE), "w")
-    except OSError:
-        return
+    note, term = opened
     faulthandler.enable(file=note)  # (it keeps the file open as long as it is enabled)
     # (in C, at once, then the default action: a start-up blocked in C still ends)
     faulthandler.register(signal.SIGTERM, file=term, all_threads=False, chain=True)
@@ -166,7 +156,7 @@ def _note_exit() -> None:
     EXIT_KILLED)."""
     for note in _fault_notes:
         try:
-            note.write("exit: python\n")
+            note.write(PYTHON_EXIT + "\n")
             note.flush()
         except (OSError, ValueError):
             pass
@@ -186,7 +176,7 @@ def note_backend(backend) -> None:
     mismatch in your code?"): a bug, exit status 1, never relaunched."""
     for note in _fault_notes:
         try:
-            note.write(f"backend: {backend}\n")
+            note.write(f"{BACKEND}{backend}\n")
             note.flush()  # (before anything faulthandler writes at the file's offset)
         except (OSError, ValueError):
             pass

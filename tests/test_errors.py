@@ -178,7 +178,7 @@ def test_a_sigterm_in_start_up_ends_the_rank_at_once_and_leaves_its_stack_in_a_n
     names only the rank that was killed); the run's own handler replaces it."""
     import socket
 
-    from accel_train.exits import TERM_NOTE
+    from accel_train.rank_files import TERM_NOTE
 
     def rank(handler: str):
         code = (

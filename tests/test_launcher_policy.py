@@ -5,9 +5,9 @@ relaunch or exit, with which status and line, for every status and the mixes the
 import pytest
 
 from accel_train import errors
-from accel_train.exits import TERM_NOTE
 from accel_train.launcher import policy
 from accel_train.launcher.policy import Report, decide
+from accel_train.rank_files import TERM_NOTE
 
 CLEAN_NOTE = "backend: gloo\nexit: python\n"  # a rank's note that did not abort
 ABORT = "Fatal Python error: Aborted\n\nCurrent thread ...\n"

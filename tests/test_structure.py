@@ -3,6 +3,7 @@ screen."""
 
 import ast
 import inspect
+import re
 
 import pytest
 from conftest import ROOT
@@ -98,6 +99,7 @@ LAYERS = [
             "accel_train.lines",
             "accel_train.exits",
             "accel_train.files",
+            "accel_train.rank_files",
             "accel_train.forks",
             "accel_train.hang",
         ],
@@ -357,3 +359,31 @@ def test_the_config_write_check_finds_each_kind_of_write(tmp_path):
     # TrainConfig's __post_init__ (its own file's) is the parser's: validate is checked
     allowed = config_writes(source, "config/train_config.py")
     assert allowed[-1].startswith("config/train_config.py:13 TrainConfig.validate")
+
+
+def test_the_rank_launcher_files_are_spelled_in_one_module():
+    """The status folder's variable, its notes' folder and lines: rank_files.py alone spells them
+    (the rank writes and the launcher reads through it); docstrings may name them."""
+    words = re.compile(r"ACCEL_TRAIN_STATUS_DIR|\bfaults\b|exit: python|\bbackend: |\.SIGTERM\b")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "rank_files.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        found += [
+            f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and id(node) not in docs
+            and isinstance(node.value, str)
+            and words.search(node.value)
+        ]
+    assert not found, found

@@ -12,6 +12,7 @@ import tempfile
 import time
 
 from .. import errors
+from ..rank_files import STATUS_DIR
 from . import PREFIX, LaunchError, command, options, platforms
 from .plan import Plan, frozen_limit_s, say
 
@@ -129,7 +130,7 @@ def run(plan: Plan, opts: options.Options) -> int:
         started = time.monotonic()
         status = supervisor.run(
             plan.attempt_cmd(attempt_no),
-            plan.job_environment(ACCEL_TRAIN_STATUS_DIR=status_dir, ACCEL_TRAIN_RUN_ID=run_id),
+            plan.job_environment(**{STATUS_DIR: status_dir}, ACCEL_TRAIN_RUN_ID=run_id),
             watch=watch,
         )
         waited_s = time.monotonic() - started

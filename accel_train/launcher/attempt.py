@@ -29,6 +29,7 @@ from functools import partial
 
 import psutil
 
+from ..rank_files import STATUS_DIR
 from . import PREFIX
 
 FORWARDED = {
@@ -120,10 +121,7 @@ def attempt_processes(status_dir: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
         try:
-            if (
-                proc.pid != os.getpid()
-                and proc.environ().get("ACCEL_TRAIN_STATUS_DIR") == status_dir
-            ):
+            if proc.pid != os.getpid() and proc.environ().get(STATUS_DIR) == status_dir:
                 found.append(proc)
         except (psutil.Error, OSError):
             continue

@@ -12,28 +12,25 @@ aborts only when a collective breaks its rules (a collective mismatch), a bug: a
 whatever the "lost contact" of the other ranks (exits.note_backend). A rank killed outright
 (SIGKILL: kill -9, the OOM killer) writes nothing: its note says neither a fault nor Python's exit
 ("exit: python") and no status file bears its name. It is 137 (128 + SIGKILL), relaunched, unless
-another rank says more (a survivor's lost peer, 3). Pure: a Report (the folder's contents) in, a
-Decision out; read_report is the one function that reads files."""
+another rank says more (a survivor's lost peer, 3). Pure: a Report (the folder's contents,
+rank_files.read_report, the files' one reader) in, a Decision out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from .. import errors
-from ..exits import TERM_NOTE
+from ..rank_files import (
+    ABORTED,
+    Report,
+    killed_outright,
+    lines_starting,
+    noted_backends,
+    read_report,
+)
 from . import PREFIX
 
-
-@dataclass
-class Report:
-    # a rank's host-pid -> the status it wrote
-    statuses: dict[str, str] = field(default_factory=dict)
-    # a rank's host-pid -> its fault note (faults/)
-    notes: dict[str, str] = field(default_factory=dict)
-    # the host-pid of each rank a SIGTERM ended during start-up (its note's TERM_NOTE file)
-    terminated: set[str] = field(default_factory=set)
-    anything: bool = False  # the folder holds anything at all (a rank started far enough to write)
+__all__ = ["Decision", "Report", "decide", "read_report", "trainer_status"]
 
 
 @dataclass
@@ -42,37 +39,13 @@ class Decision:
     exit_status: int | None  # None: relaunch
 
 
-def read_report(folder) -> Report:
-    folder = Path(folder)
-    report = Report()
-    for path in folder.iterdir() if folder.is_dir() else ():
-        report.anything = True
-        if path.is_file():
-            report.statuses[path.name] = path.read_text(errors="replace")
-    faults = folder / "faults"
-    for path in faults.iterdir() if faults.is_dir() else ():
-        if not path.is_file():
-            continue
-        if path.name.endswith(TERM_NOTE):
-            if path.stat().st_size:  # (written only when the signal came)
-                report.terminated.add(path.name.removesuffix(TERM_NOTE))
-        else:
-            report.notes[path.name] = path.read_text(errors="replace")
-    return report
-
-
-def _lines_starting(text: str, start: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith(start)]
-
-
 def abort_backends(report: Report) -> list[str]:
     """One entry per rank that ended by SIGABRT: its process group's backend (none: before the
     group)."""
     out = []
     for note in report.notes.values():
-        if _lines_starting(note, "Fatal Python error: Aborted"):
-            named = [line[len("backend: ") :] for line in _lines_starting(note, "backend: ")]
-            out += [b for b in named if b] or ["none"]
+        if lines_starting(note, ABORTED):
+            out += noted_backends(note) or ["none"]
     return out
 
 
@@ -90,10 +63,7 @@ def killed_ranks(report: Report) -> list[str]:
     return sorted(
         name
         for name, note in report.notes.items()
-        if name not in report.statuses
-        and name not in report.terminated
-        and not _lines_starting(note, "Fatal Python error")
-        and not _lines_starting(note, "exit: python")
+        if name not in report.statuses and name not in report.terminated and killed_outright(note)
     )
 
 

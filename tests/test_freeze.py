@@ -122,7 +122,7 @@ def test_pretrained_weights_are_found_in_the_cache_or_named_where_to_put_them(
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     c = TrainConfig(data="random", model="test_resnet", pretrained=True)
     with pytest.raises(ConfigError) as e:
-        pretrained.check_on_disk(c)
+        pretrained.check_on_disk(c.model, c.pretrained_path, c.init_from)
     assert (
         "put them in the Hugging Face cache,"
         f" {tmp_path / 'hub'}/models--timm--test_resnet.r160_in1k" in str(e.value)
@@ -131,7 +131,9 @@ def test_pretrained_weights_are_found_in_the_cache_or_named_where_to_put_them(
         e.value
     )
     fake_hub_cache(tmp_path / "hub")
-    assert "from the Hugging Face cache" in pretrained.check_on_disk(c)
+    assert "from the Hugging Face cache" in pretrained.check_on_disk(
+        c.model, c.pretrained_path, c.init_from
+    )
     # its pretrained_cfg's
     assert pretrained.normalisation("test_resnet") == (
         (0.5,) * 3,
@@ -144,7 +146,8 @@ def test_pretrained_weights_are_found_in_the_cache_or_named_where_to_put_them(
         (dict(model="m:f"), "use --init_from"),
     ):
         with pytest.raises(ConfigError, match=says):
-            pretrained.check_on_disk(TrainConfig(**{**c.to_dict(), **bad}))
+            bad_cfg = TrainConfig(**{**c.to_dict(), **bad})
+            pretrained.check_on_disk(bad_cfg.model, bad_cfg.pretrained_path, bad_cfg.init_from)
 
 
 SMALL = [

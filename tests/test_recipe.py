@@ -317,11 +317,11 @@ def test_model_best_is_the_first_of_equals_and_the_models_not_the_emas(tmp_path)
             "train_acc": 0.5,
             "lr": 0.1,
         }
-        record_epoch(run, cfg, metrics, best, row)
+        record_epoch(run, cfg.output_dir, metrics, best, row)
         with torch.no_grad():  # epoch 2: other weights, the same test_acc
             for p in model.parameters():
                 p.add_(1.0)
-        record_epoch(run, cfg, metrics, best, {**row, "epoch": 2, "step": 8})
+        record_epoch(run, cfg.output_dir, metrics, best, {**row, "epoch": 2, "step": 8})
         # the first of equals
         assert exported_best(cfg.output_dir) == {
             "epoch": 1,

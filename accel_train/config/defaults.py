@@ -63,14 +63,16 @@ def auto_batch_said(samples: int, batch: int, replicas: int) -> str:
     )
 
 
-def resolve_batch(cfg, train_size: int | None, num_processes: int) -> tuple[dict, str | None]:
+def resolve_batch(
+    batch_size: int | None, grad_accum: int, train_size: int | None, num_processes: int
+) -> tuple[dict, str | None]:
     """An automatic --batch_size (None) becomes auto_batch's for the training set's size: ({the
     batch_size}, what the resolved-defaults line says of it); ({}, None) when given, or before the
     data's size is known. data/pipeline.py built the loaders with the same auto_batch."""
-    if cfg.batch_size is not None or train_size is None:
+    if batch_size is not None or train_size is None:
         return {}, None
-    batch = auto_batch(train_size, num_processes * cfg.grad_accum)
-    return {"batch_size": batch}, auto_batch_said(train_size, batch, num_processes * cfg.grad_accum)
+    batch = auto_batch(train_size, num_processes * grad_accum)
+    return {"batch_size": batch}, auto_batch_said(train_size, batch, num_processes * grad_accum)
 
 
 def dropped_note(batch_size: int, grad_accum: int, samples: int, num_processes: int) -> str | None:
@@ -239,7 +241,7 @@ def resolve_auto(
         for name in auto
         if values.get(name, getattr(cfg, name)) is not None
     ]
-    batch, batch_said = resolve_batch(cfg, train_size, num_processes)
+    batch, batch_said = resolve_batch(cfg.batch_size, cfg.grad_accum, train_size, num_processes)
     said.append(batch_said)  # (None: given, or no data size to follow)
     return {**values, **batch}, "resolved defaults: " + (
         ", ".join(filter(None, said)) or "none (all given)"

@@ -130,8 +130,8 @@ def choose_pipeline(
     return "cpu", why + (f", {reason}" if cacheable else "")
 
 
-def with_flags(info: DataInfo, cfg: TrainConfig) -> DataInfo:
-    mean, std = cfg.normalisation()
+def with_flags(info: DataInfo, mean: tuple | None, std: tuple | None) -> DataInfo:
+    """`info` with --mean / --std where given (TrainConfig.normalisation)."""
     return replace(info, mean=mean or info.mean, std=std or info.std)
 
 
@@ -162,12 +162,14 @@ def load_data(
             info.num_classes if info else CIFAR10.num_classes,
             wanted,
         )
-        info = info or with_flags(replace(CIFAR10, name="random", image_size=size), cfg)
+        info = info or with_flags(
+            replace(CIFAR10, name="random", image_size=size), *cfg.normalisation()
+        )
     else:
         tensors = read_cifar10(cfg.data_dir, wanted)
         limits = {"train": cfg.train_samples, "test": cfg.test_samples}
         tensors = {k: (x[: limits[k]], y[: limits[k]]) for k, (x, y) in tensors.items()}
-        info = info or with_flags(CIFAR10, cfg)
+        info = info or with_flags(CIFAR10, *cfg.normalisation())
     pipeline, why = choose_pipeline(
         cfg, sum(x.numel() for x, _ in tensors.values()), device, budget
     )

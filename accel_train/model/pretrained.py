@@ -27,17 +27,13 @@ def wanted(pretrained: bool, pretrained_path: str | None) -> bool:
     return bool(pretrained or pretrained_path)
 
 
-def create_kwargs(cfg) -> dict:
-    """What timm.create_model needs to load the weights."""
-    if not wanted(cfg.pretrained, cfg.pretrained_path):
+def create_kwargs(pretrained: bool, pretrained_path: str | None) -> dict:
+    """What timm.create_model needs to load the weights (--pretrained, --pretrained_path)."""
+    if not wanted(pretrained, pretrained_path):
         return {}
     return dict(
         pretrained=True,
-        **(
-            {"pretrained_cfg_overlay": {"file": str(cfg.pretrained_path)}}
-            if cfg.pretrained_path
-            else {}
-        ),
+        **({"pretrained_cfg_overlay": {"file": str(pretrained_path)}} if pretrained_path else {}),
     )
 
 
@@ -59,21 +55,22 @@ def source_cfg(name: str):
     return cfg
 
 
-def check_on_disk(cfg) -> str:
-    """Where the weights will be read from (the line to log); a ConfigError when they are not on
-    disk and may not be downloaded (HF_HUB_OFFLINE=1), or --pretrained_path names no file."""
-    if cfg.init_from:
+def check_on_disk(model: str, pretrained_path: str | None, init_from: str | None) -> str:
+    """Where --model's timm weights will be read from (the line to log); a ConfigError when they are
+    not on disk and may not be downloaded (HF_HUB_OFFLINE=1), --pretrained_path names no file, or
+    --init_from names other starting weights."""
+    if init_from:
         raise ConfigError(
             "--pretrained and --init_from both name the starting weights: pass one of them"
         )
-    source = source_cfg(cfg.model)
-    if cfg.pretrained_path:
-        if not Path(cfg.pretrained_path).is_file():
+    source = source_cfg(model)
+    if pretrained_path:
+        if not Path(pretrained_path).is_file():
             raise ConfigError(
-                f"--pretrained_path {cfg.pretrained_path}: no such file; pass timm's "
-                f"weights for {cfg.model} (model.safetensors or a .pth state dict)"
+                f"--pretrained_path {pretrained_path}: no such file; pass timm's "
+                f"weights for {model} (model.safetensors or a .pth state dict)"
             )
-        return f"--pretrained: {cfg.model} weights from {cfg.pretrained_path}"
+        return f"--pretrained: {model} weights from {pretrained_path}"
     from huggingface_hub import constants, try_to_load_from_cache
 
     if source.hf_hub_id:
@@ -82,7 +79,7 @@ def check_on_disk(cfg) -> str:
         for file in names:
             found = try_to_load_from_cache(repo, file, revision=revision or None)
             if isinstance(found, str):
-                return f"--pretrained: {cfg.model} weights from the Hugging Face cache ({found})"
+                return f"--pretrained: {model} weights from the Hugging Face cache ({found})"
         where = (
             "the Hugging Face cache, "
             f"{constants.HF_HUB_CACHE}/models--{repo.replace('/', '--')} (`hf download "
@@ -93,20 +90,19 @@ def check_on_disk(cfg) -> str:
 
         cached = Path(torch.hub.get_dir()) / "checkpoints" / source.url.rsplit("/", 1)[-1]
         if cached.is_file():
-            return f"--pretrained: {cfg.model} weights from torch.hub's cache ({cached})"
+            return f"--pretrained: {model} weights from torch.hub's cache ({cached})"
         where = f"torch.hub's cache, {cached} (from {source.url})"
     else:
         raise ConfigError(
-            f"--pretrained: timm has no source for {cfg.model}'s weights; pass "
-            "--pretrained_path FILE"
+            f"--pretrained: timm has no source for {model}'s weights; pass --pretrained_path FILE"
         )
     if constants.HF_HUB_OFFLINE:
         raise ConfigError(
-            f"--pretrained: {cfg.model}'s weights are not on disk and "
+            f"--pretrained: {model}'s weights are not on disk and "
             f"HF_HUB_OFFLINE=1 downloads nothing; put them in {where}, or pass "
             "--pretrained_path FILE"
         )
-    return f"--pretrained: {cfg.model} weights not on disk: timm downloads them to {where}"
+    return f"--pretrained: {model} weights not on disk: timm downloads them to {where}"
 
 
 def normalisation(name: str) -> tuple[tuple, tuple, float | None]:

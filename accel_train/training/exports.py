@@ -146,7 +146,7 @@ class BestModel:
 
 
 def record_epoch(
-    run: Run, cfg: TrainConfig, metrics: MetricsLog, best: BestModel, row: dict | None
+    run: Run, output_dir, metrics: MetricsLog, best: BestModel, row: dict | None
 ) -> None:
     """The epoch's row to metrics.jsonl and the trackers; a new best test_acc of a whole epoch is
     exported (main process) as model_best.safetensors, with its epoch, step and test_acc in the
@@ -170,14 +170,14 @@ def record_epoch(
             improves
             and export_model(
                 bare_model(run.accelerator, run.model),
-                cfg.output_dir,
-                model_config(cfg, facts, run),
+                output_dir,
+                model_config(run, facts),
                 filename=BEST_FILE,
                 extra=facts,
                 write_config=False,
             )
         ),
-        cfg.output_dir,
+        output_dir,
     )
     if whole:
         best.take(row)
@@ -218,16 +218,17 @@ def compile_summary() -> str:
     )
 
 
-def model_config(cfg: TrainConfig, metrics: dict, run: Run) -> dict:
-    """architecture: the timm name or import path that rebuilds the model (Run.architecture), None
-    if none does."""
+def model_config(run: Run, metrics: dict) -> dict:
+    """What rebuilds the run's model: architecture, the timm name or import path that rebuilds it
+    (Run.architecture; None if none does), the stem and kwargs start-up resolved, the data's facts;
+    and `metrics`."""
     folder = code_dir(run.architecture)  # (your own code: where predict imports it from)
     return {
         "architecture": run.architecture,
         **({"code_dir": folder} if folder else {}),
-        "stem": cfg.stem,
+        "stem": run.resolved.stem,
         **run.data.info.model_config(),
-        "model_kwargs": cfg.model_kwargs_dict(),
+        "model_kwargs": run.config.model_kwargs_dict(),
         "metrics": metrics,
         "accel_train_version": __version__,
     }
@@ -264,9 +265,9 @@ def finish(
         summary["best_epoch"], summary["best_step"] = best.row["epoch"], best.row["step"]
 
     def write():
-        path = export_model(bare_model(accelerator, model), out, model_config(cfg, summary, run))
+        path = export_model(bare_model(accelerator, model), out, model_config(run, summary))
         if ema is not None:
-            export_model(ema.module, out, model_config(cfg, summary, run), filename=EMA_EXPORT_FILE)
+            export_model(ema.module, out, model_config(run, summary), filename=EMA_EXPORT_FILE)
         # (the precision used, not 'auto': Run.config's)
         cfg.save_yaml(out / CONFIG_FILE, run.resolved.asked, model=run.architecture)
         return path, cfg.plot and bool(metrics.rows) and plot_curves(

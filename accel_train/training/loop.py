@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, given=None, taken: Taken = NOTHING_TAKEN) -> dict:
                         f"{epoch + 1}; checkpoint {saved}; continue with "
                         "--resume auto"
                     )
-                record_epoch(run, cfg, parts.metrics, parts.best, end.row)
+                record_epoch(run, cfg.output_dir, parts.metrics, parts.best, end.row)
                 next_epoch(run, epoch, survivor.lock)
                 parts.checkpoints.save(run.state)  # the epoch's end, or where --max_steps stopped
         parts.progress.close()
@@ -114,7 +114,7 @@ class Parts:
             run.model,
             run.ema,
             cfg.keep_checkpoints,
-            model_config(cfg, {}, run),
+            model_config(run, {}),
             watch,
             metrics.history,
         )

@@ -257,7 +257,11 @@ def load_inputs(
     timms_weights = pretrained.wanted(cfg.pretrained, cfg.pretrained_path)
     # timm's weights: on disk (or allowed to download), first
     if timms_weights and not decision.meta:
-        log(on_every_rank(accelerator, pretrained.check_on_disk, cfg))
+        log(
+            on_every_rank(
+                accelerator, pretrained.check_on_disk, cfg.model, cfg.pretrained_path, cfg.init_from
+            )
+        )
     # fine-tuning keeps the weights' normalisation: --init_from's record of it, or timm's
     # pretrained_cfg
     if (cfg.init_from or timms_weights) and (cfg.mean is None or cfg.std is None):
@@ -415,7 +419,14 @@ def model_extras(cfg: TrainConfig, decision: Decision) -> dict:
         if getattr(cfg, flag) and key in kwargs:
             raise ConfigError(f"--{flag} and --model_kwargs' {key} both set it: pass one")
         kwargs.update({key: getattr(cfg, flag)} if getattr(cfg, flag) else {})
-    return {**kwargs, **(pretrained.create_kwargs(cfg) if not decision.meta else {})}
+    return {
+        **kwargs,
+        **(
+            pretrained.create_kwargs(cfg.pretrained, cfg.pretrained_path)
+            if not decision.meta
+            else {}
+        ),
+    }
 
 
 def recorded_architecture(

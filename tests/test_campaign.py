@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT, clean_env, steps_logged, wait_for
 
@@ -306,21 +307,39 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
+def job_processes(out) -> list[psutil.Process]:
+    """The processes whose command line names the run's output dir: the job's (accelerate's
+    launcher, the trainer, its DataLoader workers)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if str(out) in proc.cmdline():
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 @pytest.mark.campaign
-def test_a_killed_launch_sh_leaves_nothing_behind_once_its_job_ends(tmp_path):
-    """After `kill -9` of launch.sh its job runs on and ends by itself, as documented, and nothing
-    of launch.sh stays behind (no background watch for stopped ranks looping for ever)."""
+def test_a_killed_launch_sh_takes_its_job_with_it_and_leaves_nothing_behind(tmp_path):
+    """After `kill -9` of launch.sh its one-process job stops too, within seconds, with a checkpoint
+    of the step reached (the launcher's death signal), and nothing of launch.sh stays behind (no
+    background watch for stopped ranks looping for ever)."""
     proc, out = one_process_launch_sh(tmp_path)
     try:
         wait_for(lambda: steps_logged(out) >= 3, timeout=240, interval=0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        # (the job finished)
-        wait_for(lambda: (out / "model.safetensors").exists(), timeout=120, interval=0.1)
+        wait_for(lambda: not job_processes(out), timeout=10, interval=0.1)
         wait_for(lambda: not session_members(proc.pid), timeout=30, interval=0.1)
     finally:
         for pid in session_members(proc.pid):
             os.kill(pid, signal.SIGKILL)
+        for leftover in job_processes(out):
+            leftover.kill()
+    text = (tmp_path / "run.log").read_text()
+    assert "accel-train: preempted: stopped by SIGTERM at step" in text, text[-3000:]
+    assert list((out / "checkpoints").glob("step_*")) and not (out / "model.safetensors").exists()
 
 
 @pytest.mark.campaign

@@ -550,6 +550,21 @@ def steps_logged(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def processes(match) -> list:
+    """The live processes for which match(psutil.Process) is true (one that ends or cannot be read
+    meanwhile is none)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if match(proc):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import ROOT, clean_env, steps_logged, wait_for
+from conftest import ROOT, clean_env, processes, steps_logged, wait_for
 
 sys.path.insert(0, str(ROOT / "tools"))
 from campaign import Campaign, main, measure  # noqa: E402
@@ -307,17 +306,10 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
-def job_processes(out) -> list[psutil.Process]:
+def job_processes(out) -> list:
     """The processes whose command line names the run's output dir: the job's (accelerate's
     launcher, the trainer, its DataLoader workers)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if str(out) in proc.cmdline():
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
+    return processes(lambda proc: str(out) in proc.cmdline())
 
 
 @pytest.mark.campaign

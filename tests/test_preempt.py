@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ROOT, Job, steps_logged, trainer_pids, wait_for
+from conftest import ROOT, Job, processes, steps_logged, trainer_pids, wait_for
 from safetensors.torch import load_file
 
 from accel_train.resilience import preempt
@@ -269,19 +269,6 @@ def test_the_stop_line_says_what_accelerate_launchs_130_after_one_ctrl_c_means()
     ), row
 
 
-def job_processes(tag: str, launcher: int) -> list[psutil.Process]:
-    """Every process started with ACCEL_TEST_TAG=tag but the launcher: the agent, the ranks, their
-    DataLoader workers."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != launcher and proc.environ().get("ACCEL_TEST_TAG") == tag:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
 @pytest.mark.faults
 def test_kill_9_of_launch_sh_ends_its_job_within_10_s_with_a_checkpoint(tmp_path):
     # kill -9 runs no handler of launch.sh's own: the kernel tells its job (the launcher's death
@@ -291,7 +278,10 @@ def test_kill_9_of_launch_sh_ends_its_job_within_10_s_with_a_checkpoint(tmp_path
     with Job(RUN, out, tmp_path / "log") as job:
         job.steps(3)
         job.pids()  # (every rank is there)
-        procs = job_processes(job.tag, job.proc.pid)
+        # every process of the job but the launcher: the agent, the ranks, their DataLoader workers
+        procs = processes(
+            lambda p: p.pid != job.proc.pid and p.environ().get("ACCEL_TEST_TAG") == job.tag
+        )
         os.kill(job.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         job.proc.wait(timeout=10)
